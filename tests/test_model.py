@@ -1,0 +1,157 @@
+"""model.py against transformers' LlamaForCausalLM, and the two decoders against each other."""
+
+import json
+
+import pytest
+import torch
+
+import model as M
+from conftest import make_checkpoint
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+VARIANTS = {
+    "mha": dict(num_key_value_heads=4),
+    "gqa": dict(num_key_value_heads=2),
+    "mqa-tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    "gqa-untied-llama3": dict(num_key_value_heads=2, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+    "linear-rope-classic": dict(num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                classic_config=True),
+    "llama3-classic": dict(num_key_value_heads=4, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
+                           classic_config=True),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_transformers(tmp_path, variant):
+    from transformers import LlamaForCausalLM
+    path = make_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    ours = M.Llama.from_pretrained(path, "cpu", "float32")
+    ref = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert ours.config.tie_embeddings == ref.config.tie_word_embeddings
+    if VARIANTS[variant].get("rope_scaling"):
+        assert ours.config.rope_scaling["rope_type"] == VARIANTS[variant]["rope_scaling"]["rope_type"]
+    ids = torch.randint(0, 320, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours(ids, torch.arange(100))
+    assert (got - want).abs().max().item() < 1e-4
+    assert want.abs().max() > 0.1   # not a vacuous comparison of zeros
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa-tied"])
+def test_cached_equals_naive_greedy(tmp_path, variant):
+    path = make_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    model = M.Llama.from_pretrained(path, "cpu", "float32")
+    model.config.eos_ids = []
+    params = M.SamplingParams(max_new_tokens=80)
+    seen = set()
+    for prompt in ([0], [0, 5, 17, 42, 99, 3], list(range(10, 40))):
+        naive = list(M.generate_naive(model, prompt, params))
+        cached = list(M.generate_cached(model, prompt, params))
+        assert len(cached) == 80
+        assert naive == cached
+        seen |= set(cached)
+    assert len(seen) > 3   # not a degenerate model that emits one token whatever the prompt
+
+
+def test_cached_logits_match_full_forward(tiny_ckpt):
+    """Prefill in two chunks then decode: every position's logits equal one full pass."""
+    model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
+    ids = torch.randint(0, 320, (1, 50), generator=torch.Generator().manual_seed(2))
+    full = model(ids, torch.arange(50))
+    cache = model.new_cache()
+    parts = [model(ids[:, :20], torch.arange(20), cache), model(ids[:, 20:45], torch.arange(20, 45), cache)]
+    parts += [model(ids[:, i:i + 1], torch.tensor([i]), cache) for i in range(45, 50)]
+    assert cache.length == 50
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+
+
+def test_attention_work_counts_5050_vs_100(tiny_ckpt):
+    model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
+    model.config.eos_ids = []
+    params = M.SamplingParams(max_new_tokens=100)
+    naive, cached = M.GenerationStats(), M.GenerationStats()
+    a = list(M.generate_naive(model, [0], params, naive))
+    b = list(M.generate_cached(model, [0], params, cached))
+    assert a == b
+    assert (naive.positions_computed, cached.positions_computed) == (5050, 100)
+    assert cached.new_tokens == 100 and cached.prompt_tokens == 1
+
+
+def test_generation_stops_on_any_eos(tiny_ckpt):
+    model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
+    model.config.eos_ids = []
+    free = list(M.generate_cached(model, [0, 1, 2], M.SamplingParams(max_new_tokens=30)))
+    model.config.eos_ids = [999, free[4]]          # eos may be a list; any id ends generation
+    stopped = list(M.generate_cached(model, [0, 1, 2], M.SamplingParams(max_new_tokens=30)))
+    assert stopped == free[:free.index(free[4]) + 1]
+
+
+def test_sampling_controls():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    greedy = M.SamplingParams()
+    assert M.sample(logits, greedy) == 0
+    # top-k 1 and a tiny top-p both collapse to the argmax whatever the temperature
+    assert all(M.sample(logits, M.SamplingParams(temperature=5.0, top_k=1)) == 0 for _ in range(20))
+    assert all(M.sample(logits, M.SamplingParams(temperature=5.0, top_p=0.01)) == 0 for _ in range(20))
+    # top-k 2 never emits a token outside the top two
+    gen = torch.Generator().manual_seed(0)
+    ks = {M.sample(logits, M.SamplingParams(temperature=2.0, top_k=2), gen) for _ in range(300)}
+    assert ks == {0, 1}
+    # plain temperature sampling follows softmax(logits / T): frequencies within 3 sigma
+    p = torch.softmax(logits / 1.5, -1)
+    n = 4000
+    counts = torch.bincount(torch.tensor([M.sample(logits, M.SamplingParams(temperature=1.5), gen)
+                                          for _ in range(n)]), minlength=5).float()
+    sigma = (n * p * (1 - p)).sqrt()
+    assert ((counts - n * p).abs() <= 3 * sigma + 1).all(), (counts, n * p)
+    # top-p 0.8 keeps the smallest prefix of the sorted distribution reaching 0.8
+    probs = torch.softmax(logits, -1)       # [0.61, 0.22, 0.14, 0.03, 0.004]
+    kept = {M.sample(logits, M.SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(300)}
+    assert kept == {0, 1} and probs[:2].sum() >= 0.8
+
+
+def test_seed_makes_sampling_reproducible(tiny_ckpt):
+    model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
+    model.config.eos_ids = []
+    p = M.SamplingParams(temperature=1.0, top_p=0.95, seed=123, max_new_tokens=30)
+    a = list(M.generate_cached(model, [0, 1], p))
+    b = list(M.generate_cached(model, [0, 1], p))
+    c = list(M.generate_cached(model, [0, 1], M.SamplingParams(temperature=1.0, seed=124, max_new_tokens=30)))
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), "top-p must be in (0, 1]"),
+    (dict(top_p=1.5), "top-p must be in (0, 1]"),
+    (dict(top_k=-1), "top-k must be >= 0"),
+    (dict(max_new_tokens=0), "max-new-tokens must be >= 1"),
+])
+def test_invalid_sampling_values(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        M.SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_close_to_fp32(tiny_ckpt, dtype):
+    ref = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
+    half = M.Llama.from_pretrained(tiny_ckpt, "cpu", dtype)
+    assert half.embed_tokens.weight.dtype == M.DTYPES[dtype]
+    ids = torch.randint(0, 320, (1, 30), generator=torch.Generator().manual_seed(3))
+    a, b = ref(ids, torch.arange(30)), half(ids, torch.arange(30))
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_config_errors_name_the_field():
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match="unsupported architecture 'mistral' \\(config.json model_type\\)"):
+        M.LlamaConfig.from_hf({**base, "model_type": "mistral"})
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
+        M.LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="config.json lacks the field vocab_size"):
+        M.LlamaConfig.from_hf({k: v for k, v in base.items() if k != "vocab_size"})
+    cfg = M.LlamaConfig.from_hf({**base, "eos_token_id": [5, 7]})
+    assert cfg.eos_ids == [5, 7] and cfg.n_kv_heads == 2 and cfg.head_dim == 4
