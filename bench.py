@@ -23,6 +23,7 @@ import torch
 
 import checkpoint
 import model as M
+from kvcache import kv_bytes_per_token
 
 RANDOM_TINYLLAMA = "tinyllama-random"
 
@@ -45,8 +46,8 @@ def bytes_per_token(model: M.Llama, context: int) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if not c.tie_embeddings:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    kv = context * c.n_layers * 2 * c.n_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
-    return weights + kv
+    kv = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.embed_tokens.weight.element_size())
+    return weights + context * kv
 
 
 def run_ours(model, prompt, new_tokens):
@@ -106,7 +107,7 @@ def bench_decode(args):
             del model
     print(f"\nbatch 1, greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, "
           f"median of {args.reps}, {torch.get_num_threads()} threads\n")
-    print("| model | implementation | dtype | TTFT ms | prefill tok/s | decode tok/s | GB/s | × first row |")
+    print("| model | implementation | dtype | TTFT ms | prefill tok/s | decode tok/s | GB/s | × nanoinfer |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.2f} |")

@@ -247,9 +247,14 @@ def gguf_config(reader) -> dict:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
     elif scaling not in (None, "none"):
         raise CheckpointError(f"unsupported GGUF rope scaling '{scaling}' (llama.rope.scaling.type)")
-    for key in ("bos", "eos"):
-        if f"tokenizer.ggml.{key}_token_id" in reader.fields:
-            cfg[f"{key}_token_id"] = int(reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
+    ids = {key: int(reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
+           for key in ("bos", "eos", "eot", "eom") if f"tokenizer.ggml.{key}_token_id" in reader.fields}
+    if "bos" in ids:
+        cfg["bos_token_id"] = ids["bos"]
+    # llama.cpp also stops on end-of-turn / end-of-message tokens (Llama 3 chat's <|eot_id|>).
+    stops = list(dict.fromkeys(ids[k] for k in ("eos", "eot", "eom") if k in ids))
+    if stops:
+        cfg["eos_token_id"] = stops if len(stops) > 1 else stops[0]
     return cfg
 
 

@@ -23,8 +23,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 import checkpoint
 import model as M
 from tokenizer import Tokenizer
@@ -178,8 +176,6 @@ def main(argv=None) -> int:
         print(f"loaded in {time.perf_counter() - t0:.1f} s: {n_params / 1e6:.0f}M parameters, "
               f"{str(w.dtype).removeprefix('torch.')}, {w.device}", file=sys.stderr)
         raw = args.raw or tok.chat_template is None
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
         chat = Chat(model, tok, params, args.decoder, raw, args.system)
         if args.prompt is None:
             interactive(chat)
@@ -191,6 +187,9 @@ def main(argv=None) -> int:
         # Every expected failure (bad weights, bad flags, context overflow) is one line.
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:   # Ctrl-C while loading or converting
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
