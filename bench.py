@@ -10,7 +10,11 @@ time to first token (TTFT, i.e. prefill), prefill tok/s, decode tok/s and the
 memory bandwidth that decode speed implies (bytes read per token × tok/s; a
 decoder reads every weight once per token, plus the KV cache so far). Peers run
 in the same process and the same run, so ratios are fair on a noisy machine:
-transformers `generate` (dynamic cache) when it is installed.
+transformers `generate` (dynamic cache) and llama.cpp (llama-cpp-python) when
+they are installed. llama.cpp runs GGUF files of the same weights, measured
+once per model (in the first dtype's group): the bundled model's original Q4_1
+file, and exports of our checkpoint (F16; Q8_0 too for tinyllama-random) that
+`checkpoint.export_gguf` writes once into the cache.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 import checkpoint
@@ -48,6 +54,52 @@ def bytes_per_token(model: M.Llama, context: int) -> int:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     kv = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.embed_tokens.weight.element_size())
     return weights + context * kv
+
+
+def gguf_bytes_per_token(path, c: M.LlamaConfig, context: int) -> int:
+    """bytes_per_token for llama.cpp: the GGUF's tensors as stored, plus its f16 KV cache (the default)."""
+    import gguf
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    if "output.weight" in tensors:   # untied: the embedding table is only gathered from
+        tensors.pop("token_embd.weight")
+    return sum(tensors.values()) + context * kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, 2)
+
+
+def llama_cpp_files(name: str, path) -> dict[str, Path]:
+    """The GGUFs llama.cpp runs for a model, by label: the bundled original, and our exports (written once)."""
+    files = {}
+    if checkpoint.ALIASES.get(name.lower()) == checkpoint.BUNDLED:
+        files["Q4_1"] = checkpoint.bundled_gguf(*checkpoint.BUNDLED[1:])
+    for fmt in ["f16"] + (["q8_0"] if name == RANDOM_TINYLLAMA else []):
+        out = checkpoint.cache_root() / "bench" / f"{path.name}-{fmt}.gguf"
+        if not out.is_file():
+            print(f"writing {out} (once)", flush=True)
+            checkpoint.export_gguf(path, out, fmt)
+        files[fmt.upper()] = out
+    return files
+
+
+def run_llama_cpp(llm, prompt, new_tokens):
+    """Greedy decoding with llama.cpp's low-level loop: `eval` runs tokens through the
+    model (the prompt as one batch), then we take the argmax of the last position's
+    logits straight from the context. No sampler chain, and EOS never stops it."""
+    import llama_cpp
+    n_vocab = llm.n_vocab()
+
+    def next_token():
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        return int(logits.argmax())
+
+    llm.reset()                  # forget the previous run (eval drops the KV cache past n_tokens)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    token = next_token()
+    t1 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        llm.eval([token])
+        token = next_token()
+    assert llm.n_tokens == len(prompt) + new_tokens - 1
+    return t1 - t0, time.perf_counter() - t1
 
 
 def run_ours(model, prompt, new_tokens):
@@ -86,27 +138,45 @@ def bench_decode(args):
             prompt = torch.randint(100, model.config.vocab_size - 100, (args.prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
             per_token = bytes_per_token(model, args.prompt_tokens + args.new_tokens // 2)
-            impls = {"nanoinfer cached": lambda warmup: run_ours(model, prompt, 8 if warmup else args.new_tokens)}
+            n_ctx = args.prompt_tokens + args.new_tokens + 16
+            # implementation -> (dtype column, bytes read per decode step, fn(warmup) -> (ttft_s, decode_s))
+            impls = {"nanoinfer cached": (dtype, per_token, lambda warmup: run_ours(
+                model, prompt, 8 if warmup else args.new_tokens))}
             if not args.no_peers:
                 try:
                     from transformers import LlamaForCausalLM
                     hf = LlamaForCausalLM.from_pretrained(path, dtype=M.DTYPES[dtype]).eval()
-                    impls["transformers generate"] = lambda warmup: run_transformers(
-                        hf, prompt, 8 if warmup else args.new_tokens)
+                    impls["transformers generate"] = (dtype, per_token, lambda warmup: run_transformers(
+                        hf, prompt, 8 if warmup else args.new_tokens))
                 except ImportError:
                     print("transformers not installed: skipping it (pip install -r requirements-bench.txt)")
+            if not args.no_peers and dtype == args.dtypes[0]:    # GGUF rows do not depend on our dtype
+                try:
+                    import llama_cpp
+                except ImportError:
+                    print("llama-cpp-python not installed: skipping llama.cpp (pip install -r requirements-bench.txt)")
+                else:
+                    for label, gguf_path in llama_cpp_files(name, path).items():
+                        threads = torch.get_num_threads()
+                        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
+                                              n_threads_batch=threads, n_batch=512, logits_all=False,
+                                              verbose=False)
+                        impls[f"llama.cpp {label}"] = (label, gguf_bytes_per_token(
+                            gguf_path, model.config, args.prompt_tokens + args.new_tokens // 2),
+                            lambda warmup, llm=llm: run_llama_cpp(llm, prompt, 8 if warmup else args.new_tokens))
             base = None
-            for impl, fn in impls.items():
+            for impl, (label, per_tok, fn) in impls.items():
                 with torch.inference_mode():
                     ttft, decode_s = measure(fn, args.reps)
                 tok_s = (args.new_tokens - 1) / decode_s
                 base = base or tok_s
-                rows.append((name, impl, dtype, ttft * 1000, args.prompt_tokens / ttft, tok_s,
-                             per_token * tok_s / 1e9, tok_s / base))
-                print(f"  {name} {impl} {dtype}: decode {tok_s:.1f} tok/s", flush=True)
+                rows.append((name, impl, label, ttft * 1000, args.prompt_tokens / ttft, tok_s,
+                             per_tok * tok_s / 1e9, tok_s / base))
+                print(f"  {name} {impl} {label}: decode {tok_s:.1f} tok/s", flush=True)
             del model
     print(f"\nbatch 1, greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, "
-          f"median of {args.reps}, {torch.get_num_threads()} threads\n")
+          f"median of {args.reps}, {torch.get_num_threads()} threads; llama.cpp rows (dtype = GGUF tensor "
+          f"type) are compared with nanoinfer in {args.dtypes[0]}\n")
     print("| model | implementation | dtype | TTFT ms | prefill tok/s | decode tok/s | GB/s | × nanoinfer |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -122,7 +192,7 @@ def main():
     d.add_argument("--prompt-tokens", type=int, default=128)
     d.add_argument("--new-tokens", type=int, default=128)
     d.add_argument("--reps", type=int, default=3)
-    d.add_argument("--no-peers", action="store_true", help="skip transformers")
+    d.add_argument("--no-peers", action="store_true", help="skip the peers (transformers, llama.cpp)")
     args = ap.parse_args()
     if args.cmd == "decode":
         bench_decode(args)

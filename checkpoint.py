@@ -216,6 +216,13 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of `unpermute_rows`: HF's (halves) row order -> llama.cpp's (pairs).
+    Per head the rows form a (2, half) grid that llama.cpp stores transposed."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def gguf_config(reader) -> dict:
     """config.json from GGUF metadata keys (``{arch}.block_count`` etc.)."""
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
@@ -303,3 +310,141 @@ def convert_gguf(path: Path, out_root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# ----------------------------------------------------------------------------
+# HF directory -> GGUF: the way back, so llama.cpp can run our weights.
+
+def export_gguf(model_dir: Path, out_path: Path, dtype: str = "f16") -> Path:
+    """Write an HF Llama directory as a llama-architecture GGUF file: the inverse of `convert_gguf`.
+
+    Why: bench.py compares us with llama.cpp, and that comparison is only fair
+    on the very same weights, not on some other file's rounding or quantization.
+    So we write them ourselves: llama.* metadata from config.json, tensors
+    renamed by GGUF_NAMES, Q/K rows permuted to llama.cpp's order, matrices
+    stored as ``dtype`` ("f32", "f16", "bf16" or "q8_0"; norms stay f32, as
+    llama.cpp's own converter does). The vocabulary comes from the directory's
+    byte-level BPE tokenizer.json; a directory without one (a random benchmark
+    checkpoint) gets a synthetic vocabulary of the right size, enough for
+    llama.cpp to load the file and run token ids — but not to tokenize text.
+    """
+    import warnings
+
+    import gguf
+    from gguf.quants import quantize
+
+    from model import LlamaConfig   # the one parser of config.json (imported here: model imports us)
+
+    Q, T = gguf.GGMLQuantizationType, gguf.TokenType
+    formats = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+               "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16), "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+    if dtype not in formats:
+        raise ValueError(f"unknown GGUF dtype '{dtype}': use one of {', '.join(formats)}")
+    qtype, file_type = formats[dtype]
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    c = LlamaConfig.from_hf(read_config(model_dir))
+    scaling = (c.rope_scaling or {}).get("rope_type")
+    if scaling not in (None, "linear"):
+        raise CheckpointError(f"exporting rope scaling '{scaling}' to GGUF is not supported")
+
+    w = gguf.GGUFWriter(None, "llama")
+    w.add_block_count(c.n_layers)
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    if c.head_dim != c.hidden_size // c.n_heads:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    if scaling == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_scaling["factor"])
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    # The vocabulary: llama.cpp needs exactly vocab_size tokens, one per embedding row.
+    spec = json.loads((model_dir / "tokenizer.json").read_text()) if (model_dir / "tokenizer.json").is_file() else {}
+    bpe, added = spec.get("model") or {}, spec.get("added_tokens", [])
+    if bpe.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
+        t = tok.Tokenizer.from_dir(model_dir)
+        vocab = {**bpe["vocab"], **{a["content"]: a["id"] for a in added}}
+        if max(vocab.values()) >= c.vocab_size:
+            raise CheckpointError(f"{model_dir}/tokenizer.json has ids beyond vocab_size={c.vocab_size}")
+        tokens = [f"[PAD{i}]" for i in range(c.vocab_size)]        # rows the tokenizer never uses
+        types = [T.UNUSED] * c.vocab_size
+        for piece, i in vocab.items():
+            tokens[i], types[i] = piece, T.NORMAL
+        for a in added:
+            types[a["id"]] = T.CONTROL if a.get("special") else T.USER_DEFINED
+        # tokenizer.ggml.pre names the regex that splits text into words; unknown to us means GPT-2's.
+        pre = spec.get("pre_tokenizer") or {}
+        splits = [p["pattern"].get("Regex") for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(next((n for n, rx in tok.PRE_TOKENIZER_SPLITS.items() if rx in splits), "gpt-2"))
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])])
+        if t.bos_id is not None:
+            w.add_bos_token_id(t.bos_id)
+        if t.eos_ids:
+            w.add_eos_token_id(t.eos_ids[0])
+        w.add_add_bos_token(t.add_bos)
+        if t.chat_template:
+            w.add_chat_template(t.chat_template)
+    else:
+        if list(model_dir.glob("tokenizer*")):
+            warnings.warn(f"{model_dir} has no byte-level BPE tokenizer.json; the GGUF gets a synthetic "
+                          f"vocabulary and llama.cpp will not tokenize text correctly with it")
+        # A sentencepiece-style vocabulary: <unk> <s> </s>, the 256 byte pieces llama.cpp looks up
+        # (e.g. <0x0A> for newline), then filler up to vocab_size.
+        tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+        if c.vocab_size < len(tokens):
+            raise CheckpointError(f"vocab_size={c.vocab_size} is too small for a synthetic GGUF vocabulary")
+        types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
+        types += [T.UNUSED] * (c.vocab_size - len(tokens))
+        tokens += [f"<unused{i}>" for i in range(len(tokens), c.vocab_size)]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_scores([0.0] * c.vocab_size)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+
+    to_gguf = {hf.format(i=i): name.format(i=i) for name, hf in GGUF_NAMES.items() for i in range(c.n_layers)}
+    for name, tensor in read_weights(model_dir).items():
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and c.tie_embeddings):
+            continue   # tied: llama.cpp reads the output projection from token_embd
+        if name not in to_gguf:
+            raise CheckpointError(f"tensor '{name}' in {model_dir} has no GGUF counterpart: not a plain Llama")
+        a = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            a = permute_rows(a, c.n_heads)
+        elif name.endswith("k_proj.weight"):
+            a = permute_rows(a, c.n_kv_heads)
+        if a.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(to_gguf[name], np.ascontiguousarray(a, dtype=np.float32))
+        elif qtype == Q.F16:
+            w.add_tensor(to_gguf[name], a.astype(np.float16))
+        else:   # bf16 and q8_0 come back from gguf.quants as raw bytes
+            w.add_tensor(to_gguf[name], quantize(a, qtype), raw_dtype=qtype)
+
+    # Write into a temporary sibling and rename: an interrupted export never looks finished.
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".exporting-", suffix=".gguf", dir=out_path.parent)
+    os.close(fd)
+    try:
+        w.write_header_to_file(Path(tmp))
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path

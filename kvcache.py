@@ -3,90 +3,312 @@ The KV cache: remember K and V of past tokens instead of recomputing them.
 
 In a decoder, token t attends to the keys and values of tokens 0..t. Those
 depend only on earlier tokens, so once computed they never change. A decoder
-without a cache re-runs the whole prefix every step (step t costs O(t) token
-forwards and O(t²) attention scores); with a cache, step t runs one token and
-reads t cached rows: O(t) attention work and one pass over the weights.
+without a cache re-runs the whole prefix every step (step t pushes t positions
+through every layer); with a cache, step t runs one position and reads t cached
+rows. Generating N tokens drops from N(N+1)/2 position-forwards to N.
 
-The price is memory. Per token and layer the cache holds K and V:
+The price is memory. Per token and layer the cache holds one K and one V row
+per KV head:
 
-    bytes = 2 · n_kv_heads · d_head · dtype_size
-    Llama-2-7B (32 KV heads, d_head 128, fp16): 16 KiB per layer, 512 KiB per token
-    SmolLM2-135M (3 KV heads, d_head 64, fp32): 1.5 KiB per layer, 45 KiB per token
+    bytes per token per layer = 2 · n_kv_heads · d_head · dtype_size
+    Llama-2-7B   (32 KV heads, d_head 128, fp16): 16 KiB; × 32 layers = 512 KiB per token, 16 GiB at 32K
+    Llama-3-70B  ( 8 KV heads, GQA):               4 KiB; × 80 layers = 10 GiB at 32K, 40 GiB at 128K
+    the same 70B with 64 KV heads (MHA):          80 GiB at 32K — GQA is an 8× cache saving
+    SmolLM2-135M ( 3 KV heads, d_head 64, bf16): 768 B; × 30 layers = 22.5 KiB per token
 
-Layout: per layer one tensor (batch, n_kv_heads, capacity, d_head) for K and one
-for V, so a query head reads its K/V as a contiguous (capacity, d_head) matrix.
+`python kvcache.py --config llama2-7b --seq 32768` prints these for any config.
 
-Interface (shared by every cache in the project): a cache has ``layers``; each
-layer's ``update(k, v, positions)`` stores the new rows and returns views of
-all K and V so far; ``length`` counts cached tokens; ``crop(n)`` rolls back to
-the first n tokens (a new chat turn that diverges, speculative rollback);
-``nbytes`` is what the cache really holds.
+Three contiguous caches share one interface (paged, quantized and speculative
+code build on it):
+
+* ``DynamicCache`` grows as tokens arrive, doubling its capacity, so appending
+  is an amortised O(1) copy rather than a ``torch.cat`` of the whole history.
+* ``StaticCache`` is preallocated to ``max_len``: every decode step sees the
+  same tensor shapes, so ``torch.compile`` compiles the step once, and the
+  memory is known up front. Unwritten rows are hidden by the mask.
+* ``SlidingWindowCache`` (Mistral-style ``sliding_window`` configs) is a ring
+  buffer of the last W positions (plus a little slack so speculative decoding
+  can roll back): memory O(W) however long the conversation.
+
+The interface. A cache has ``layers``; per forward pass the model calls
+``cache.begin(positions)`` once (host-side bookkeeping: grow, copy-on-write,
+advance ``length``) which returns the attention mask over the keys that each
+layer's ``update(k, v, positions)`` will return; ``crop(n)`` rolls back to the
+first n tokens (a chat turn that diverges, rejected speculative tokens);
+``fork()`` makes a branch that shares the prefix until either side writes;
+``nbytes`` is the memory the cache's tensors really occupy.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_size: int) -> int:
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_size: float) -> float:
     return n_layers * 2 * n_kv_heads * head_dim * dtype_size
 
 
-class DynamicLayer:
-    """One layer's K/V, grown in chunks so a step is a copy into spare room, not a
-    ``torch.cat`` of the whole history (which would make decoding O(N²) in copies)."""
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(T, L) bool: query at q_pos[i] may read key at k_pos[j]. Causal, and with a
+    sliding window only the last ``window`` positions. Key slots that hold no
+    token carry position -1 (ring) or a position beyond every query (static)."""
+    q, k = q_pos[:, None], k_pos[None, :]
+    ok = (k <= q) & (k >= 0)
+    if window is not None:
+        ok &= k > q - window
+    return ok
 
-    def __init__(self, batch, n_kv_heads, head_dim, dtype, device, chunk=256):
-        self.shape = (batch, n_kv_heads, 0, head_dim)
-        self.dtype, self.device, self.chunk = dtype, device, chunk
-        self.k = self.v = None
+
+class _Shared:
+    """A reference count on storage: forks share it until one of them writes."""
+    def __init__(self):
+        self.refs = 1
+
+
+class KVCache:
+    """What every contiguous cache has in common; subclasses say how storage grows."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype, device, capacity, window=None):
+        self.spec = (batch, n_kv_heads, head_dim, dtype, torch.device(device))
+        self.window = window   # a model with sliding-window attention masks beyond it in any cache
+        self.k = [self._alloc(capacity) for _ in range(n_layers)]
+        self.v = [self._alloc(capacity) for _ in range(n_layers)]
+        self.layers = [_Layer(self, i) for i in range(n_layers)]
         self.length = 0
+        self._shared = _Shared()
 
-    def _reserve(self, needed: int):
-        capacity = 0 if self.k is None else self.k.shape[2]
-        if needed <= capacity:
-            return
-        new_cap = max(needed, 2 * capacity, self.chunk)  # doubling: amortised O(1) copies per token
-        b, h, _, d = self.shape
-        k = torch.empty(b, h, new_cap, d, dtype=self.dtype, device=self.device)
-        v = torch.empty_like(k)
-        if self.length:
-            k[:, :, :self.length] = self.k[:, :, :self.length]
-            v[:, :, :self.length] = self.v[:, :, :self.length]
-        self.k, self.v = k, v
+    def _alloc(self, capacity):
+        b, h, d, dtype, device = self.spec
+        return torch.zeros(b, h, capacity, d, dtype=dtype, device=device)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """k, v: (batch, n_kv_heads, T, d_head) for the T new tokens, which sit at
-        positions length..length+T-1 (a contiguous cache appends)."""
-        t = k.shape[2]
-        self._reserve(self.length + t)
-        self.k[:, :, self.length:self.length + t] = k
-        self.v[:, :, self.length:self.length + t] = v
-        self.length += t
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def crop(self, n: int):
         self.length = min(self.length, n)
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+    def fork(self) -> "KVCache":
+        """A branch with the same contents. No data is copied now: both point at
+        the same storage, and whichever writes first takes a private copy."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin.k, twin.v = list(self.k), list(self.v)
+        twin.layers = [_Layer(twin, i) for i in range(len(self.layers))]
+        self._shared.refs += 1
+        return twin
+
+    def _own(self, rows: int):
+        """Before writing: if the storage is shared, copy the first ``rows`` rows
+        (the part that matters) into storage of our own."""
+        if self._shared.refs == 1:
+            return
+        self._shared.refs -= 1
+        self._shared = _Shared()
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                mine = self._alloc(t.shape[2])
+                mine[:, :, :rows] = t[:, :, :rows]
+                store[i] = mine
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Called once per forward pass with the new tokens' positions (T,).
+        Returns the (T, L) mask for the keys that update() will return, or None
+        when every returned key is visible (one new token, no window)."""
+        raise NotImplementedError
+
+    def _write(self, layer: int, k, v, positions):
+        raise NotImplementedError
 
 
-class DynamicCache:
-    """A growing contiguous cache for every layer of one model."""
+class _Layer:
+    """One layer's view of its cache: ``update`` stores the new rows and returns all keys/values."""
+    def __init__(self, cache: KVCache, index: int):
+        self.cache, self.index = cache, index
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
-        self.layers = [DynamicLayer(batch, n_kv_heads, head_dim, dtype, device) for _ in range(n_layers)]
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """k, v: (batch, n_kv_heads, T, d_head) -> K, V: (batch, n_kv_heads, L, d_head)."""
+        return self.cache._write(self.index, k, v, positions)
 
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
+
+class DynamicCache(KVCache):
+    """Contiguous, growing: positions 0..length-1 live in rows 0..length-1."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                 window=None, chunk=256):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, 0, window)
+        self.chunk = chunk
+
+    def begin(self, positions):
+        t = positions.shape[-1]
+        self._own(self.length)
+        if self.length + t > self.capacity:
+            # Double (at least one chunk): N tokens cost O(N) copying in total, not O(N²).
+            new_cap = max(self.length + t, 2 * self.capacity, self.chunk)
+            for store in (self.k, self.v):
+                for i, old in enumerate(store):
+                    store[i] = self._alloc(new_cap)
+                    store[i][:, :, :self.length] = old[:, :, :self.length]
+        self._start, self.length = self.length, self.length + t
+        if t == 1 and self.window is None:
+            return None
+        return attention_mask(positions, torch.arange(self.length, device=positions.device), self.window)
+
+    def _write(self, layer, k, v, positions):
+        end = self._start + k.shape[2]
+        self.k[layer][:, :, self._start:end] = k
+        self.v[layer][:, :, self._start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class StaticCache(KVCache):
+    """Preallocated to ``max_len``; position p lives in row p. Attention always
+    reads all ``max_len`` rows and the mask hides rows past the query, so the
+    shapes of a decode step never change (one compilation) and a crop is free:
+    stale rows sit beyond every future query until they are overwritten."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu",
+                 window=None):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window)
+        self.slots = torch.arange(max_len, device=device)
+
+    def begin(self, positions):
+        t = positions.shape[-1]
+        if self.length + t > self.capacity:
+            raise ValueError(f"static cache is full: {self.length} + {t} tokens > max_len {self.capacity}")
+        self._own(self.length)
+        self.length += t
+        return attention_mask(positions, self.slots, self.window)
+
+    def _write(self, layer, k, v, positions):
+        # index_copy_ at tensor positions: no host sync, same graph every step
+        self.k[layer].index_copy_(2, positions, k)
+        self.v[layer].index_copy_(2, positions, v)
+        return self.k[layer], self.v[layer]
+
+
+class SlidingWindowCache(KVCache):
+    """A ring buffer of ``window + slack`` rows: position p lives in row p mod C.
+
+    A forward pass attends over [ring contents, new tokens] and then writes the
+    new tokens into the ring, so a prefill longer than the window still sees
+    every key it needs. The slack rows keep positions just outside the window,
+    so ``crop`` can roll back up to ``slack`` tokens (speculative decoding)."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, window, dtype=torch.float32, device="cpu",
+                 slack=64):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, window + slack, window)
+        self.slack = slack
+        self.slot_pos = torch.full((window + slack,), -1, dtype=torch.long, device=device)
 
     def crop(self, n: int):
-        for layer in self.layers:
-            layer.crop(n)
+        if n < self.length - self.slack:
+            raise ValueError(f"a sliding-window cache can roll back at most {self.slack} tokens "
+                             f"(asked {self.length} -> {n})")
+        self.slot_pos = self.slot_pos.masked_fill(self.slot_pos >= n, -1)
+        super().crop(n)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+    def fork(self):
+        twin = super().fork()
+        twin.slot_pos = self.slot_pos.clone()
+        return twin
+
+    def begin(self, positions):
+        self._own(self.capacity)
+        t = positions.shape[-1]
+        mask = attention_mask(positions, torch.cat([self.slot_pos, positions]), self.window)
+        # Only the last C new tokens survive in the ring; earlier ones are read this pass only.
+        keep = positions[-self.capacity:]
+        self._rows = keep % self.capacity
+        self.slot_pos = self.slot_pos.index_copy(0, self._rows, keep)
+        self.length += t
+        return mask
+
+    def _write(self, layer, k, v, positions):
+        keys = torch.cat([self.k[layer], k], dim=2)
+        values = torch.cat([self.v[layer], v], dim=2)
+        n = self._rows.shape[0]
+        self.k[layer].index_copy_(2, self._rows, k[:, :, -n:])
+        self.v[layer].index_copy_(2, self._rows, v[:, :, -n:])
+        return keys, values
+
+
+# ----------------------------------------------------------------------------
+# The memory calculator: what a cache costs before you allocate it.
+
+PRESETS = {  # name: (layers, KV heads, d_head)
+    "llama2-7b": (32, 32, 128),
+    "llama3-70b": (80, 8, 128),
+    "llama3-70b-mha": (80, 64, 128),
+    "tinyllama": (22, 4, 64),
+    "smollm2-135m": (30, 3, 64),
+}
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def shape_of(config: str) -> tuple[int, int, int]:
+    if config in PRESETS:
+        return PRESETS[config]
+    import json
+    from pathlib import Path
+    path = Path(config)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise SystemExit(f"error: no preset or config.json '{config}'; presets: {', '.join(PRESETS)}")
+    c = json.loads(path.read_text())
+    heads = c["num_attention_heads"]
+    return (c["num_hidden_layers"], c.get("num_key_value_heads") or heads,
+            c.get("head_dim") or c["hidden_size"] // heads)
+
+
+def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | None) -> str:
+    layers, kv_heads, d_head = shape_of(config)
+    size = DTYPE_BYTES[dtype]
+    per_layer = kv_bytes_per_token(1, kv_heads, d_head, size)
+    per_token = per_layer * layers
+    lines = [f"{config}: {layers} layers, {kv_heads} KV heads, d_head {d_head}, {dtype}",
+             f"  per token per layer: 2 · {kv_heads} · {d_head} · {size} = {per_layer:.0f} B/token/layer",
+             f"  per token:           {human(per_token)}/token",
+             f"  per sequence of {seq}: {human(per_token * seq)}",
+             f"  batch of {batch}:      {human(per_token * seq * batch)}"]
+    if gpu_gib:
+        total = per_token * seq * batch
+        fits = int(gpu_gib * 2**30 // (per_token * seq))
+        lines.append(f"  on a {gpu_gib:g} GiB GPU: the cache alone takes {100 * total / (gpu_gib * 2**30):.0f}% "
+                     f"of memory; at most {fits} sequences of {seq} fit (before weights)")
+    return "\n".join(lines)
+
+
+def _main():
+    ap = argparse.ArgumentParser(description="KV cache memory calculator and demos")
+    ap.add_argument("--config", default="smollm2-135m", help=f"config.json path or preset: {', '.join(PRESETS)}")
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", default="fp16", choices=list(DTYPE_BYTES))
+    ap.add_argument("--gpu-gib", type=float, default=None)
+    ap.add_argument("--demo", choices=["prefix", "measure"], default=None,
+                    help="prefix: shared-prefix reuse with fork(); measure: bytes held after a real generation")
+    args = ap.parse_args()
+    if args.demo == "prefix":
+        demo_prefix()
+    elif args.demo == "measure":
+        demo_measure()
+    else:
+        print(calculator(args.config, args.seq, args.batch, args.dtype, args.gpu_gib))
+
+
+if __name__ == "__main__":
+    _main()

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-from kvcache import DynamicCache
+from kvcache import DynamicCache, KVCache, SlidingWindowCache, StaticCache, attention_mask
 from tokenizer import Tokenizer
 
 
@@ -63,15 +63,16 @@ class LlamaConfig:
     rope_scaling: dict | None = None    # {"rope_type": "linear"|"llama3", ...} or None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    sliding_window: int | None = None   # Mistral-style: attend to the last W positions only
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
         arch = c.get("model_type")
-        if arch != "llama":
+        if arch not in ("llama", "mistral"):   # Mistral is a Llama with an optional sliding window
             raise ValueError(f"unsupported architecture '{arch}' (config.json model_type): "
-                             f"nanoinfer runs Llama-family checkpoints (model_type \"llama\")")
+                             f"nanoinfer runs Llama-family checkpoints (model_type \"llama\" or \"mistral\")")
         for key in ("attention_bias", "mlp_bias"):
             if c.get(key):
                 raise ValueError(f"unsupported config.json {key}=true: Llama projections here have no bias")
@@ -96,6 +97,7 @@ class LlamaConfig:
                 rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
                 max_seq_len=c.get("max_position_embeddings", 2048),
                 tie_embeddings=c.get("tie_word_embeddings", False), bos_id=c.get("bos_token_id"),
+                sliding_window=c.get("sliding_window") if c.get("use_sliding_window", True) else None,
                 eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos))
         except KeyError as e:
             raise ValueError(f"config.json lacks the field {e.args[0]}") from None
@@ -213,8 +215,9 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.compiled_step = None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) at absolute positions (T,) -> logits (B, T, vocab).
 
@@ -224,22 +227,49 @@ class Llama(nn.Module):
         the LM head for all but the last position: a 500-token prefill would
         otherwise spend 500 × vocab × hidden multiply-adds (14 GFLOP for
         SmolLM2) on logits nobody reads."""
+        window = self.config.sliding_window
+        if cache is not None:
+            mask = cache.begin(positions)     # host-side bookkeeping, then pure tensor work below
+        elif window is not None and tokens.shape[1] > 1:
+            mask = attention_mask(positions, positions, window)
+        else:
+            mask = None                       # causal (or a single position)
+        step = self.compiled_step if self.compiled_step is not None and tokens.shape[1] == 1 else self.step
+        return step(tokens, positions, mask, cache, last_only)
+
+    def step(self, tokens, positions, mask, cache, last_only):
+        """The tensor work of a forward pass; with a StaticCache and one token it
+        has fixed shapes, so torch.compile turns it into one fused program."""
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        mask = None
-        if cache is not None and tokens.shape[1] > 1:
-            key_pos = torch.arange(cache.length + tokens.shape[1], device=tokens.device)
-            mask = key_pos <= positions[..., None]      # (T, L): causal over cache + new tokens
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
 
-    def new_cache(self, batch: int = 1) -> DynamicCache:
-        c = self.config
-        return DynamicCache(c.n_layers, batch, c.n_kv_heads, c.head_dim,
-                            self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
+    def new_cache(self, kind: str = "dynamic", max_len: int | None = None, batch: int = 1) -> KVCache:
+        """kind: dynamic (grows), static (preallocated to max_len, default the
+        model's context) or sliding (ring buffer; needs a sliding_window config)."""
+        c, w = self.config, self.embed_tokens.weight
+        shape = (c.n_layers, batch, c.n_kv_heads, c.head_dim)
+        if kind == "dynamic":
+            return DynamicCache(*shape, dtype=w.dtype, device=w.device, window=c.sliding_window)
+        if kind == "static":
+            return StaticCache(*shape, max_len or c.max_seq_len, w.dtype, w.device, c.sliding_window)
+        if kind == "sliding":
+            if c.sliding_window is None:
+                raise ValueError("--cache sliding needs a model whose config.json sets sliding_window")
+            return SlidingWindowCache(*shape, c.sliding_window, w.dtype, w.device)
+        raise ValueError(f"unknown cache kind '{kind}': use dynamic, static or sliding")
+
+    def compile_decode(self):
+        """Compile the one-token step (use it with a StaticCache). On a CPU inductor
+        emits C++ loops that fuse the elementwise work between matmuls (RMSNorm,
+        RoPE, SiLU·up, residual adds) and drops the per-op Python dispatch that
+        dominates a small model's eager step."""
+        self.compiled_step = torch.compile(self.step, dynamic=False, fullgraph=True)
+        return self
 
     @classmethod
     def from_pretrained(cls, model_dir, device=None, dtype=None, cfg: LlamaConfig | None = None) -> "Llama":

@@ -1,0 +1,158 @@
+"""kvcache.py: every cache decodes exactly like the naive decoder; crop, fork, nbytes, the calculator."""
+
+import pytest
+import torch
+
+import kvcache as K
+import model as M
+from conftest import make_checkpoint
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    m = M.Llama.from_pretrained(make_checkpoint(tmp_path_factory.mktemp("c") / "gqa"), "cpu", "float32")
+    m.config.eos_ids = []
+    return m
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """A sliding-window model (window 16), written by transformers' MistralForCausalLM."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    cfg = MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=320, max_position_embeddings=256,
+                        sliding_window=WINDOW, initializer_range=0.1, bos_token_id=0, eos_token_id=2)
+    ref = MistralForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("c") / "mistral"
+    ref.save_pretrained(path)
+    m = M.Llama.from_pretrained(path, "cpu", "float32")
+    m.config.eos_ids = []
+    return m, ref
+
+
+def decode(model, prompt, cache, n):
+    return list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=n), cache=cache))
+
+
+PROMPTS = [[0], [0, 5, 17, 42, 99, 3], list(range(10, 50))]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_caches_equal_naive_greedy(llama, kind):
+    for prompt in PROMPTS:
+        naive = list(M.generate_naive(llama, prompt, M.SamplingParams(max_new_tokens=70)))
+        cache = llama.new_cache(kind, max_len=128)
+        assert decode(llama, prompt, cache, 70) == naive
+        assert cache.length == len(prompt) + 69     # all but the last token were fed back
+
+
+def test_sliding_window_model_matches_transformers_mistral(mistral):
+    ours, ref = mistral
+    assert ours.config.sliding_window == WINDOW
+    ids = torch.randint(0, 320, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(ids).logits
+    got = ours(ids, torch.arange(60))
+    assert (got - want).abs().max() < 1e-4
+    # and the window matters: full causal attention gives different logits past position 16
+    ours.config.sliding_window = None
+    assert (ours(ids, torch.arange(60)) - want)[0, WINDOW + 1:].abs().max() > 1e-3
+    ours.config.sliding_window = WINDOW
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_sliding_window_caches_equal_naive(mistral, kind):
+    model, _ = mistral
+    for prompt in PROMPTS:   # the 40-token prompt is longer than the window
+        naive = list(M.generate_naive(model, prompt, M.SamplingParams(max_new_tokens=70)))
+        cache = model.new_cache(kind, max_len=128)
+        assert decode(model, prompt, cache, 70) == naive
+    if kind == "sliding":    # memory stays window + slack rows, however long the sequence
+        assert cache.capacity == WINDOW + cache.slack and cache.length == 40 + 69
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_crop_then_redecode_reproduces(llama, mistral, kind):
+    model = mistral[0] if kind == "sliding" else llama
+    prompt = list(range(3, 23))
+    cache = model.new_cache(kind, max_len=128)
+    first = decode(model, prompt, cache, 40)
+    cache.crop(len(prompt) + 25)         # roll back 14 tokens (speculative decoding's move)
+    assert cache.length == len(prompt) + 25
+    again = decode(model, [first[25]], cache, 14)
+    assert again == first[26:40]
+
+
+def test_sliding_crop_beyond_slack_is_refused(mistral):
+    cache = mistral[0].new_cache("sliding")
+    decode(mistral[0], list(range(3, 23)), cache, 100)
+    with pytest.raises(ValueError, match="can roll back at most 64 tokens"):
+        cache.crop(10)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_fork_shares_until_write_and_branches_are_independent(llama, kind):
+    prefix, questions = list(range(30, 70)), [[5, 6, 7], [9], [11, 12]]
+    cache = llama.new_cache(kind, max_len=128)
+    llama(torch.tensor([prefix]), torch.arange(len(prefix)), cache)
+    parent_ptr, parent_bytes = cache.k[0].data_ptr(), cache.nbytes
+    branches = [cache.fork() for _ in questions]
+    assert all(b.k[0].data_ptr() == parent_ptr and b.length == len(prefix) for b in branches)
+    outs = [decode(llama, q, b, 20) for q, b in zip(questions, branches)]
+    for q, out, b in zip(questions, outs, branches):
+        alone = decode(llama, prefix + q, llama.new_cache(kind, max_len=128), 20)
+        assert out == alone                              # exactly an independent run
+        assert b.k[0].data_ptr() != parent_ptr           # wrote -> got its own storage
+    assert len(set(map(tuple, outs))) > 1
+    # the parent was never written through: it still continues as before
+    assert cache.k[0].data_ptr() == parent_ptr and cache.length == len(prefix) and cache.nbytes == parent_bytes
+    assert decode(llama, [5, 6, 7], cache, 20) == outs[0]
+
+
+def test_dynamic_growth_is_amortised(llama):
+    cache = llama.new_cache("dynamic")
+    capacities = set()
+    for p in range(1000):
+        k = torch.zeros(1, 2, 1, 16)
+        cache.begin(torch.tensor([p]))
+        for layer in cache.layers:
+            layer.update(k, k, torch.tensor([p]))
+        capacities.add(cache.capacity)
+    assert cache.length == 1000 and sorted(capacities) == [256, 512, 1024]   # 3 allocations, not 1000
+
+
+def test_static_nbytes_is_the_formula_and_full_cache_is_refused(llama):
+    c = llama.config
+    cache = llama.new_cache("static", max_len=50)
+    assert cache.nbytes == 50 * K.kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, 4)
+    decode(llama, list(range(40)), cache, 10)
+    with pytest.raises(ValueError, match="static cache is full"):
+        decode(llama, [1, 2], cache, 5)
+
+
+def test_calculator_prints_the_lesson_numbers():
+    out = K.calculator("llama2-7b", 32768, 1, "fp16", None)
+    assert "16384 B/token/layer" in out and "512 KiB/token" in out and "per sequence of 32768: 16 GiB" in out
+    out = K.calculator("llama3-70b", 32768, 1, "fp16", None)
+    assert "4096 B/token/layer" in out and "per sequence of 32768: 10 GiB" in out
+    assert "per sequence of 131072: 40 GiB" in K.calculator("llama3-70b", 131072, 1, "fp16", None)
+    assert "per sequence of 32768: 80 GiB" in K.calculator("llama3-70b-mha", 32768, 1, "fp16", None)
+    out = K.calculator("llama2-7b", 4096, 8, "int8", 80)
+    assert "8192 B/token/layer" in out and "batch of 8:      8 GiB" in out and "at most 80 sequences" in out
+
+
+def test_calculator_reads_config_json(tmp_path, llama):
+    path = make_checkpoint(tmp_path / "m", tokenizer=False)
+    assert "2 layers, 2 KV heads, d_head 16" in K.calculator(str(path), 10, 1, "fp32", None)
+
+
+def test_attention_mask_rules():
+    q = torch.tensor([5, 6])
+    k = torch.tensor([-1, 0, 3, 5, 6, 7])
+    assert K.attention_mask(q, k).tolist() == [[False, True, True, True, False, False],
+                                               [False, True, True, True, True, False]]
+    assert K.attention_mask(q, k, window=3).tolist() == [[False, False, True, True, False, False],
+                                                         [False, False, False, True, True, False]]
