@@ -88,6 +88,11 @@ class KVCache:
         return self.k[0].shape[2]
 
     @property
+    def limit(self) -> int | None:
+        """The most tokens this cache can hold (None: no limit of its own)."""
+        return None
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
@@ -177,6 +182,10 @@ class StaticCache(KVCache):
                  window=None):
         super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window)
         self.slots = torch.arange(max_len, device=device)
+
+    @property
+    def limit(self) -> int:
+        return self.capacity
 
     def begin(self, positions):
         t = positions.shape[-1]
@@ -308,6 +317,115 @@ def _main():
         demo_measure()
     else:
         print(calculator(args.config, args.seq, args.batch, args.dtype, args.gpu_gib))
+
+
+
+# ----------------------------------------------------------------------------
+# Demos on the bundled model. They need model.py, which sits above this module,
+# so they import it when run, never at import time.
+
+HANDBOOK = """Northwind Robotics — field handbook, chapter 3: the harvest season.
+Northwind builds small autonomous carts that carry crates of fruit from the rows of an orchard to the
+packing shed. Each cart weighs 140 kilograms empty, carries up to 300 kilograms, and drives at a walking
+pace of 1.2 metres per second so that pickers can work beside it safely. A cart runs for nine hours on
+one battery; the batteries are swapped, not charged in place, and a swap takes about four minutes.
+The season starts in the first week of August with early plums, moves to pears at the end of August,
+and ends with late apples in the middle of October. During the season every orchard has one Northwind
+technician on site from six in the morning until four in the afternoon. The technician's first task
+each day is the walk-around: tyres, bumpers, the emergency stop button, the two lidar domes and the
+crate latch. A cart that fails any check is tagged with a red card and parked by the shed.
+The carts find their way with a map that the technician records at the start of the season by driving
+the cart once along every row with the handheld controller. The map must be recorded again if rows
+are added, if a fence is moved, or if the cart reports more than three localisation warnings in one
+hour. Carts stop for anything taller than twenty centimetres in their path and wait ten seconds; if
+the obstacle is still there they reverse one metre and ask the technician for help over the radio.
+Pickers signal a full crate by pressing the green button on the cart's side. The cart then drives to
+the shed, where a conveyor unloads the crate, and returns to the same row. If the green button is
+pressed twice within five seconds, the cart treats it as a mistake and ignores both presses.
+Safety rules: nobody rides on a cart; nobody walks in front of a moving cart; the emergency stop may
+be pressed by anyone at any time and must be reset by the technician, who writes the reason in the
+logbook. Rain is not a problem for the carts, but hail is: at the first sign of hail the technician
+sends all carts to the shed with the "home" command on the controller.
+Maintenance: the lidar domes are cleaned every morning with a dry cloth, never with water. The crate
+latch is greased every Friday. Tyres are replaced every 2,000 kilometres or when the tread is thinner
+than three millimetres, whichever comes first. Spare parts are ordered through the regional office in
+Lyon, which promises delivery within two working days during the season.
+Reporting: at the end of each day the technician sends a short report with the number of crates moved,
+the distance driven by each cart, any red cards, and any emergency stops. The record for a single day
+is 1,874 crates, set at the Beaulieu orchard in September of last year by a fleet of twelve carts."""
+
+QUESTIONS = [
+    "How heavy is an empty cart?", "When does the harvest season start?",
+    "What happens if the green button is pressed twice quickly?", "How are the lidar domes cleaned?",
+    "What should the technician do when hail starts?", "How often is the crate latch greased?",
+    "What is the record number of crates in one day?", "When must the map be recorded again?",
+]
+
+
+def demo_prefix(model_name: str = "smollm2-135m", n_answer: int = 24):
+    """Seed exercise 2: one prefill of a shared prompt, forked for many questions."""
+    import time
+    import model as M
+    model, tok = M.load(model_name)
+    system = "You are a helpful assistant. Answer from the handbook below in one short sentence.\n\n" + HANDBOOK
+    convs = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                 {"role": "user", "content": q}]), add_bos=False)
+             for q in QUESTIONS]
+    shared = len(convs[0])
+    for ids in convs[1:]:
+        shared = min(shared, next((i for i, (a, b) in enumerate(zip(convs[0], ids)) if a != b), len(ids)))
+    params = M.SamplingParams(max_new_tokens=n_answer)
+    print(f"shared prefix: {shared} tokens (system prompt + handbook); {len(QUESTIONS)} questions")
+
+    def answer(ids, cache):
+        stats = M.GenerationStats()
+        out = list(M.generate_cached(model, ids, params, stats, cache))
+        return tok.decode([t for t in out if t not in model.config.eos_ids]), stats
+
+    results = {}
+    t0 = time.perf_counter()
+    plain = [answer(ids, model.new_cache()) for ids in convs]
+    results["re-encode the prefix"] = (plain, time.perf_counter() - t0, 0.0)
+    t0 = time.perf_counter()
+    base = model.new_cache()
+    with torch.inference_mode():
+        model(torch.tensor([convs[0][:shared]]), torch.arange(shared), base, last_only=True)
+    prefix_s = time.perf_counter() - t0
+    forked = [answer(ids[shared:], base.fork()) for ids in convs]
+    results["prefill once + fork()"] = (forked, time.perf_counter() - t0, prefix_s)
+
+    print(f"\n| strategy | prefill tokens computed | prefill wall time | total wall time |\n|---|---:|---:|---:|")
+    for name, (runs, total, once) in results.items():
+        tokens = sum(s.prompt_tokens for _, s in runs) + (shared if once else 0)
+        prefill = sum(s.prefill_s for _, s in runs) + once
+        print(f"| {name} | {tokens} | {prefill:.2f} s | {total:.2f} s |")
+    (a, ta, _), (b, tb, once) = results.values()
+    pa = sum(s.prompt_tokens for _, s in a)
+    pb = sum(s.prompt_tokens for _, s in b) + shared
+    fa, fb = sum(s.prefill_s for _, s in a), sum(s.prefill_s for _, s in b) + once
+    same = [x for x, _ in a] == [y for y, _ in b]
+    print(f"\nprefill tokens {pa / pb:.1f}x fewer, prefill time {fa / fb:.1f}x lower, "
+          f"total {ta / tb:.1f}x lower; identical answers: {same}")
+    for q, (text, _) in zip(QUESTIONS[:3], b):
+        print(f"  Q: {q}\n  A: {text.strip()}")
+
+
+def demo_measure(model_name: str = "smollm2-135m", new_tokens: int = 64):
+    """The bytes a real cache holds after a generation, against the formula."""
+    import model as M
+    model, tok = M.load(model_name)
+    c = model.config
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about caches."}]),
+                        add_bos=False)
+    n = len(prompt) + new_tokens
+    cache = model.new_cache("static", max_len=n)
+    out = list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=new_tokens), cache=cache))
+    size = model.embed_tokens.weight.element_size()
+    formula = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, size)
+    print(f"{model_name}: {c.n_layers} layers × 2 · {c.n_kv_heads} KV heads · {c.head_dim} · {size} B "
+          f"= {formula:.0f} B per token")
+    print(f"static cache for {n} tokens ({len(prompt)} prompt + {len(out)} generated): "
+          f"holds {cache.nbytes} B; formula × {n} = {formula * n:.0f} B; equal: {cache.nbytes == formula * n}")
 
 
 if __name__ == "__main__":

@@ -171,11 +171,30 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v, positions)   # all K/V so far: (B, n_kv, L, d)
-        # enable_gqa lets each group of n_heads/n_kv_heads query heads read one K/V
-        # head without us materialising repeated copies of K and V.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def attend(q, k, v, mask):
+    """softmax(q·kᵀ/√d)·v for q (B, H, T, d) over k, v (B, H_kv, L, d); mask (T, L) or None = causal.
+
+    Prefill (T > 1) uses PyTorch's fused SDPA kernel, which never builds the
+    T×L score matrix; enable_gqa lets each group of H/H_kv query heads read one
+    K/V head without materialising repeated copies of K and V.
+    Decode (T = 1) is a matrix-vector product; here the query heads that share a
+    KV head are stacked as rows of one matrix, so GQA costs no copy either. On
+    this CPU this is ~3.5× faster than SDPA with a mask in bf16 (146 vs 516 µs
+    for 9 heads × 512 keys) and compiles into two matmuls and one fused softmax."""
+    B, H, T, d = q.shape
+    n_kv = k.shape[1]
+    if T > 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=H != n_kv)
+    scores = q.reshape(B, n_kv, H // n_kv, d) @ k.transpose(-1, -2) * d ** -0.5     # (B, H_kv, group, L)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (probs @ v).reshape(B, H, 1, d)
 
 
 class MLP(nn.Module):
@@ -264,11 +283,20 @@ class Llama(nn.Module):
         raise ValueError(f"unknown cache kind '{kind}': use dynamic, static or sliding")
 
     def compile_decode(self):
-        """Compile the one-token step (use it with a StaticCache). On a CPU inductor
-        emits C++ loops that fuse the elementwise work between matmuls (RMSNorm,
-        RoPE, SiLU·up, residual adds) and drops the per-op Python dispatch that
-        dominates a small model's eager step."""
-        self.compiled_step = torch.compile(self.step, dynamic=False, fullgraph=True)
+        """Compile the one-token step (use it with a StaticCache, whose shapes never
+        change, so it compiles once). On a CPU inductor emits C++ loops that fuse
+        the elementwise work between matmuls (RMSNorm, RoPE, SiLU·up, residual
+        adds, the softmax) and removes the per-op dispatch that dominates a small
+        model's eager step. `freezing` treats the weights as constants, so bf16
+        matmuls get oneDNN's prepacked layout (anchors: 24 vs 16 GB/s);
+        `cpp_wrapper` calls the kernels from C++ instead of Python. Measured on
+        SmolLM2-135M bf16, one step: eager 37 ms, compiled 34, + freezing 24,
+        + cpp_wrapper 20. Matmuls are not fused with each other (they stay oneDNN
+        calls), and fusing Q/K/V or gate/up into one weight changed nothing
+        measurable here, so the model keeps Hugging Face's separate projections.
+        Compiled kernels are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR)."""
+        self.compiled_step = torch.compile(self.step, dynamic=False, fullgraph=True,
+                                           options={"freezing": True, "cpp_wrapper": True})
         return self
 
     @classmethod
@@ -421,9 +449,14 @@ class GenerationStats:
     positions_computed: int = 0  # query positions pushed through attention, all steps
 
 
-def check_context(model: Llama, n_tokens: int):
-    if n_tokens >= model.config.max_seq_len:
-        raise ContextOverflow(f"prompt is {n_tokens} tokens but the context holds {model.config.max_seq_len}; "
+def context_limit(model: Llama, cache: KVCache | None = None) -> int:
+    return min(model.config.max_seq_len, (cache.limit if cache is not None else None) or model.config.max_seq_len)
+
+
+def check_context(model: Llama, n_tokens: int, cache: KVCache | None = None):
+    limit = context_limit(model, cache)
+    if n_tokens >= limit:
+        raise ContextOverflow(f"prompt is {n_tokens} tokens but the context holds {limit}; "
                               f"shorten it (in chat: /reset)")
 
 
@@ -468,8 +501,8 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
     everything except the last yielded token, which the caller may feed next."""
     stats = stats if stats is not None else GenerationStats()
     cache = cache if cache is not None else model.new_cache()
-    start = cache.length
-    check_context(model, start + len(prompt))
+    start, limit = cache.length, context_limit(model, cache)
+    check_context(model, start + len(prompt), cache)
     dev, gen = model.embed_tokens.weight.device, _generator(model, p)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     ids = torch.tensor([prompt], device=dev)
@@ -485,7 +518,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
             stats.decode_s = t1 - t0
         stats.new_tokens += 1
         yield nxt
-        if nxt in model.config.eos_ids or cache.length + 1 >= model.config.max_seq_len:
+        if nxt in model.config.eos_ids or cache.length + 1 >= limit:
             return
         ids = torch.tensor([[nxt]], device=dev)
         pos = torch.tensor([cache.length], device=dev)

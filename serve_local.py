@@ -37,11 +37,13 @@ class Chat:
     decoder: str = "cached"
     raw: bool = False
     system: str | None = None
+    cache_kind: str = "dynamic"
+    ctx: int | None = None        # static cache size (default: the model's context)
     messages: list = field(default_factory=list)
     ids: list = field(default_factory=list)   # the conversation's tokens; the cache holds a prefix of them
 
     def __post_init__(self):
-        self.cache = self.model.new_cache()
+        self.cache = self.model.new_cache(self.cache_kind, self.ctx)
         self.reset()
 
     def reset(self):
@@ -60,7 +62,7 @@ class Chat:
         """Run one turn, streaming the answer to ``out``. Raises ContextOverflow
         with the conversation unchanged if it no longer fits."""
         ids = self.conversation_ids(user_text)
-        M.check_context(self.model, len(ids))
+        M.check_context(self.model, len(ids), self.cache)
         stats, answer, stream = M.GenerationStats(), [], self.tok.stream()
         if self.decoder == "naive":
             prefix, tokens = 0, M.generate_naive(self.model, ids, self.params, stats)
@@ -123,7 +125,24 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--decoder", choices=list(M.DECODERS), default="cached")
+    ap.add_argument("--cache", choices=["dynamic", "static", "sliding"], default="dynamic",
+                    help="KV cache: grows (dynamic), preallocated (static), or a ring (sliding-window models)")
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="static cache size in tokens (default: min(model context, 2048)); attention "
+                         "reads all of it every step, so size it to the conversation")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the decode step (needs --cache static; warm-up is printed)")
     return ap.parse_args(argv)
+
+
+def warm_up(chat: Chat):
+    """Compile before the user types: one throwaway decode step through the real cache."""
+    t0 = time.perf_counter()
+    print("compiling the decode step ...", file=sys.stderr, flush=True)
+    chat.model.compile_decode()
+    list(M.generate_cached(chat.model, [0], M.SamplingParams(max_new_tokens=2), cache=chat.cache))
+    chat.cache.crop(0)
+    print(f"compiled in {time.perf_counter() - t0:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
 
 def interactive(chat: Chat):
@@ -136,7 +155,6 @@ def interactive(chat: Chat):
     except (ImportError, OSError):
         history = None
     print("chat: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops an answer", file=sys.stderr)
-    max_ctx = chat.model.config.max_seq_len
     try:
         while True:
             try:
@@ -157,7 +175,7 @@ def interactive(chat: Chat):
             except M.ContextOverflow as e:
                 print(f"[context full: {e}]", file=sys.stderr)
                 continue
-            print(stats_line(stats, len(chat.ids), max_ctx), file=sys.stderr)
+            print(stats_line(stats, len(chat.ids), M.context_limit(chat.model, chat.cache)), file=sys.stderr)
     finally:
         if history is not None:
             readline.write_history_file(history)
@@ -176,12 +194,17 @@ def main(argv=None) -> int:
         print(f"loaded in {time.perf_counter() - t0:.1f} s: {n_params / 1e6:.0f}M parameters, "
               f"{str(w.dtype).removeprefix('torch.')}, {w.device}", file=sys.stderr)
         raw = args.raw or tok.chat_template is None
-        chat = Chat(model, tok, params, args.decoder, raw, args.system)
+        if args.compile and args.cache != "static":
+            raise ValueError("--compile needs --cache static (fixed shapes compile once)")
+        ctx = args.ctx or min(model.config.max_seq_len, 2048)
+        chat = Chat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx)
+        if args.compile:
+            warm_up(chat)
         if args.prompt is None:
             interactive(chat)
             return 0
         stats = chat.turn(args.prompt)
-        print(stats_line(stats, len(chat.ids), model.config.max_seq_len), file=sys.stderr)
+        print(stats_line(stats, len(chat.ids), M.context_limit(model, chat.cache)), file=sys.stderr)
         return 0
     except (ValueError, OSError) as e:
         # Every expected failure (bad weights, bad flags, context overflow) is one line.

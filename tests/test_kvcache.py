@@ -156,3 +156,18 @@ def test_attention_mask_rules():
                                                [False, True, True, True, True, False]]
     assert K.attention_mask(q, k, window=3).tolist() == [[False, False, True, True, False, False],
                                                          [False, False, False, True, True, False]]
+
+
+def test_compiled_static_decode_equals_eager(tmp_path):
+    """The torch.compile path (freezing + cpp_wrapper) on small shapes: same greedy tokens."""
+    model = M.Llama.from_pretrained(make_checkpoint(tmp_path / "m", num_hidden_layers=1), "cpu", "float32")
+    model.config.eos_ids = []
+    prompt = list(range(10, 30))
+    eager = decode(model, prompt, model.new_cache("static", max_len=64), 30)
+    model.compile_decode()
+    compiled = decode(model, prompt, model.new_cache("static", max_len=64), 30)
+    assert compiled == eager
+    plain = M.Llama.from_pretrained(tmp_path / "m", "cpu", "float32")
+    plain.config.eos_ids = []
+    again = decode(model, [7, 8], model.new_cache("static", max_len=64), 30)   # same graph, new cache
+    assert again == decode(plain, [7, 8], plain.new_cache("static", max_len=64), 30)

@@ -2,14 +2,16 @@
 
 import io
 
+import pytest
+
 import model as M
 import serve_local
 
 
-def three_turns(path, decoder, raw=False):
+def three_turns(path, decoder, raw=False, cache_kind="dynamic"):
     m, tok = M.load(str(path))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=12), decoder=decoder, raw=raw,
-                            system=None if raw else "Be brief.")
+                            system=None if raw else "Be brief.", cache_kind=cache_kind, ctx=200)
     answers, stats = [], []
     for text in ["hello there", "what is the capital of France?", "def add(a, b):"]:
         out = io.StringIO()
@@ -20,8 +22,9 @@ def three_turns(path, decoder, raw=False):
     return chat, answers, stats
 
 
-def test_turns_prefill_only_new_tokens_and_match_naive(tiny_ckpt):
-    chat, cached, stats = three_turns(tiny_ckpt, "cached")
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_turns_prefill_only_new_tokens_and_match_naive(tiny_ckpt, cache_kind):
+    chat, cached, stats = three_turns(tiny_ckpt, "cached", cache_kind=cache_kind)
     _, naive, naive_stats = three_turns(tiny_ckpt, "naive")
     assert cached == naive                       # same greedy answers as recomputing everything
     assert any(a.strip() for a in cached)
