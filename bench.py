@@ -74,7 +74,7 @@ def llama_cpp_files(name: str, path) -> dict[str, Path]:
         out = checkpoint.cache_root() / "bench" / f"{path.name}-{fmt}.gguf"
         if not out.is_file():
             print(f"writing {out} (once)", flush=True)
-            checkpoint.export_gguf(path, out, fmt)
+            checkpoint.export_gguf(path, out, M.LlamaConfig.from_hf(checkpoint.read_config(path)), fmt)
         files[fmt.upper()] = out
     return files
 
@@ -102,9 +102,11 @@ def run_llama_cpp(llm, prompt, new_tokens):
     return t1 - t0, time.perf_counter() - t1
 
 
-def run_ours(model, prompt, new_tokens):
+def run_ours(model, prompt, new_tokens, cache=None):
     stats = M.GenerationStats()
-    out = list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=new_tokens), stats))
+    if cache is not None:
+        cache.crop(0)
+    out = list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=new_tokens), stats, cache))
     assert len(out) == new_tokens
     return stats.prefill_s, stats.decode_s
 
@@ -138,10 +140,22 @@ def bench_decode(args):
             prompt = torch.randint(100, model.config.vocab_size - 100, (args.prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
             per_token = bytes_per_token(model, args.prompt_tokens + args.new_tokens // 2)
-            n_ctx = args.prompt_tokens + args.new_tokens + 16
+            n_ctx = args.prompt_tokens + args.new_tokens + 16   # a static cache sized to the job, as gpt-fast does
             # implementation -> (dtype column, bytes read per decode step, fn(warmup) -> (ttft_s, decode_s))
             impls = {"nanoinfer cached": (dtype, per_token, lambda warmup: run_ours(
                 model, prompt, 8 if warmup else args.new_tokens))}
+            if not args.no_compile:
+                # A second instance: compile_decode() switches every one-token step to the compiled graph.
+                fast = M.Llama.from_pretrained(path, "cpu", dtype)
+                fast.config.eos_ids = []
+                static = fast.new_cache("static", max_len=n_ctx)
+                t0 = time.perf_counter()
+                fast.compile_decode()
+                with torch.inference_mode():
+                    run_ours(fast, prompt, 2, static)
+                print(f"  {name} {dtype}: compiled the decode step in {time.perf_counter() - t0:.1f} s", flush=True)
+                impls["nanoinfer static+compile"] = (dtype, per_token, lambda warmup: run_ours(
+                    fast, prompt, 8 if warmup else args.new_tokens, static))
             if not args.no_peers:
                 try:
                     from transformers import LlamaForCausalLM
@@ -164,20 +178,22 @@ def bench_decode(args):
                         impls[f"llama.cpp {label}"] = (label, gguf_bytes_per_token(
                             gguf_path, model.config, args.prompt_tokens + args.new_tokens // 2),
                             lambda warmup, llm=llm: run_llama_cpp(llm, prompt, 8 if warmup else args.new_tokens))
-            base = None
+            group = []
             for impl, (label, per_tok, fn) in impls.items():
                 with torch.inference_mode():
                     ttft, decode_s = measure(fn, args.reps)
                 tok_s = (args.new_tokens - 1) / decode_s
-                base = base or tok_s
-                rows.append((name, impl, label, ttft * 1000, args.prompt_tokens / ttft, tok_s,
-                             per_tok * tok_s / 1e9, tok_s / base))
+                group.append([name, impl, label, ttft * 1000, args.prompt_tokens / ttft, tok_s,
+                              per_tok * tok_s / 1e9])
                 print(f"  {name} {impl} {label}: decode {tok_s:.1f} tok/s", flush=True)
+            # Ratios against transformers in the same dtype when it ran, else against the first row.
+            base = next((r[5] for r in group if r[1] == "transformers generate"), group[0][5])
+            rows += [r + [r[5] / base] for r in group]
             del model
     print(f"\nbatch 1, greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, "
           f"median of {args.reps}, {torch.get_num_threads()} threads; llama.cpp rows (dtype = GGUF tensor "
-          f"type) are compared with nanoinfer in {args.dtypes[0]}\n")
-    print("| model | implementation | dtype | TTFT ms | prefill tok/s | decode tok/s | GB/s | × nanoinfer |")
+          f"type) sit in the {args.dtypes[0]} group; × = decode speed over transformers generate in the group\n")
+    print("| model | implementation | dtype | TTFT ms | prefill tok/s | decode tok/s | GB/s | × transformers |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.2f} |")
@@ -193,6 +209,7 @@ def main():
     d.add_argument("--new-tokens", type=int, default=128)
     d.add_argument("--reps", type=int, default=3)
     d.add_argument("--no-peers", action="store_true", help="skip the peers (transformers, llama.cpp)")
+    d.add_argument("--no-compile", action="store_true", help="skip the compiled static-cache configuration")
     args = ap.parse_args()
     if args.cmd == "decode":
         bench_decode(args)

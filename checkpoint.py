@@ -315,7 +315,7 @@ def convert_gguf(path: Path, out_root: Path | None = None) -> Path:
 # ----------------------------------------------------------------------------
 # HF directory -> GGUF: the way back, so llama.cpp can run our weights.
 
-def export_gguf(model_dir: Path, out_path: Path, dtype: str = "f16") -> Path:
+def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     """Write an HF Llama directory as a llama-architecture GGUF file: the inverse of `convert_gguf`.
 
     Why: bench.py compares us with llama.cpp, and that comparison is only fair
@@ -327,13 +327,13 @@ def export_gguf(model_dir: Path, out_path: Path, dtype: str = "f16") -> Path:
     byte-level BPE tokenizer.json; a directory without one (a random benchmark
     checkpoint) gets a synthetic vocabulary of the right size, enough for
     llama.cpp to load the file and run token ids — but not to tokenize text.
+    ``c`` is the directory's parsed config (model.LlamaConfig): config.json is
+    parsed in one place, above this module, so the caller passes it down.
     """
     import warnings
 
     import gguf
     from gguf.quants import quantize
-
-    from model import LlamaConfig   # the one parser of config.json (imported here: model imports us)
 
     Q, T = gguf.GGMLQuantizationType, gguf.TokenType
     formats = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
@@ -342,7 +342,6 @@ def export_gguf(model_dir: Path, out_path: Path, dtype: str = "f16") -> Path:
         raise ValueError(f"unknown GGUF dtype '{dtype}': use one of {', '.join(formats)}")
     qtype, file_type = formats[dtype]
     model_dir, out_path = Path(model_dir), Path(out_path)
-    c = LlamaConfig.from_hf(read_config(model_dir))
     scaling = (c.rope_scaling or {}).get("rope_type")
     if scaling not in (None, "linear"):
         raise CheckpointError(f"exporting rope scaling '{scaling}' to GGUF is not supported")

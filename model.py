@@ -158,16 +158,17 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        # W_q, W_k, W_v stacked into one matrix: one matmul call instead of three (see PACKED)
+        self.split = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache_layer=None, positions=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v, positions)   # all K/V so far: (B, n_kv, L, d)
@@ -200,12 +201,12 @@ def attend(q, k, v, mask):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [W_gate; W_up]
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -219,6 +220,36 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask, cache_layer=None, positions=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_layer, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoints store W_q, W_k, W_v and W_gate, W_up as separate matrices; the model
+# keeps each group stacked, so a decode step makes 4 matmul calls per layer, not 7.
+# Batch-1 decode is a chain of small matrix-vector products whose fixed cost per
+# call dominates: SmolLM2's 210 of them take 25.8 ms separate, 18.5 ms stacked (bf16).
+PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
+    """The tensors a checkpoint must hold for this model, by their checkpoint names
+    (without the "model." prefix), each with its shape."""
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        shapes.pop("lm_head.weight")
+    for i, layer in enumerate(model.layers):
+        rows = {"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+        for packed, parts in PACKED.items():
+            cols = shapes.pop(f"layers.{i}.{packed}.weight")[1]
+            for part, n in zip(parts, rows[packed]):
+                shapes[f"layers.{i}.{part}.weight"] = (n, cols)
+    return shapes
+
+
+def pack(state: dict, n_layers: int) -> dict:
+    for i in range(n_layers):
+        for packed, parts in PACKED.items():
+            state[f"layers.{i}.{packed}.weight"] = torch.cat([state.pop(f"layers.{i}.{p}.weight") for p in parts])
+    return state
 
 
 class Llama(nn.Module):
@@ -290,11 +321,12 @@ class Llama(nn.Module):
         model's eager step. `freezing` treats the weights as constants, so bf16
         matmuls get oneDNN's prepacked layout (anchors: 24 vs 16 GB/s);
         `cpp_wrapper` calls the kernels from C++ instead of Python. Measured on
-        SmolLM2-135M bf16, one step: eager 37 ms, compiled 34, + freezing 24,
-        + cpp_wrapper 20. Matmuls are not fused with each other (they stay oneDNN
-        calls), and fusing Q/K/V or gate/up into one weight changed nothing
-        measurable here, so the model keeps Hugging Face's separate projections.
-        Compiled kernels are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR)."""
+        SmolLM2-135M bf16, one step, same run: eager 37 ms, compiled 34,
+        + freezing 24, + cpp_wrapper 20 (max_autotune: no better, 2× the compile
+        time). Matmuls stay separate oneDNN calls — inductor does not merge them —
+        which is why the model stacks Q/K/V and gate/up itself (PACKED). The
+        first compile takes 1.5-2.5 minutes on 2 cores; inductor caches it on
+        disk (TORCHINDUCTOR_CACHE_DIR), and later runs start in ~20 s."""
         self.compiled_step = torch.compile(self.step, dynamic=False, fullgraph=True,
                                            options={"freezing": True, "cpp_wrapper": True})
         return self
@@ -308,9 +340,7 @@ class Llama(nn.Module):
         dtype = pick_dtype(dtype, device)
         with torch.device("meta"):
             model = cls(cfg)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
-        if cfg.tie_embeddings:
-            expected.pop("lm_head.weight")
+        expected = checkpoint_shapes(model)
         state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(model_dir).items()
                  if not k.endswith("rotary_emb.inv_freq")}
         if cfg.tie_embeddings:
@@ -326,8 +356,8 @@ class Llama(nn.Module):
                 raise checkpoint.CheckpointError(
                     f"tensor {name} has shape {tuple(t.shape)} but config.json implies "
                     f"{tuple(expected[name])}: weights and config.json do not belong together")
-        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
-                              strict=False, assign=True)
+        state = pack({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, cfg.n_layers)
+        model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_frequencies(cfg).to(device)
@@ -340,9 +370,7 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
     from safetensors.torch import save_file
     cfg = LlamaConfig.from_hf(hf_config)
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Llama(cfg).state_dict().items()}
-    if cfg.tie_embeddings:
-        shapes.pop("lm_head.weight")
+        shapes = checkpoint_shapes(Llama(cfg))
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in shapes.items():
@@ -466,6 +494,17 @@ def _generator(model, p: SamplingParams):
     return torch.Generator(model.embed_tokens.weight.device).manual_seed(p.seed)
 
 
+def _clock(stats: GenerationStats, i: int, t0: float) -> float:
+    """Token i is out: the first ends the prefill (TTFT), later ones extend the decode time."""
+    t1 = time.perf_counter()
+    if i == 0:
+        stats.prefill_s, t0 = t1 - t0, t1
+    else:
+        stats.decode_s = t1 - t0
+    stats.new_tokens += 1
+    return t0
+
+
 @torch.inference_mode()
 def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
                    stats: GenerationStats | None = None) -> Iterator[int]:
@@ -479,12 +518,7 @@ def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
         logits = model(ids, torch.arange(len(tokens), device=dev), last_only=True)
         stats.positions_computed += len(tokens)
         nxt = sample(logits[0, -1], p, gen)
-        t1 = time.perf_counter()
-        if i == 0:
-            stats.prefill_s, t0 = t1 - t0, t1
-        else:
-            stats.decode_s = t1 - t0
-        stats.new_tokens += 1
+        t0 = _clock(stats, i, t0)
         yield nxt
         tokens.append(nxt)
         if nxt in model.config.eos_ids or len(tokens) >= model.config.max_seq_len:
@@ -511,12 +545,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
         logits = model(ids, pos, cache, last_only=True)
         stats.positions_computed += ids.shape[1]
         nxt = sample(logits[0, -1], p, gen)
-        t1 = time.perf_counter()
-        if i == 0:
-            stats.prefill_s, t0 = t1 - t0, t1
-        else:
-            stats.decode_s = t1 - t0
-        stats.new_tokens += 1
+        t0 = _clock(stats, i, t0)
         yield nxt
         if nxt in model.config.eos_ids or cache.length + 1 >= limit:
             return

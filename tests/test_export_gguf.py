@@ -9,6 +9,11 @@ import model as M
 from conftest import make_checkpoint
 from tokenizer import Tokenizer
 
+
+def config(path):
+    return M.LlamaConfig.from_hf(checkpoint.read_config(path))
+
+
 IDS = [5, 17, 42, 99, 3, 250, 7, 180, 64, 12, 301, 88]
 
 
@@ -28,7 +33,7 @@ def test_permute_rows_inverts_unpermute_rows():
 @pytest.mark.parametrize("tied", [False, True])
 def test_round_trip_is_exact(tmp_path, tied):
     src = make_checkpoint(tmp_path / "hf", tie_word_embeddings=tied)
-    path = checkpoint.export_gguf(src, tmp_path / "tiny.gguf", "f32")
+    path = checkpoint.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f32")
     back = checkpoint.convert_gguf(path, tmp_path / "cache")
 
     want, got = checkpoint.read_weights(src), checkpoint.read_weights(back)
@@ -45,7 +50,8 @@ def test_round_trip_is_exact(tmp_path, tied):
 
 def test_f16_export_rounds_only(tmp_path):
     src = make_checkpoint(tmp_path / "hf")
-    back = checkpoint.convert_gguf(checkpoint.export_gguf(src, tmp_path / "tiny.gguf", "f16"), tmp_path / "cache")
+    exported = checkpoint.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f16")
+    back = checkpoint.convert_gguf(exported, tmp_path / "cache")
     want, got = checkpoint.read_weights(src), checkpoint.read_weights(back)
     for name, t in want.items():
         assert torch.equal(got[name], t.half().float()), name
@@ -54,7 +60,7 @@ def test_f16_export_rounds_only(tmp_path):
 def test_without_tokenizer_a_synthetic_vocabulary_is_written(tmp_path):
     import gguf
     src = make_checkpoint(tmp_path / "hf", tokenizer=False)
-    reader = gguf.GGUFReader(checkpoint.export_gguf(src, tmp_path / "tiny.gguf"))
+    reader = gguf.GGUFReader(checkpoint.export_gguf(src, tmp_path / "tiny.gguf", config(src)))
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     assert reader.fields["tokenizer.ggml.model"].contents() == "llama"
     assert len(tokens) == 320 and tokens[:3] == ["<unk>", "<s>", "</s>"] and tokens[3 + 0x0A] == "<0x0A>"
@@ -64,7 +70,7 @@ def test_without_tokenizer_a_synthetic_vocabulary_is_written(tmp_path):
 def test_llama_cpp_runs_the_export_like_we_do(tmp_path, tokenizer, tied):
     llama_cpp = pytest.importorskip("llama_cpp")
     src = make_checkpoint(tmp_path / "hf", tokenizer=tokenizer, tie_word_embeddings=tied)
-    path = checkpoint.export_gguf(src, tmp_path / "tiny.gguf", "f32")
+    path = checkpoint.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f32")
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, n_batch=64, logits_all=True, verbose=False)
     llm.eval(IDS)
     got = np.array(llm.scores[:len(IDS)])

@@ -129,8 +129,10 @@ def test_static_nbytes_is_the_formula_and_full_cache_is_refused(llama):
     cache = llama.new_cache("static", max_len=50)
     assert cache.nbytes == 50 * K.kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, 4)
     decode(llama, list(range(40)), cache, 10)
-    with pytest.raises(ValueError, match="static cache is full"):
+    with pytest.raises(M.ContextOverflow, match="context holds 50"):   # the decoder checks first
         decode(llama, [1, 2], cache, 5)
+    with pytest.raises(ValueError, match="static cache is full"):        # and the cache itself refuses
+        cache.begin(torch.arange(49, 52))
 
 
 def test_calculator_prints_the_lesson_numbers():
