@@ -109,18 +109,20 @@ class KVCache:
         self._shared.refs += 1
         return twin
 
+    def _reallocate(self, capacity: int, rows: int):
+        """Move to fresh storage of ``capacity`` rows, keeping the first ``rows``."""
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                store[i] = self._alloc(capacity)
+                store[i][:, :, :rows] = old[:, :, :rows]
+
     def _own(self, rows: int):
         """Before writing: if the storage is shared, copy the first ``rows`` rows
         (the part that matters) into storage of our own."""
-        if self._shared.refs == 1:
-            return
-        self._shared.refs -= 1
-        self._shared = _Shared()
-        for store in (self.k, self.v):
-            for i, t in enumerate(store):
-                mine = self._alloc(t.shape[2])
-                mine[:, :, :rows] = t[:, :, :rows]
-                store[i] = mine
+        if self._shared.refs > 1:
+            self._shared.refs -= 1
+            self._shared = _Shared()
+            self._reallocate(self.capacity, rows)
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Called once per forward pass with the new tokens' positions (T,).
@@ -155,11 +157,7 @@ class DynamicCache(KVCache):
         self._own(self.length)
         if self.length + t > self.capacity:
             # Double (at least one chunk): N tokens cost O(N) copying in total, not O(N²).
-            new_cap = max(self.length + t, 2 * self.capacity, self.chunk)
-            for store in (self.k, self.v):
-                for i, old in enumerate(store):
-                    store[i] = self._alloc(new_cap)
-                    store[i][:, :, :self.length] = old[:, :, :self.length]
+            self._reallocate(max(self.length + t, 2 * self.capacity, self.chunk), self.length)
         self._start, self.length = self.length, self.length + t
         if t == 1 and self.window is None:
             return None
