@@ -447,3 +447,31 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
         if os.path.exists(tmp):
             os.remove(tmp)
     return out_path
+
+
+# ----------------------------------------------------------------------------
+# Demo: what a name resolves to, and what each storage format costs.
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="resolve a model and show its files")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    args = ap.parse_args()
+    target = ALIASES.get(args.model.lower(), args.model)
+    if isinstance(target, tuple):
+        gguf_file = bundled_gguf(*target[1:])
+        print(f"{args.model} -> {gguf_file.name} in the pip package {target[1]}: "
+              f"{gguf_file.stat().st_size / 1e6:.0f} MB")
+    model_dir = resolve(args.model)
+    cfg = read_config(model_dir)
+    weights = read_weights(model_dir)
+    n = sum(t.numel() for t in weights.values())
+    size = sum(f.stat().st_size for f in weight_files(model_dir))
+    print(f"HF directory: {model_dir}")
+    print(f"  {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads "
+          f"/ {cfg.get('num_key_value_heads')} KV heads, vocab {cfg['vocab_size']}")
+    print(f"  {len(weights)} tensors, {n / 1e6:.1f}M parameters, {size / 1e6:.0f} MB on disk "
+          f"= {8 * size / n:.1f} bits per parameter")
+    if isinstance(target, tuple):
+        print(f"  the GGUF stores the same {n / 1e6:.1f}M numbers in {8 * gguf_file.stat().st_size / n:.1f} bits "
+              f"each (Q4_1: 4-bit codes + a scale and minimum per 32); we keep them dequantized, exact, in fp32")

@@ -428,3 +428,24 @@ def write_tokenizer_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> None:
     if field("tokenizer.chat_template"):
         config["chat_template"] = field("tokenizer.chat_template")
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------- demo
+
+if __name__ == "__main__":
+    import sys
+    # The demo resolves the bundled model through checkpoint.py, which sits above this module.
+    import checkpoint
+    tok = Tokenizer.from_dir(checkpoint.resolve(sys.argv[1] if len(sys.argv) > 1 else checkpoint.DEFAULT_MODEL))
+    print(f"vocabulary {tok.vocab_size}, bos {tok.bos_id}, eos {tok.eos_ids}, add_bos {tok.add_bos}")
+    for text in ["Hello world", " Hello world", "12345", "naïve café 😀", "def f(x):\n    return x"]:
+        ids = tok.encode(text)
+        pieces = [tok.decode([i]) for i in ids]
+        print(f"{text!r:28} -> {len(ids):2} tokens {ids} {pieces}")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    print(f"chat template renders:\n{prompt}")
+    ids = tok.encode(prompt, add_bos=False)
+    print(f"= {len(ids)} tokens; special tokens stay single ids: {ids[:4]} ...")
+    stream = tok.stream()
+    emoji = tok.encode("😀")
+    print(f"'😀' is {len(emoji)} tokens; streaming them one at a time emits {[stream.push(i) for i in emoji]}")
