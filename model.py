@@ -491,7 +491,10 @@ class GenerationStats:
 
 
 def context_limit(model: Llama, cache: KVCache | None = None) -> int:
-    return min(model.config.max_seq_len, (cache.limit if cache is not None else None) or model.config.max_seq_len)
+    """The model's context, or less when the cache is preallocated smaller."""
+    if cache is None or cache.limit is None:
+        return model.config.max_seq_len
+    return min(model.config.max_seq_len, cache.limit)
 
 
 def check_context(model: Llama, n_tokens: int, cache: KVCache | None = None):
@@ -534,7 +537,7 @@ def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
         t0 = _clock(stats, i, t0)
         yield nxt
         tokens.append(nxt)
-        if nxt in model.config.eos_ids or len(tokens) >= model.config.max_seq_len:
+        if nxt in model.config.eos_ids or len(tokens) >= context_limit(model):
             return
 
 
