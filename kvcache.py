@@ -37,6 +37,10 @@ layer's ``update(k, v, positions)`` will return; ``crop(n)`` rolls back to the
 first n tokens (a chat turn that diverges, rejected speculative tokens);
 ``fork()`` makes a branch that shares the prefix until either side writes;
 ``nbytes`` is the memory the cache's tensors really occupy.
+
+Any of them can store K and V quantized (``codec``, from quantize.py: int8 or
+fp8 with a scale per token and head): rows of bytes instead of numbers, about
+half of bf16's, decoded one layer at a time when attention reads them.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+
+from quantize import KVCodec
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_size: float) -> float:
@@ -61,6 +67,16 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None 
     return ok
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share: what a cache of ``a`` can keep for ``b``."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class _Shared:
     """A reference count on storage: forks share it until one of them writes."""
     def __init__(self):
@@ -70,9 +86,11 @@ class _Shared:
 class KVCache:
     """What every contiguous cache has in common; subclasses say how storage grows."""
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype, device, capacity, window=None):
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype, device, capacity, window=None,
+                 codec: KVCodec | None = None):
         self.spec = (batch, n_kv_heads, head_dim, dtype, torch.device(device))
         self.window = window   # a model with sliding-window attention masks beyond it in any cache
+        self.codec = codec     # quantized storage (quantize.py): rows of bytes, decoded when read
         self.k = [self._alloc(capacity) for _ in range(n_layers)]
         self.v = [self._alloc(capacity) for _ in range(n_layers)]
         self.layers = [_Layer(self, i) for i in range(n_layers)]
@@ -81,6 +99,8 @@ class KVCache:
 
     def _alloc(self, capacity):
         b, h, d, dtype, device = self.spec
+        if self.codec is not None:
+            return torch.zeros(b, h, capacity, self.codec.row_bytes(d), dtype=torch.uint8, device=device)
         return torch.zeros(b, h, capacity, d, dtype=dtype, device=device)
 
     @property
@@ -140,16 +160,22 @@ class _Layer:
         self.cache, self.index = cache, index
 
     def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """k, v: (batch, n_kv_heads, T, d_head) -> K, V: (batch, n_kv_heads, L, d_head)."""
-        return self.cache._write(self.index, k, v, positions)
+        """k, v: (batch, n_kv_heads, T, d_head) -> K, V: (batch, n_kv_heads, L, d_head).
+        A quantized cache encodes the new rows and decodes this layer's rows for
+        attention: one layer's K and V exist in full precision at a time, briefly."""
+        codec = self.cache.codec
+        if codec is None:
+            return self.cache._write(self.index, k, v, positions)
+        K, V = self.cache._write(self.index, codec.encode(k), codec.encode(v), positions)
+        return codec.decode(K, k.dtype), codec.decode(V, v.dtype)
 
 
 class DynamicCache(KVCache):
     """Contiguous, growing: positions 0..length-1 live in rows 0..length-1."""
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
-                 window=None, chunk=256):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, 0, window)
+                 window=None, chunk=256, codec=None):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, 0, window, codec)
         self.chunk = chunk
 
     def begin(self, positions):
@@ -177,8 +203,8 @@ class StaticCache(KVCache):
     stale rows sit beyond every future query until they are overwritten."""
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu",
-                 window=None):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window)
+                 window=None, codec=None):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window, codec)
         self.slots = torch.arange(max_len, device=device)
 
     @property
@@ -209,8 +235,8 @@ class SlidingWindowCache(KVCache):
     so ``crop`` can roll back up to ``slack`` tokens (speculative decoding)."""
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, window, dtype=torch.float32, device="cpu",
-                 slack=64):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, window + slack, window)
+                 slack=64, codec=None):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, window + slack, window, codec)
         self.slack = slack
         self.slot_pos = torch.full((window + slack,), -1, dtype=torch.long, device=device)
 

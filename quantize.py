@@ -1,0 +1,514 @@
+"""
+Quantization: store numbers in fewer bits, and pay for it in accuracy.
+
+Batch-1 decoding is memory-bound (model.py): every generated token reads every
+weight once, and at long contexts the KV cache too. Halve the bytes and the
+ceiling on tokens/s doubles; the question is what the rounding costs. This file
+makes both trades and measures them (`python quantize.py --eval`).
+
+The recipe is the same for every format: pick a scale s for a group of numbers
+so that the largest one maps to the edge of the small format, store round(x/s)
+and s, and multiply back when reading. The error of one element is at most half
+a step, s/2, so small groups (one row, one token of one head) keep s small.
+
+    format                     bytes per number               where it is used here
+    bf16                       2                              the reference
+    int8, symmetric            1 + 2/group (an fp16/bf16 s)   weights (a row of W); KV (a token of a head)
+    fp8 e4m3, scaled           1 + 2/group                    KV; 3 mantissa bits: relative error ≤ 2⁻⁴
+    fp8 e4m3, plain cast       1                              KV, for comparison: no scale, range ±448
+    int4, asymmetric, grouped  0.5 + 4/group (s and a zero)   weights, groups of 32-128 along a row
+
+For SmolLM2-135M (d_head 64) a KV row of one head costs 128 B in bf16 and
+64 + 2 = 66 B in int8 or scaled fp8: 51.6% of bf16, the scale being 2/64 of the
+saving. Weights: 135M numbers are 270 MB in bf16, 136 MB in int8 (+0.3 MB of
+row scales), 84 MB in int4 with groups of 32 (4 bits + two 16-bit numbers per
+32 weights: 5 bits a weight).
+
+Kernels. Weights are stored quantized and never expanded in memory: each
+quantized Linear calls the fastest matrix-vector kernel PyTorch has for the
+device. On a CPU those are ``aten._weight_int8pack_mm`` (int8 weights, one scale
+per output row, activations in the model's dtype) and
+``aten._weight_int4pack_mm_for_cpu`` (int4 in a CPU-specific packed layout,
+a scale and a zero per group); on CUDA ``_weight_int4pack_mm`` with its own
+layout. Elsewhere we dequantize a layer's weights for one matmul (correct, not
+fast). The KV cache dequantizes one layer's rows when attention reads them
+(kvcache.py), so only one layer's keys are ever held in full precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0                   # the largest finite e4m3 number
+TINY = 1e-8                       # a scale floor: an all-zero group must not divide by zero
+
+
+# ----------------------------------------------------------------------------
+# 1. Round trips. Each returns what is stored; the matching dequantize undoes it.
+
+def quantize_int8(x: torch.Tensor, scale_dtype=torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dim: s = max|x| / 127, q = round(x / s) in [-127, 127].
+    Every element comes back within s/2 (plus the rounding of s to ``scale_dtype``)."""
+    scale = (x.float().abs().amax(-1, keepdim=True) / 127).clamp(min=TINY).to(scale_dtype)
+    q = torch.round(x.float() / scale.float()).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.float() * scale.float()).to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor, scale_dtype=torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with a scale over the last dim that maps max|x| to 448. e4m3 keeps 3
+    mantissa bits, so each element comes back within a relative 2⁻⁴ (half a step),
+    whatever its magnitude; tiny elements near a large one fall into subnormals."""
+    scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=TINY).to(scale_dtype)
+    return (x.float() / scale.float()).to(FP8), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.float() * scale.float()).to(dtype)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``group`` along each row: w ≈ lo + q·s with
+    q in 0..15, s = (max - min) / 15. Returns q (rows, cols) uint8 and s, lo
+    (rows, cols/group) fp32. Asymmetric because 16 levels are too few to waste
+    half of them on a sign the group's values may not use."""
+    rows, cols = w.shape
+    if cols % group:
+        raise ValueError(f"int4 groups of {group} do not divide a row of {cols}; use --group-size 32")
+    g = w.float().reshape(rows, cols // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=TINY)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(rows, cols), scale, lo
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype=torch.float32):
+    rows, cols = q.shape
+    g = q.float().reshape(rows, scale.shape[1], -1)
+    return (lo.float()[..., None] + g * scale.float()[..., None]).reshape(rows, cols).to(dtype)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit values per byte (even column in the low nibble): the portable,
+    on-disk layout. Kernels repack it into their own layout at load time."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------
+# 2. The KV cache. A codec turns a (…, d_head) row of K or V into bytes and back;
+# kvcache.py stores the bytes and calls decode on the rows attention reads. The
+# scale travels in the same row, after the values, as in llama.cpp's Q8_0
+# blocks: every cache operation that moves rows (grow, crop, fork,
+# copy-on-write, a ring buffer's writes) then moves the scales with them.
+
+@dataclass(frozen=True)
+class KVCodec:
+    name: str
+    extra: int = 0                 # bytes after the d_head values: the scale
+
+    def row_bytes(self, head_dim: int) -> int:
+        return head_dim + self.extra
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """(…, d) -> (…, d + extra) uint8."""
+        if self.name == "int8":
+            q, s = quantize_int8(x)
+            return torch.cat([q.view(torch.uint8), s.view(torch.uint8)], -1)
+        if self.name == "fp8":
+            q, s = quantize_fp8(x)
+            return torch.cat([q.view(torch.uint8), s.view(torch.uint8)], -1)
+        return x.to(FP8).view(torch.uint8)           # fp8-plain: no scale, values beyond ±448 saturate
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(…, d + extra) uint8 -> (…, d) in ``dtype``."""
+        d = rows.shape[-1] - self.extra
+        if self.name == "fp8-plain":
+            return rows.view(FP8).to(dtype)
+        values = rows[..., :d].view(torch.int8 if self.name == "int8" else FP8)
+        return (values.float() * rows[..., d:].view(torch.float16).float()).to(dtype)
+
+
+KV_CODECS = {"int8": KVCodec("int8", 2), "fp8": KVCodec("fp8", 2), "fp8-plain": KVCodec("fp8-plain")}
+
+
+def kv_codec(name: str | None) -> KVCodec | None:
+    """``--kv-dtype``: auto (None: the model's dtype, no codec), int8, fp8, fp8-plain."""
+    if name in (None, "auto"):
+        return None
+    if name not in KV_CODECS:
+        raise ValueError(f"unknown --kv-dtype '{name}': use auto, int8, fp8 or fp8-plain")
+    return KV_CODECS[name]
+
+
+# ----------------------------------------------------------------------------
+# 3. Weight-only quantized Linear layers. Their buffers are what a quantized
+# checkpoint stores (portable layouts); `prepare` builds the device kernel's
+# own layout from them once the tensors are loaded.
+
+# int4's default group: 32, as llama.cpp's Q4_0/Q4_1 blocks. A GGUF model that llama.cpp
+# quantized that way (the bundled SmolLM2 is Q4_1: lo + q·s per 32 weights) then
+# requantizes onto the same grid, almost losslessly; groups of 64 would put two
+# blocks' grids into one and cost far more (see the README's table).
+GROUP = 32
+
+
+class Int8Linear(nn.Module):
+    """y = x·Wᵀ with W stored as int8 rows and one scale per row:
+    W[r] ≈ weight[r] · weight_scale[r]. The scale factors out of each row's dot
+    product, so the kernel reads 1 byte per weight and multiplies once per row."""
+    scheme = "int8"
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_features))
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> "Int8Linear":
+        layer = cls(w.shape[1], w.shape[0])
+        q, s = quantize_int8(w, scale_dtype=torch.float32)
+        layer.weight, layer.weight_scale = q, s.squeeze(-1)
+        return layer
+
+    def prepare(self, dtype: torch.dtype):
+        # The CPU kernel wants the scales in the activations' dtype, and its own
+        # memory: it uses aligned vector loads, and a tensor mapped straight from a
+        # safetensors file may start anywhere (a crash, not an error).
+        self.weight_scale = self.weight_scale.to(dtype)
+        if self.weight.device.type == "cpu" and self.weight.data_ptr() % 64:
+            self.weight = self.weight.clone()
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int8(self.weight, self.weight_scale[:, None], self.weight_scale.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale)
+            return y.reshape(*x.shape[:-1], -1)
+        return (x @ self.weight.to(x.dtype).t()) * self.weight_scale
+
+
+class Int4Linear(nn.Module):
+    """W stored as 4-bit integers in groups of ``group`` along each row, with a
+    scale and a minimum per group: W ≈ lo + q·s. Half a byte per weight plus
+    the group's two numbers (fp32 on disk, the model's dtype in the kernel)."""
+    scheme = "int4"
+
+    def __init__(self, in_features: int, out_features: int, group: int = GROUP):
+        super().__init__()
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.dtype = torch.float32            # of the dequantized matrix; prepare() sets the model's
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.ones(out_features, in_features // group))
+        self.register_buffer("weight_min", torch.zeros(out_features, in_features // group))
+        self.register_buffer("packed", None, persistent=False)            # the kernel's layout
+        self.register_buffer("scales_and_zeros", None, persistent=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group: int) -> "Int4Linear":
+        layer = cls(w.shape[1], w.shape[0], group)
+        q, s, lo = quantize_int4(w, group)
+        layer.weight, layer.weight_scale, layer.weight_min = pack_nibbles(q), s, lo
+        return layer
+
+    def prepare(self, dtype: torch.dtype):
+        """On a CPU, repack for the kernel and drop the portable copy (it would
+        double the memory). The kernel computes W = (q - 8)·s + z per group, so
+        z = lo + 8·s gives our lo + q·s."""
+        self.dtype = dtype
+        if self.weight.device.type != "cpu":
+            return
+        q = unpack_nibbles(self.weight).to(torch.int32)
+        z = self.weight_min + 8 * self.weight_scale
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.scales_and_zeros = torch.stack([self.weight_scale, z], -1).transpose(0, 1).contiguous().to(dtype)
+        self.weight = self.weight_scale = self.weight_min = None
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int4(unpack_nibbles(self.weight), self.weight_scale, self.weight_min, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed,
+                                                          self.group, self.scales_and_zeros)
+            return y.reshape(*x.shape[:-1], -1)
+        return x @ self.dequantized().to(x.dtype).t()
+
+
+WEIGHT_SCHEMES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+
+
+def check_scheme(weights: str | None, group: int = GROUP):
+    if weights not in (None, "auto") + WEIGHT_SCHEMES:
+        raise ValueError(f"unknown --weights '{weights}': use auto, int8 or int4")
+    if weights == "int4" and group not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group}")
+
+
+def quantized_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every Linear of the model by name: the projections of each block and the LM head."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _set(model: nn.Module, name: str, layer: nn.Module):
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, layer)
+
+
+def scheme_of(name: str, weights: str) -> str:
+    """int4 keeps the LM head in int8, as llama.cpp keeps its output matrix at 6-8
+    bits: every logit goes through it, and 4 bits there cost the most accuracy
+    (the bundled model, groups of 32, 512 tokens of the evaluation text: perplexity
+    +9.7% with an int4 head, +0.4% with an int8 one, for 11% more weight bytes)."""
+    return "int8" if weights == "int4" and name == "lm_head" else weights
+
+
+def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: bool = True) -> nn.Module:
+    """Replace every Linear with its quantized form, in place. A tied LM head gets
+    its own quantized copy; the embedding table stays in full precision (a
+    lookup reads one row per token, so its bytes do not cost decode speed).
+    ``prepare=False`` keeps the portable layout only, for saving."""
+    check_scheme(weights, group)
+    if weights in (None, "auto"):
+        return model
+    if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
+        raise ValueError("the model is already quantized; load the full-precision checkpoint to quantize again")
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    for name, lin in quantized_layers(model).items():
+        w = lin.weight.detach()
+        layer = Int8Linear.from_float(w) if scheme_of(name, weights) == "int8" else Int4Linear.from_float(w, group)
+        if prepare:
+            layer.prepare(dtype)
+        _set(model, name, layer)
+    model.quantization = {"weights": weights} | ({"group_size": group} if weights == "int4" else {})
+    return model
+
+
+def empty_quantized(model: nn.Module, spec: dict):
+    """For loading a quantized checkpoint: swap every Linear for an empty
+    quantized layer of the right shape (on the meta device, like the model)."""
+    weights, group = spec.get("weights"), spec.get("group_size", GROUP)
+    if weights not in WEIGHT_SCHEMES:
+        raise ValueError(f"config.json names quantization scheme '{weights}', which this version does not "
+                         f"know (int8, int4); re-quantize with `python quantize.py`")
+    check_scheme(weights, group)
+    for name, lin in quantized_layers(model).items():
+        if scheme_of(name, weights) == "int8":
+            _set(model, name, Int8Linear(lin.in_features, lin.out_features))
+        else:
+            _set(model, name, Int4Linear(lin.in_features, lin.out_features, group))
+    model.quantization = dict(spec)
+
+
+def check_quantized_tensors(state: dict[str, torch.Tensor]):
+    """A scale or minimum that is not finite (or a scale ≤ 0) would silently turn
+    a layer's output into garbage: refuse it by name."""
+    for name, t in state.items():
+        if name.endswith(("weight_scale", "weight_min")):
+            bad = ~torch.isfinite(t) | ((t <= 0) if name.endswith("scale") else torch.zeros_like(t, dtype=torch.bool))
+            if bad.any():
+                raise ValueError(f"corrupt quantized checkpoint: {name} has {int(bad.sum())} invalid values "
+                                 f"(not finite{' or ≤ 0' if name.endswith('scale') else ''}); re-quantize it")
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Numbers the model holds as weights: parameters, plus the matrices of quantized layers."""
+    quantized = sum(m.in_features * m.out_features for m in model.modules()
+                    if isinstance(m, (Int8Linear, Int4Linear)))
+    return sum(p.numel() for p in model.parameters()) + quantized
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model holds in parameters and buffers (quantized tensors and their scales included)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen and t.device.type != "meta":
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------
+# 4. Quantized checkpoints: the Hugging Face layout, with each quantized
+# Linear's tensors under its usual name (weight) plus weight_scale (and
+# weight_min for int4), and config.json naming the scheme under CONFIG_KEY (our
+# own key: transformers' "quantization_config" would make it try its own loaders).
+
+CONFIG_KEY = "nanoinfer_quantization"
+
+
+def is_plain(name: str, t: torch.Tensor) -> bool:
+    """A tensor that loads in the model's dtype: floating point and not a quantization scale."""
+    return t.is_floating_point() and not name.endswith(("weight_scale", "weight_min"))
+
+
+def save_quantized(model: nn.Module, state: dict[str, torch.Tensor], source_dir, out_dir):
+    """Write ``state`` (checkpoint names, see model.unpack) as a quantized checkpoint
+    next to a copy of the source's config (plus the scheme) and tokenizer files."""
+    import json
+    import shutil
+    from pathlib import Path
+    from safetensors.torch import save_file
+    source_dir, out = Path(source_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {(k if k.startswith("lm_head.") else "model." + k): t.contiguous() for k, t in state.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source_dir / "config.json").read_text())
+    config[CONFIG_KEY] = model.quantization
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in source_dir.iterdir():
+        if f.is_file() and f.suffix not in (".safetensors", ".bin", ".gguf") and f.name != "config.json" \
+                and not f.name.endswith(".index.json"):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# 5. The command line: write a quantized checkpoint, or measure every trade.
+
+EVAL_TEXT = "data/eval_text.txt"
+EVAL_PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give me three tips for sleeping better.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarise the plot of a heist movie you invent, in one paragraph.",
+    "How do I boil an egg so the yolk stays soft?",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "List the planets of the solar system in order from the sun.",
+]
+CONFIGS = [  # label, weights, kv dtype
+    ("full", None, None), ("KV int8", None, "int8"), ("KV fp8", None, "fp8"),
+    ("KV fp8, plain cast", None, "fp8-plain"), ("weights int8", "int8", None),
+    ("weights int4 (g32)", "int4", None), ("weights int8 + KV int8", "int8", "int8")]
+
+
+def perplexity(model, ids: list[int], kv_dtype: str | None, chunk: int = 128) -> float:
+    """exp(mean negative log-likelihood) of ``ids``, fed through the cache ``chunk``
+    tokens at a time, so each chunk attends to the stored (quantized) past."""
+    cache, nll = model.new_cache("dynamic", kv_dtype=kv_dtype), 0.0
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, chunk):
+            piece = ids[start:min(start + chunk, len(ids) - 1)]
+            logits = model(torch.tensor([piece]), torch.arange(start, start + len(piece)), cache)[0]
+            target = torch.tensor(ids[start + 1:start + 1 + len(piece)])
+            nll += torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum").item()
+    return float(torch.exp(torch.tensor(nll / (len(ids) - 1))))
+
+
+def evaluate(name: str, dtype: str, new_tokens: int, n_prompts: int, speed_tokens: int = 64):
+    """The table of the README. Agreement is teacher-forced: the full model writes
+    ``new_tokens`` greedy tokens per prompt once; every configuration then reads
+    those same sequences in one forward, and we count the positions where its
+    top-1 token equals the full model's (read the same way). Free-running texts
+    are no measure: after the first differing token they are different texts."""
+    import time
+    from pathlib import Path
+    import model as M
+    text = (Path(__file__).resolve().parent / EVAL_TEXT).read_text()
+    print(f"model {name}, {dtype}; perplexity over {EVAL_TEXT}; top-1 agreement over {n_prompts} prompts × "
+          f"{new_tokens} tokens; decode tok/s: {speed_tokens} tokens, eager, dynamic cache, "
+          f"{torch.get_num_threads()} threads\n", flush=True)
+    rows, sequences, reference = [], None, None
+    for label, weights, kv in CONFIGS:
+        model, tok = M.load(name, "cpu", dtype, weights=weights)
+        model.config.eos_ids = []
+        if sequences is None:   # the full model, first in CONFIGS, writes the continuations
+            chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                     for p in EVAL_PROMPTS[:n_prompts]]
+            prompts = [tok.encode(c, add_bos=False) for c in chats]
+            sequences = [(len(p), p + list(M.generate_cached(model, p, M.SamplingParams(max_new_tokens=new_tokens))))
+                         for p in prompts]
+        ppl = perplexity(model, tok.encode(text), kv)
+        with torch.inference_mode():
+            top1 = [model(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1),
+                          model.new_cache("dynamic", kv_dtype=kv))[0, n - 1:].argmax(-1) for n, seq in sequences]
+        reference = reference or (ppl, top1)
+        agree = sum(int((a == b).sum()) for a, b in zip(top1, reference[1])) / sum(len(a) for a in top1)
+        stats, cache = M.GenerationStats(), model.new_cache("dynamic", kv_dtype=kv)
+        list(M.generate_cached(model, sequences[0][1][:sequences[0][0]], M.SamplingParams(
+            max_new_tokens=speed_tokens), stats, cache))
+        rows.append((label, cache.nbytes / cache.capacity, weight_bytes(model), ppl,
+                     100 * (ppl / reference[0] - 1), 100 * agree, (stats.new_tokens - 1) / stats.decode_s))
+        print(f"  {label}: ppl {ppl:.3f}, agreement {100 * agree:.1f}%", flush=True)
+        del model
+    print("\n| configuration | KV bytes/token | weight MB | perplexity | Δ ppl | top-1 agreement | decode tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, kvb, wb, ppl, dppl, agr, tps in rows:
+        print(f"| {label} | {kvb:.0f} | {wb / 1e6:.0f} | {ppl:.3f} | {dppl:+.2f}% | {agr:.1f}% | {tps:.1f} |")
+
+
+def demo(name: str, dtype: str, n_tokens: int = 512):
+    """A short tour: the bytes each format holds and the perplexity it costs, on the
+    first ``n_tokens`` of the evaluation text (the full table: --eval)."""
+    from pathlib import Path
+    import model as M
+    text = (Path(__file__).resolve().parent / EVAL_TEXT).read_text()
+    print(f"{name}, {dtype}; perplexity on the first {n_tokens} tokens of {EVAL_TEXT}\n")
+    print(f"{'configuration':24} {'weights MB':>10} {'KV B/token':>10} {'perplexity':>10}")
+    base = None
+    for label, weights, kv in [c for c in CONFIGS if "plain" not in c[0] and "+" not in c[0]]:
+        model, tok = M.load(name, "cpu", dtype, weights=weights)
+        ids = tok.encode(text)[:n_tokens]
+        ppl = perplexity(model, ids, kv)
+        base = base or ppl
+        cache = model.new_cache("static", max_len=1, kv_dtype=kv)
+        print(f"{label:24} {weight_bytes(model) / 1e6:>10.0f} {cache.nbytes:>10} {ppl:>10.3f}"
+              f"  ({100 * (ppl / base - 1):+.2f}%)", flush=True)
+
+
+def _main():
+    import argparse
+    ap = argparse.ArgumentParser(description="Quantize a checkpoint (--out), or measure what each "
+                                             "quantization buys and costs (--eval; no flag: a short demo)")
+    ap.add_argument("--model", default=None, help="alias, directory or .gguf (default: the bundled model)")
+    ap.add_argument("--weights", default="int8", help="int8 or int4 (with --out)")
+    ap.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
+    ap.add_argument("--out", default=None, help="write the quantized checkpoint to this directory")
+    ap.add_argument("--eval", action="store_true", help="print the accuracy/memory/speed table")
+    ap.add_argument("--dtype", default="bfloat16", help="activations and unquantized weights")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=8)
+    args = ap.parse_args()
+    import sys
+    import checkpoint
+    import model as M
+    name = args.model or checkpoint.DEFAULT_MODEL
+    try:
+        if args.eval:
+            evaluate(name, args.dtype, args.new_tokens, args.prompts)
+        elif args.out:
+            check_scheme(args.weights, args.group_size)
+            if args.weights in (None, "auto"):
+                raise ValueError("--out needs --weights int8 or int4")
+            source = checkpoint.resolve(name)
+            cfg = M.LlamaConfig.from_hf(checkpoint.read_config(source))
+            if cfg.quantization:
+                raise ValueError(f"{source} is already quantized ({cfg.quantization['weights']}); "
+                                 f"quantize the full-precision checkpoint instead")
+            model = M.Llama.from_pretrained(source, "cpu", args.dtype, cfg)
+            quantize_model(model, args.weights, args.group_size, prepare=False)
+            out = save_quantized(model, M.unpack(model), source, args.out)
+            print(f"wrote {out}: {weight_bytes(model) / 1e6:.0f} MB of weights ({args.weights}); "
+                  f"run it with: python serve_local.py --model {out}")
+        else:
+            demo(name, args.dtype)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,191 @@
+"""quantize.py: round-trip bounds, quantized KV caches in every cache kind, weight-only
+layers against their dequantized matrices, quantized checkpoints, and bad input."""
+
+import json
+
+import pytest
+import torch
+
+import model as M
+import quantize as Q
+from conftest import make_checkpoint, run_cli
+
+
+# --- round trips --------------------------------------------------------------
+
+def test_int8_round_trip_within_half_a_step():
+    x = torch.randn(64, 3, 128) * torch.logspace(-3, 2, 128)      # rows of very different magnitudes
+    q, s = Q.quantize_int8(x)
+    err = (Q.dequantize_int8(q, s) - x).abs()
+    assert q.dtype == torch.int8 and s.shape == (64, 3, 1)
+    assert (err <= s.float() / 2 + 1e-7).all()
+    assert err.max() > 0                                           # it is lossy: the bound is tight-ish
+
+
+def test_fp8_round_trip_within_e4m3_precision():
+    x = torch.randn(64, 3, 128) * 5
+    q, s = Q.quantize_fp8(x)
+    assert q.dtype == Q.FP8
+    back = Q.dequantize_fp8(q, s)
+    y = x / s.float()                                              # what was cast, in units of the scale
+    normal = y.abs() >= 2 ** -6                                    # e4m3's smallest normal number
+    rel = ((back - x).abs() / x.abs())[normal]
+    assert rel.max() <= 2 ** -4 + 1e-6                              # 3 mantissa bits: half a step
+    assert ((back - x).abs()[~normal] <= s.float().expand_as(x)[~normal] * 2 ** -10 + 1e-9).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip_and_nibble_packing(group):
+    w = torch.randn(48, 256)
+    q, s, lo = Q.quantize_int4(w, group)
+    assert q.max() <= 15 and s.shape == (48, 256 // group)
+    back = Q.dequantize_int4(q, s, lo)
+    assert ((back - w).abs().reshape(48, -1, group) <= s[..., None] / 2 + 1e-6).all()
+    assert torch.equal(Q.unpack_nibbles(Q.pack_nibbles(q)), q)
+
+
+# --- the KV cache ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    m = M.Llama.from_pretrained(make_checkpoint(tmp_path_factory.mktemp("c") / "gqa"), "cpu", "float32")
+    m.config.eos_ids = []
+    return m
+
+
+def decode(model, prompt, cache, n):
+    return list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=n), cache=cache))
+
+
+PROMPT = [0, 5, 17, 42, 99, 3, 7, 250, 31]
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_cache_kinds_agree_and_stay_close_to_full(llama, kv):
+    """Dynamic and static caches store the same bytes, so they decode the same tokens;
+    logits stay within a small distance of the full-precision cache's."""
+    dyn = decode(llama, PROMPT, llama.new_cache("dynamic", kv_dtype=kv), 40)
+    assert decode(llama, PROMPT, llama.new_cache("static", max_len=64, kv_dtype=kv), 40) == dyn
+    ids = torch.tensor([PROMPT + dyn])
+    pos = torch.arange(ids.shape[1])
+    full = llama(ids, pos, llama.new_cache("dynamic"))
+    quant = llama(ids, pos, llama.new_cache("dynamic", kv_dtype=kv))
+    rel = (quant - full).norm() / full.norm()
+    assert 0 < rel < (0.02 if kv == "int8" else 0.06)
+
+
+def test_quantized_cache_crop_and_fork(llama):
+    cache = llama.new_cache("dynamic", kv_dtype="int8")
+    first = decode(llama, PROMPT, cache, 30)
+    # crop back to the prompt and decode again: the same continuation
+    cache.crop(len(PROMPT) - 1)
+    assert decode(llama, PROMPT[-1:], cache, 30) == first
+    # a fork shares the bytes (scales included) until it writes, then goes its own way
+    cache.crop(len(PROMPT) + 10)
+    twin = cache.fork()
+    assert twin.k[0].data_ptr() == cache.k[0].data_ptr() and twin.nbytes == cache.nbytes
+    a = decode(llama, [first[10]], twin, 10)
+    assert twin.k[0].data_ptr() != cache.k[0].data_ptr()
+    assert a == first[11:21]
+    b = decode(llama, [first[10]], cache, 10)
+    assert b == a
+
+
+def test_quantized_cache_bytes_include_scales(llama):
+    c = llama.config
+    for kv, row in [("int8", c.head_dim + 2), ("fp8", c.head_dim + 2), ("fp8-plain", c.head_dim)]:
+        cache = llama.new_cache("static", max_len=50, kv_dtype=kv)
+        assert cache.nbytes == 2 * c.n_layers * c.n_kv_heads * 50 * row
+    full = llama.new_cache("static", max_len=50)
+    assert full.nbytes == 2 * c.n_layers * c.n_kv_heads * 50 * c.head_dim * 4   # fp32 model
+
+
+def test_attention_over_a_quantized_cache_is_close():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64), torch.randn(1, 2, 300, 64)
+    exact = M.attend(q, k, v, None)
+    for name, tol in [("int8", 0.01), ("fp8", 0.04), ("fp8-plain", 0.06)]:
+        codec = Q.kv_codec(name)
+        kq, vq = codec.decode(codec.encode(k), torch.float32), codec.decode(codec.encode(v), torch.float32)
+        rel = (M.attend(q, kq, vq, None) - exact).norm() / exact.norm()
+        assert 0 < rel < tol, name
+
+
+# --- weights -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_equals_its_dequantized_matrix(scheme, dtype):
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 128), torch.randn(5, 1, 128).to(dtype)
+    layer = Q.Int8Linear.from_float(w) if scheme == "int8" else Q.Int4Linear.from_float(w, 32)
+    reference = x.float() @ layer.dequantized().float().t()        # before prepare: the portable layout
+    layer.prepare(dtype)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (5, 1, 96)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert ((y.float() - reference).norm() / reference.norm()) < tol
+    # and the quantized matrix is close to the original
+    exact = x.float() @ w.t()
+    assert ((reference - exact).norm() / exact.norm()) < (0.01 if scheme == "int8" else 0.12)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_saved_checkpoint_matches_on_the_fly(tmp_path, scheme):
+    src = make_checkpoint(tmp_path / "src", tie_word_embeddings=True)
+    rc, out, err = run_cli("quantize.py", "--model", str(src), "--weights", scheme, "--group-size", "32",
+                           "--dtype", "float32", "--out", str(tmp_path / "q"))
+    assert rc == 0, err
+    assert json.loads((tmp_path / "q" / "config.json").read_text())[Q.CONFIG_KEY]["weights"] == scheme
+    loaded, tok = M.load(str(tmp_path / "q"), "cpu", "float32")
+    fly, _ = M.load(str(src), "cpu", "float32", weights=scheme, group_size=32)
+    assert isinstance(loaded.layers[0].mlp.down_proj, Q.Int8Linear if scheme == "int8" else Q.Int4Linear)
+    assert isinstance(loaded.lm_head, Q.Int8Linear)          # int4 keeps the head in int8
+    ids = torch.tensor([PROMPT])
+    assert torch.equal(loaded(ids, torch.arange(len(PROMPT))), fly(ids, torch.arange(len(PROMPT))))
+    assert decode(loaded, PROMPT, None, 40) == decode(fly, PROMPT, None, 40)
+    assert Q.weight_bytes(loaded) < Q.weight_bytes(M.load(str(src), "cpu", "float32")[0]) / 2
+
+
+# --- bad input ------------------------------------------------------------------
+
+def test_unknown_schemes_are_refused():
+    with pytest.raises(ValueError, match="unknown --weights 'int3': use auto, int8 or int4"):
+        Q.check_scheme("int3")
+    with pytest.raises(ValueError, match="group size must be one of"):
+        Q.check_scheme("int4", 48)
+    with pytest.raises(ValueError, match="unknown --kv-dtype 'int2'"):
+        Q.kv_codec("int2")
+
+
+def test_requantizing_and_corrupt_scales_are_one_line_errors(tmp_path):
+    src = make_checkpoint(tmp_path / "src")
+    q = tmp_path / "q"
+    assert run_cli("quantize.py", "--model", str(src), "--weights", "int8", "--out", str(q))[0] == 0
+    rc, out, err = run_cli("quantize.py", "--model", str(q), "--weights", "int8", "--out", str(tmp_path / "qq"))
+    assert rc == 1 and err.strip().startswith("error: ") and "already quantized" in err and "Traceback" not in err
+    rc, out, err = run_cli("serve_local.py", "--model", str(q), "--weights", "int4", "--prompt", "hi")
+    assert rc == 1 and "already quantized (int8)" in err and "Traceback" not in err
+    # a scale that is NaN or zero would silently wreck one layer: refused by name
+    from safetensors.torch import load_file, save_file
+    state = load_file(q / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    state[name][3] = float("nan")
+    save_file(state, q / "model.safetensors")
+    rc, out, err = run_cli("serve_local.py", "--model", str(q), "--prompt", "hi")
+    assert rc == 1 and "Traceback" not in err
+    assert "corrupt quantized checkpoint: layers.1.mlp.down_proj.weight_scale has 1 invalid values" in err
+    # a scheme this version does not know
+    cfg = json.loads((q / "config.json").read_text())
+    cfg[Q.CONFIG_KEY] = {"weights": "int3"}
+    (q / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = run_cli("serve_local.py", "--model", str(q), "--prompt", "hi")
+    assert rc == 1 and "quantization scheme 'int3'" in err and "Traceback" not in err
+
+
+def test_runner_with_int8_weights_and_int8_kv_still_knows_paris(cache_home):
+    rc, out, err = run_cli("serve_local.py", "--prompt", "What is the capital of France?", "--temperature", "0",
+                           "--max-new-tokens", "20", "--dtype", "bf16", "--weights", "int8", "--kv-dtype", "int8",
+                           env={"XDG_CACHE_HOME": str(cache_home)})
+    assert rc == 0, err
+    assert "Paris" in out and "weights int8" in err
