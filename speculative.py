@@ -1,0 +1,551 @@
+"""
+Speculative decoding: guess several tokens cheaply, let the model check all of them in one pass.
+
+Why checking k guesses costs about one decode step. Batch-1 decoding is
+memory-bound (model.py): a step reads every weight once to compute one
+position. A forward pass over k+1 positions reads the same weights once and
+does k+1 times the arithmetic, which on this 2-core CPU stays cheap up to a
+handful of positions: SmolLM2-135M in fp32 reads 540 MB per pass whether it
+computes 1 position or 5. So if someone proposes tokens d1..dk, the target runs
+one forward over [last token, d1, ..., dk] and gets its own next-token
+distribution after each prefix, all for roughly the price of one step.
+
+The verification rule. At position i the target says p, the proposer said q
+(and drew dᵢ from q). Accept dᵢ with probability min(1, p(dᵢ)/q(dᵢ)); on the
+first rejection emit a token drawn from normalize(max(0, p − q)) and stop; if
+all k are accepted, the target's distribution after dk gives one bonus token.
+Why this emits exactly p, whatever q is: the chance of emitting x is
+
+    q(x)·min(1, p(x)/q(x))  +  P(reject)·max(0, p(x)−q(x)) / Σ max(0, p−q)
+      = min(p(x), q(x))     +  (1 − Σ min(p, q)) · max(0, p(x)−q(x)) / (1 − Σ min(p, q))
+      = min(p(x), q(x)) + max(0, p(x) − q(x))  =  p(x).
+
+(P(reject) = Σ_y q(y)(1 − min(1, p(y)/q(y))) = 1 − Σ min(p, q), and Σ max(0, p−q)
+is the same number.) A proposer that is not a model is a point mass, q = 1 at
+its guess: accept with probability p(d), else draw from p with d removed. Greedy
+decoding is the special case where p is a point mass on the target's argmax:
+accept exactly when the guess is the argmax, else emit the argmax — so greedy
+speculative output is token-for-token the plain greedy output. Temperature,
+top-k and top-p are applied to the logits of both models before the rule
+(`distribution`), so "p" is the distribution plain sampling would draw from.
+
+How much it buys. If each guess survives with probability α, a step emits the
+accepted prefix plus one token: 1 + α + α² + ... + α^k = (1 − α^(k+1)) / (1 − α)
+tokens per target forward (α = 0.7, k = 4: 2.8). The cost is the proposer's
+time plus a target forward slightly dearer than a plain step.
+
+Three proposers, one verifier:
+
+* PromptLookup(N): find the latest earlier occurrence of the context's last
+  n tokens (n = N..1) and propose what followed it. Free, and strong when the
+  answer quotes its input (summaries, code edits, extraction).
+* DraftModel: a small model with the same tokenizer drafts k tokens one by one
+  from its own KV cache (train.py distils one from the bundled model).
+  Adaptive k grows k after a fully accepted step and shrinks it after an early
+  rejection.
+* Lookahead(W, N, G) (Fu et al. 2024): no second model. The target itself runs
+  Jacobi iterations on a window of W future positions; every column of the
+  window's last N−1 trajectories is an n-gram the model "thought of", kept in a
+  pool keyed by its first token. Up to G pool n-grams starting with the current
+  token are verified — in the same forward pass as the next Jacobi iteration.
+
+One pass, several branches. For lookahead the forward input is
+
+    [x_t | candidate 1 (N−1 tokens) | ... | candidate G | window row 0 (W) | ... | row N−2 (W)]
+
+at positions t; t+1..t+N−1 for every candidate; t+1+r+i for row r, column i.
+Positions overlap, so the causal mask is wrong; `Llama.forward(mask=...)` takes
+a (T, L) mask instead: everything sees the cached prefix and x_t; candidate
+token j sees its own tokens 0..j; window token (r, i) sees row 0's columns 0..i
+and rows 1..r of its own column — the sequence x_t, row0[0..i], row1[i], ..,
+rowr[i] at consecutive positions, so the output at (r, i) is the model's next
+token after that column's chain. The dynamic cache stores the new K/V rows in
+input order. After verification the accepted candidate's rows are moved right
+behind x_t (their K/V was computed at the right positions and over exactly the
+accepted prefix, so moving is exact — no recompute) and the cache is cropped:
+it holds the accepted tokens and nothing else, as after every step here.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+import model as M
+from kvcache import DynamicCache, common_prefix
+
+ROOT = Path(__file__).resolve().parent
+BUNDLED_DRAFT = ROOT / "drafts" / "smollm2-135m-draft"   # written by train.py
+
+
+# ----------------------------------------------------------------------------
+# 1. The rule, on probability vectors.
+
+def distribution(logits: torch.Tensor, p: M.SamplingParams) -> torch.Tensor:
+    """logits (n, V) -> the probabilities model.sample draws from, row by row
+    (temperature, then top-k, then top-p). Greedy: a point mass on the argmax."""
+    logits = logits.float()
+    if p.temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _accept(p: torch.Tensor, token: int, q: torch.Tensor | None, gen) -> bool:
+    """Accept with probability min(1, p(d)/q(d)); q None is a point mass on d."""
+    ratio = float(p[token]) / (float(q[token]) if q is not None else 1.0)
+    if ratio >= 1 or ratio <= 0:            # greedy always lands here: no random number drawn
+        return ratio >= 1
+    return float(torch.rand((), generator=gen, device=p.device)) < ratio
+
+
+def _residual(p: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tensor:
+    """After rejecting d: normalize(max(0, p − q)) (q None: p with d removed)."""
+    if q is None:
+        r = p.clone()
+        r[token] = 0.0
+    else:
+        r = (p - q).clamp_min(0.0)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+def verify(target: list[torch.Tensor], candidates: list[list[int]], draft: torch.Tensor | None = None,
+           generator: torch.Generator | None = None) -> tuple[int, int, int]:
+    """The target's verdict on one or more proposed continuations.
+
+    target[c]: (len(candidates[c]) + 1, V), the target's distribution after the
+    last accepted token and after each of candidate c's tokens; draft: (k, V), the
+    draft model's distributions for a single candidate, or None for point masses.
+    Several candidates (lookahead) are tried in turn at each depth: rejecting
+    one removes its token from p, so the next is judged against what is left —
+    the same argument as above, applied once per distinct token.
+    Returns (candidate index, tokens accepted n, next token)."""
+    if draft is not None and len(candidates) > 1:
+        raise ValueError("a draft distribution goes with exactly one candidate")
+    live = list(range(len(candidates))) or [0]
+    cands = candidates or [[]]
+    depth = 0
+    while True:
+        p = target[live[0]][depth]
+        taken, tried = None, set()
+        for c in live:
+            if len(cands[c]) <= depth or cands[c][depth] in tried:
+                continue
+            token = cands[c][depth]
+            q = draft[depth] if draft is not None else None
+            if _accept(p, token, q, generator):
+                taken = token
+                break
+            tried.add(token)
+            p = _residual(p, token, q)
+        if taken is None:   # every guess rejected (or none left): the target's own token
+            return live[0], depth, int(torch.multinomial(p, 1, generator=generator))
+        live = [c for c in live if len(cands[c]) > depth and cands[c][depth] == taken]
+        depth += 1
+
+
+# ----------------------------------------------------------------------------
+# 2. Proposers. propose() returns candidates (and a draft's distributions, or
+# extra "branch" tokens the target should run in the same pass); update() sees
+# the context after the step.
+
+@dataclass
+class Proposal:
+    candidates: list[list[int]] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None      # (k, V): one candidate drawn from a model
+    branch: list[int] = field(default_factory=list)        # lookahead: extra tokens for the same pass
+    branch_offsets: list[int] = field(default_factory=list)  # their positions relative to x_t
+    branch_mask: torch.Tensor | None = None      # (E, E): what branch tokens see among themselves
+
+
+class PromptLookup:
+    """Propose the continuation of the latest earlier occurrence of the last n tokens."""
+    needs_dynamic_cache = False
+
+    def __init__(self, ngram: int = 3, k: int = 4):
+        if ngram < 1:
+            raise ValueError(f"--prompt-lookup N needs N >= 1 (the n-gram length to match), got {ngram}")
+        check_k(k)
+        self.ngram, self.k = ngram, k
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        last = len(context)
+        for n in range(min(self.ngram, last - 1), 0, -1):
+            tail = context[-n:]
+            for start in range(last - n - 1, -1, -1):      # latest first, never the tail itself
+                if context[start + n - 1] == tail[-1] and context[start:start + n] == tail:
+                    return Proposal([context[start + n:start + n + k]])
+        return Proposal()
+
+    def update(self, context, n, k, branch_logits):
+        pass
+
+
+class DraftModel:
+    """A small model with the same tokenizer drafts k tokens autoregressively."""
+    needs_dynamic_cache = False
+
+    def __init__(self, draft: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, k_max: int = 12):
+        check_k(k)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
+                             f"{target.config.vocab_size}: a draft must use the target's tokenizer")
+        self.model, self.k, self.adaptive, self.k_max = draft, k, adaptive, max(k, k_max)
+        self.cache = draft.new_cache()
+        self.ids: list[int] = []        # the tokens in self.cache
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        dev = self.model.embed_tokens.weight.device
+        keep = min(common_prefix(self.ids, context), len(context) - 1)
+        self.cache.crop(keep)
+        feed, tokens, rows = context[keep:], [], []
+        for _ in range(k):
+            pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
+            logits = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True)[0, -1:]
+            q = distribution(logits, params)[0]
+            token = int(q.argmax()) if params.temperature == 0 else int(torch.multinomial(q, 1, generator=gen))
+            tokens.append(token)
+            rows.append(q)
+            feed = [token]
+        self.ids = context + tokens[:-1]
+        return Proposal([tokens], torch.stack(rows))
+
+    def update(self, context, n, k, branch_logits):
+        accepted = len(context) - 1           # what the target's cache holds now
+        self.ids = self.ids[:min(len(self.ids), accepted)]
+        self.cache.crop(len(self.ids))
+        if self.adaptive:                      # grow on full acceptance, shrink on early rejection
+            if n == k:
+                self.k = min(self.k + 1, self.k_max)
+            elif n < k // 2:
+                self.k = max(self.k - 1, 1)
+
+
+class Lookahead:
+    """Jacobi iteration over W future positions; n-grams from its trajectories; verify up to G."""
+    needs_dynamic_cache = True
+
+    def __init__(self, window: int, ngram: int, guesses: int, seed: int = 0):
+        if window < 1 or ngram < 2 or guesses < 1:
+            raise ValueError(f"--lookahead W,N,G needs W >= 1 (window), N >= 2 (n-gram size) and G >= 1 "
+                             f"(candidates verified per step), got {window},{ngram},{guesses}")
+        self.W, self.N, self.G, self.k = window, ngram, guesses, ngram - 1
+        self.rng = random.Random(seed)
+        self.rows: list[list[int]] = []          # the trajectories, oldest first (at most N−1)
+        self.pool: dict[int, list[tuple]] = {}   # first token -> continuations, most recent first
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        if not self.rows:   # start the window from tokens of the context
+            self.rows = [[self.rng.choice(context) for _ in range(self.W)]]
+        cands = [list(c[:k]) for c in self.pool.get(context[-1], [])[:self.G]] if k else []
+        R, W = len(self.rows), self.W
+        if room < R + W + k:            # near the end of the context: verify only
+            return Proposal(cands)
+        mask = torch.zeros(R * W, R * W, dtype=torch.bool)
+        for r in range(R):
+            for i in range(W):
+                row = r * W + i
+                mask[row, :i + 1] = True                           # row 0, columns 0..i
+                mask[row, [s * W + i for s in range(1, r + 1)]] = True   # rows 1..r of column i
+        return Proposal(cands, branch=[t for row in self.rows for t in row],
+                        branch_offsets=[1 + r + i for r in range(R) for i in range(W)], branch_mask=mask)
+
+    def update(self, context, n, k, branch_logits):
+        if branch_logits is None:
+            return
+        new = branch_logits[-self.W:].argmax(-1).tolist()     # the last row's next tokens
+        if len(self.rows) < self.N - 1:                       # warming up: the window grows a row
+            self.rows.append(new)
+            return
+        for i in range(self.W):
+            gram = tuple(row[i] for row in self.rows) + (new[i],)
+            known = self.pool.setdefault(gram[0], [])
+            if gram[1:] in known:
+                known.remove(gram[1:])
+            known.insert(0, gram[1:])
+            del known[self.G:]
+        self.rows = self.rows[1:] + [new]
+
+
+def check_k(k: int):
+    if k < 1:
+        raise ValueError(f"--spec-k must be >= 1 (tokens proposed per step), got {k}")
+
+
+def check_same_vocab(target_tok, draft_tok, target: M.Llama, draft: M.Llama):
+    """A draft's token ids must mean what the target's mean."""
+    sizes = (target.config.vocab_size, draft.config.vocab_size, target_tok.vocab_size, draft_tok.vocab_size)
+    if sizes[0] != sizes[1] or sizes[2] != sizes[3]:
+        raise ValueError(f"the draft's vocabulary ({sizes[1]} ids, tokenizer {sizes[3]}) differs from the "
+                         f"target's ({sizes[0]} ids, tokenizer {sizes[2]}): a draft must use the same tokenizer")
+    n = min(sizes[2], sizes[3])
+    probe = list(range(0, n, max(1, n // 64)))
+    if [target_tok.decode([i]) for i in probe] != [draft_tok.decode([i]) for i in probe]:
+        raise ValueError("the draft's tokenizer maps ids to different text than the target's: "
+                         "a draft must use the same tokenizer")
+
+
+def load_draft(name: str, target: M.Llama, target_tok, device=None, dtype=None) -> M.Llama:
+    """--draft MODEL: any model name model.load accepts, or `bundled` (train.py's draft)."""
+    if name == "bundled":
+        if not (BUNDLED_DRAFT / "config.json").is_file():
+            raise ValueError(f"no trained draft in {BUNDLED_DRAFT}: run `python train.py` "
+                             f"(distils one from the bundled model, ~45 min on 2 CPU cores) or pass --draft MODEL")
+        name = str(BUNDLED_DRAFT)
+    draft, tok = M.load(name, device, dtype)
+    check_same_vocab(target_tok, tok, target, draft)
+    return draft
+
+
+# ----------------------------------------------------------------------------
+# 3. The loop.
+
+@dataclass
+class SpecStats:
+    steps: int = 0            # target forwards after the prefill
+    proposed: int = 0         # guesses offered (the longest candidate per step)
+    accepted: int = 0         # guesses accepted
+    emitted: int = 0          # tokens emitted by those forwards
+    propose_s: float = 0.0    # time spent in the proposer
+    histogram: Counter = field(default_factory=Counter)   # accepted length -> steps
+    trace: list = field(default_factory=list)   # per step: (emitted so far, n, k, target cache, draft cache)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def merge(self, other: "SpecStats"):
+        for name in ("steps", "proposed", "accepted", "emitted", "propose_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.histogram.update(other.histogram)
+
+    def summary(self) -> str:
+        hist = " ".join(f"{n}:{c}" for n, c in sorted(self.histogram.items()))
+        return (f"acceptance {100 * self.acceptance:.0f}% | {self.tokens_per_forward:.2f} tokens per target "
+                f"forward | accepted lengths {hist}")
+
+
+def _move_rows(cache: DynamicCache, src: int, dst: int, n: int):
+    """Copy K/V rows src..src+n-1 to dst..dst+n-1 in every layer (stored form, quantized or not)."""
+    for store in (cache.k, cache.v):
+        for t in store:
+            t[:, :, dst:dst + n] = t[:, :, src:src + n].clone()
+
+
+@torch.inference_mode()
+def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
+             stats: M.GenerationStats | None = None, spec: SpecStats | None = None, cache=None,
+             history: list[int] | None = None) -> Iterator[int]:
+    """Like model.generate_cached, but each step verifies the proposer's guesses.
+
+    ``history`` is what ``cache`` already holds (a chat's earlier turns): the
+    proposers look at the whole context. On exit the cache holds everything
+    except the last yielded token, exactly as after generate_cached."""
+    stats = stats if stats is not None else M.GenerationStats()
+    spec = spec if spec is not None else SpecStats()
+    cache = cache if cache is not None else model.new_cache()
+    history = list(history or [])
+    if len(history) != cache.length:
+        raise ValueError(f"history has {len(history)} tokens but the cache holds {cache.length}")
+    if proposer.needs_dynamic_cache and not isinstance(cache, DynamicCache):
+        raise ValueError("lookahead decoding needs the dynamic cache (--cache dynamic): its branches "
+                         "share positions, so their K/V rows are kept in input order")
+    limit = M.context_limit(model, cache)
+    M.check_context(model, cache.length + len(prompt), cache)
+    dev, gen = model.embed_tokens.weight.device, M._generator(model, p)
+    stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
+    pos = torch.arange(cache.length, cache.length + len(prompt), device=dev)
+    logits = model(torch.tensor([prompt], device=dev), pos, cache, last_only=True)
+    stats.positions_computed += len(prompt)
+    context = history + prompt + [M.sample(logits[0, -1], p, gen)]
+    t0 = M._clock(stats, 0, t0)
+    yield context[-1]
+    done = 1
+    if context[-1] in model.config.eos_ids or done >= p.max_new_tokens or cache.length + 1 >= limit:
+        return
+    eos = set(model.config.eos_ids)
+    while True:
+        t = cache.length                                  # x_t = context[-1] sits at position t
+        room = limit - 1 - (t + 1)                        # rows this forward may add beyond x_t
+        k = max(0, min(proposer.k, p.max_new_tokens - done - 1, room))
+        ts = time.perf_counter()
+        prop = proposer.propose(context, k, room, p, gen) if k else Proposal()
+        spec.propose_s += time.perf_counter() - ts
+        cands = [c for c in prop.candidates if c] if prop.draft_probs is None else prop.candidates
+        # One pass: x_t, every candidate, the lookahead branch.
+        ids, offsets, starts = [context[-1]], [0], []
+        for c in cands:
+            starts.append(len(ids))
+            ids += c
+            offsets += range(1, len(c) + 1)
+        b0 = len(ids)
+        ids += prop.branch
+        offsets += prop.branch_offsets
+        mask = None
+        if len(cands) > 1 or prop.branch:
+            T = len(ids)
+            mask = torch.zeros(T, t + T, dtype=torch.bool)
+            mask[:, :t + 1] = True                        # the cached prefix and x_t
+            for s, c in zip(starts, cands):
+                mask[s:s + len(c), t + s:t + s + len(c)] = torch.ones(len(c), len(c), dtype=torch.bool).tril()
+            if prop.branch:
+                mask[b0:, t + b0:] = prop.branch_mask
+            if model.config.sliding_window is not None:    # keys are rows 0..t-1, then the new tokens
+                keys = torch.cat([torch.arange(t), torch.tensor(offsets) + t])
+                mask &= keys[None, :] > (torch.tensor(offsets) + t)[:, None] - model.config.sliding_window
+            mask = mask.to(dev)
+        pos = torch.tensor(offsets, device=dev) + t
+        logits = model(torch.tensor([ids], device=dev), pos, cache, mask=mask)[0]
+        stats.positions_computed += len(ids)
+        probs = distribution(logits[:b0], p)
+        target = [probs[[0] + list(range(s, s + len(c)))] for s, c in zip(starts, cands)] or [probs[:1]]
+        c, n, nxt = verify(target, cands, prop.draft_probs, gen)
+        accepted = (cands[c][:n] if cands else []) + [nxt]
+        if n and starts[c] != 1:                          # bring the accepted rows right behind x_t
+            _move_rows(cache, t + starts[c], t + 1, n)
+        cache.crop(t + 1 + n)
+        context += accepted
+        proposer.update(context, n, k, logits[b0:] if prop.branch else None)
+        spec.steps += 1
+        spec.proposed += max((len(c) for c in cands), default=0)
+        spec.accepted += n
+        spec.emitted += len(accepted)
+        spec.histogram[n] += 1
+        draft_cache = getattr(proposer, "cache", None)
+        spec.trace.append((done + len(accepted), n, k, cache.length, draft_cache and draft_cache.length))
+        for i, token in enumerate(accepted):
+            t0 = M._clock(stats, done, t0)
+            yield token
+            done += 1
+            held = len(context) - len(accepted) + i       # plain decoding's cache length at this token
+            if token in eos or done >= p.max_new_tokens or held + 1 >= limit:
+                cache.crop(held)
+                return
+
+
+def make_proposer(target: M.Llama, tok, draft: str | None = None, k: int = 4, adaptive: bool = False,
+                  lookahead: str | None = None, prompt_lookup: int | None = None, device=None, dtype=None):
+    """The runner's flags -> a proposer (or None for plain decoding). One at a time."""
+    chosen = [name for name, v in (("--draft", draft), ("--lookahead", lookahead),
+                                   ("--prompt-lookup", prompt_lookup)) if v is not None]
+    if len(chosen) > 1:
+        raise ValueError(f"choose one speculative method, not {' and '.join(chosen)}")
+    check_k(k)
+    if draft is not None:
+        return DraftModel(load_draft(draft, target, tok, device, dtype), target, k, adaptive)
+    if lookahead is not None:
+        return Lookahead(*parse_lookahead(lookahead))
+    if prompt_lookup is not None:
+        return PromptLookup(prompt_lookup, k)
+    return None
+
+
+def parse_lookahead(text: str) -> tuple[int, int, int]:
+    try:
+        w, n, g = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--lookahead takes W,N,G (window, n-gram size, candidates), e.g. 5,3,5; got '{text}'")
+    Lookahead(w, n, g)   # validates
+    return w, n, g
+
+
+def plain_step_s(model: M.Llama, context: int = 64, steps: int = 6) -> float:
+    """The time of one plain decode step (median), the runner's baseline for the speedup."""
+    cache, dev = model.new_cache(), model.embed_tokens.weight.device
+    times = []
+    with torch.inference_mode():
+        model(torch.zeros(1, context, dtype=torch.long, device=dev), torch.arange(context, device=dev), cache)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([cache.length], device=dev),
+                  cache, last_only=True)
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def stats_line(spec: SpecStats, stats: M.GenerationStats, plain_s: float) -> str:
+    speed = (stats.new_tokens - 1) / stats.decode_s if stats.decode_s else 0.0
+    return f"[speculative: {spec.summary()} | ~{speed * plain_s:.2f}x plain decoding ({1 / plain_s:.1f} tok/s)]"
+
+
+# ----------------------------------------------------------------------------
+# 4. Measuring: plain decoding against each method on the same prompts.
+
+def compare(model: M.Llama, prompts: list[list[int]], methods: dict, new_tokens: int) -> list[dict]:
+    """methods: name -> zero-argument factory of a proposer (None = plain decoding).
+    Greedy, EOS ignored; returns one row per method with decode tok/s, speedup and
+    the speculative stats; every method's tokens are checked against plain decoding."""
+    eos, model.config.eos_ids = model.config.eos_ids, []
+    params = M.SamplingParams(temperature=0, max_new_tokens=new_tokens)
+    rows, reference = [], None
+    try:
+        for name, factory in methods.items():
+            spec, decode_s, tokens, outs = SpecStats(), 0.0, 0, []
+            for ids in prompts:
+                stats = M.GenerationStats()
+                proposer = factory()
+                run = M.generate_cached(model, ids, params, stats) if proposer is None else \
+                    generate(model, ids, params, proposer, stats, spec)
+                outs.append(list(run))
+                decode_s += stats.decode_s
+                tokens += stats.new_tokens - 1
+            reference = reference or outs
+            rows.append({"method": name, "tok_s": tokens / decode_s, "spec": spec if spec.steps else None,
+                         "same": outs == reference})
+    finally:
+        model.config.eos_ids = eos
+    for r in rows:
+        r["speedup"] = r["tok_s"] / rows[0]["tok_s"]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| method | decode tok/s | speedup | acceptance | tokens/forward | accepted lengths | same tokens |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        s = r["spec"]
+        hist = " ".join(f"{n}:{c}" for n, c in sorted(s.histogram.items())) if s else ""
+        lines.append(f"| {r['method']} | {r['tok_s']:.1f} | {r['speedup']:.2f}× | "
+                     f"{f'{100 * s.acceptance:.0f}%' if s else ''} | {f'{s.tokens_per_forward:.2f}' if s else '1'} "
+                     f"| {hist} | {'yes' if r['same'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+SUMMARISE = "Summarise this text in a few sentences, keeping the key numbers:\n\n"
+
+if __name__ == "__main__":
+    import argparse
+    from kvcache import HANDBOOK
+    ap = argparse.ArgumentParser(description="speculative decoding on the bundled model: plain vs each method")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    model, tok = M.load()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": SUMMARISE + HANDBOOK[:1500]}]),
+                          add_bos=False)]
+    methods = {"plain": lambda: None, "prompt lookup N=3, k=8": lambda: PromptLookup(3, 8),
+               "lookahead 4,3,4": lambda: Lookahead(4, 3, 4)}
+    if (BUNDLED_DRAFT / "config.json").is_file():
+        draft = load_draft("bundled", model, tok)
+        methods["draft (bundled), k=4"] = lambda: DraftModel(draft, model, 4)
+    print(f"summarise-this-text prompt ({len(prompts[0])} tokens), greedy, {args.new_tokens} new tokens, fp32\n")
+    print(table(compare(model, prompts, methods, args.new_tokens)))

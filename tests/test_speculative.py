@@ -1,0 +1,286 @@
+"""Speculative decoding (speculative.py): exact for every proposer, greedy and sampled.
+
+Greedy: token-for-token equal to plain greedy decoding. Sampled: a chi-square
+test of emitted token counts against the target's own distributions, which a
+deliberately wrong rule (accept everything) must fail."""
+
+import pytest
+import torch
+
+import model as M
+import speculative as S
+from conftest import make_checkpoint
+
+SMALL = dict(tokenizer=False, max_position_embeddings=1024)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A target and a different, smaller random draft with the same 320-token vocabulary."""
+    root = tmp_path_factory.mktemp("spec")
+    target = M.Llama.from_pretrained(make_checkpoint(root / "target", **SMALL), "cpu", torch.float32)
+    draft = M.Llama.from_pretrained(make_checkpoint(root / "draft", hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, num_key_value_heads=1,
+                                                    intermediate_size=64, **SMALL), "cpu", torch.float32)
+    target.config.eos_ids = draft.config.eos_ids = []     # always generate the full length
+    return target, draft
+
+
+PROMPTS = [[0, 5, 17, 99, 4], [0, 250, 251, 252, 253, 7, 7, 7], [0, 42]]
+
+
+def plain(model, prompt, n):
+    return list(M.generate_cached(model, prompt, M.SamplingParams(temperature=0, max_new_tokens=n)))
+
+
+def check_cache_lengths(prompt, spec, draft_cache: bool):
+    """After every step the target's cache holds exactly the accepted tokens (all but
+    the last emitted one, which is fed next); a draft's holds the same, less its
+    own last guess after a fully accepted step (that guess never ran through it)."""
+    for emitted, n, k, target_len, draft_len in spec.trace:
+        assert target_len == len(prompt) + emitted - 1
+        if draft_cache and k:    # k = 0: a plain last step, the draft was not asked
+            assert draft_len == target_len - (1 if n == k else 0)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_identical_to_plain(models, k):
+    target, draft = models
+    proposers = {"draft": lambda: S.DraftModel(draft, target, k),
+                 "adaptive draft": lambda: S.DraftModel(draft, target, k, adaptive=True),
+                 "self draft": lambda: S.DraftModel(target, target, k),
+                 "prompt lookup": lambda: S.PromptLookup(3, k),
+                 "lookahead": lambda: S.Lookahead(4, k + 1, 3)}
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=128)
+    for prompt in PROMPTS:
+        want = plain(target, prompt, 128)
+        for name, make in proposers.items():
+            spec, cache = S.SpecStats(), target.new_cache()
+            got = list(S.generate(target, prompt, greedy, make(), spec=spec, cache=cache))
+            assert got == want, (name, k, prompt)
+            assert cache.length == len(prompt) + 128 - 1
+            check_cache_lengths(prompt, spec, name.endswith("draft"))
+            if name == "self draft":     # the target as its own draft agrees with itself everywhere
+                assert spec.acceptance == 1.0, spec.summary()
+            if name in ("self draft", "prompt lookup", "lookahead"):   # a random draft may never agree
+                assert spec.accepted > 0, (name, k, spec.summary())
+
+
+def test_lookahead_moves_accepted_rows(models):
+    """With several candidates the accepted one may not sit right behind x_t; its K/V
+    rows are moved there. The cache must then equal a plain prefill of the same tokens."""
+    target, _ = models
+    prompt = [0, 9, 8, 7, 9, 8, 7, 9, 8]
+    spec, cache = S.SpecStats(), target.new_cache()
+    out = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=96),
+                          S.Lookahead(5, 3, 4), spec=spec, cache=cache))
+    ref = target.new_cache()
+    with torch.inference_mode():
+        seq = prompt + out[:-1]
+        target(torch.tensor([seq]), torch.arange(len(seq)), ref)
+    assert cache.length == ref.length
+    for a, b in zip(cache.k + cache.v, ref.k + ref.v):
+        torch.testing.assert_close(a[:, :, :ref.length], b[:, :, :ref.length], atol=1e-5, rtol=1e-5)
+
+
+def test_spec_k_and_context_limit(models):
+    """k shrinks near max_new_tokens and the end of the context; output still exact."""
+    target, draft = models
+    limit = target.config.max_seq_len
+    prompt = list(range(1, 300)) * 4
+    prompt = prompt[:limit - 20]
+    want = plain(target, prompt, 64)
+    got = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=64),
+                          S.DraftModel(draft, target, 8)))
+    assert got == want and len(got) == 20     # the context, not max_new_tokens, ends it
+    for n in (1, 2, 3):
+        for proposer in (S.DraftModel(draft, target, 8), S.PromptLookup(1, 8), S.Lookahead(3, 4, 2)):
+            got = list(S.generate(target, PROMPTS[1], M.SamplingParams(temperature=0, max_new_tokens=n), proposer))
+            assert got == plain(target, PROMPTS[1], n)
+
+
+# ----------------------------------------------------------------------------
+# Sampling: the rule keeps the target's distribution.
+
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's test; cells expecting fewer than min_expected counts are pooled into one."""
+    small = expected < min_expected
+    obs = torch.cat([observed[~small], observed[small].sum(0, keepdim=True)])
+    exp = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_rule_on_probability_vectors():
+    """verify() alone, one guess drawn from q: the emitted token follows p; a rule
+    that accepts every guess emits q instead and fails the same test."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.30, 0.25, 0.20, 0.10, 0.08, 0.05, 0.02])
+    q = torch.tensor([0.05, 0.10, 0.10, 0.30, 0.05, 0.20, 0.20])
+    n = 20000
+    guesses = torch.multinomial(q, n, replacement=True, generator=gen).tolist()
+    counts = torch.zeros(len(p))
+    target = [torch.stack([p, p])]
+    for d in guesses:
+        _, accepted, nxt = S.verify(target, [[d]], q[None], gen)
+        counts[d if accepted else nxt] += 1
+    assert chi_square_p(counts, p * n) > 1e-3
+    point = torch.zeros(len(p))              # a deterministic proposer (point mass) too
+    for _ in range(n):
+        _, accepted, nxt = S.verify(target, [[3]], None, gen)
+        point[3 if accepted else nxt] += 1
+    assert chi_square_p(point, p * n) > 1e-3
+    assert chi_square_p(torch.bincount(torch.tensor(guesses), minlength=len(p)).float(), p * n) < 1e-6
+
+
+def test_distribution_is_what_sample_draws():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(12, generator=gen) * 2
+    for params in [M.SamplingParams(temperature=0.8), M.SamplingParams(temperature=1.2, top_k=5),
+                   M.SamplingParams(temperature=1.0, top_p=0.7), M.SamplingParams(temperature=0.5, top_k=6,
+                                                                                   top_p=0.9)]:
+        probs = S.distribution(logits[None], params)[0]
+        counts = torch.bincount(torch.tensor([M.sample(logits, params, gen) for _ in range(4000)]),
+                                minlength=12).float()
+        assert ((counts > 0) <= (probs > 0)).all()
+        assert chi_square_p(counts, probs * 4000) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec16")
+    cfg = dict(vocab_size=16, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+               tokenizer=False, max_position_embeddings=256)
+    target = M.Llama.from_pretrained(make_checkpoint(root / "t", num_hidden_layers=2, **cfg), "cpu", torch.float32)
+    draft = M.Llama.from_pretrained(make_checkpoint(root / "d", num_hidden_layers=1, **cfg), "cpu", torch.float32)
+    target.config.eos_ids = draft.config.eos_ids = []
+    return target, draft
+
+
+def sampled_counts(target, make_proposer, params, n_seqs, n_new):
+    """Run speculative sampling on n_seqs prompts; return observed token counts and
+    the expected counts: the sum over emitted tokens of the target's distribution
+    given everything before it (one plain forward over each finished sequence)."""
+    gen = torch.Generator().manual_seed(0)
+    observed, expected = torch.zeros(16), torch.zeros(16)
+    spec = S.SpecStats()
+    for s in range(n_seqs):
+        prompt = [0] + torch.randint(1, 16, (4,), generator=gen).tolist()
+        p = M.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                             seed=s, max_new_tokens=n_new)
+        out = list(S.generate(target, prompt, p, make_proposer(), spec=spec))
+        seq = prompt + out
+        with torch.inference_mode():
+            logits = target(torch.tensor([seq]), torch.arange(len(seq)))[0, len(prompt) - 1:-1]
+        expected += S.distribution(logits, p).sum(0)
+        observed += torch.bincount(torch.tensor(out), minlength=16).float()
+    return observed, expected, spec
+
+
+@pytest.mark.parametrize("method", ["draft", "prompt lookup", "lookahead"])
+def test_sampling_matches_target(small_vocab, method, monkeypatch):
+    """≥ 20,000 emitted tokens (the draft) against the target's exact distributions;
+    then the same with a rule that accepts every guess, which must fail."""
+    target, draft = small_vocab
+    make = {"draft": lambda: S.DraftModel(draft, target, 3),
+            "prompt lookup": lambda: S.PromptLookup(2, 4),
+            "lookahead": lambda: S.Lookahead(3, 3, 3)}[method]
+    params = M.SamplingParams(temperature=1.0, top_p=0.95)
+    n_seqs = 160 if method == "draft" else 40
+    observed, expected, spec = sampled_counts(target, make, params, n_seqs, 128)
+    assert observed.sum() >= (20000 if method == "draft" else 5000)
+    assert spec.accepted > 0.05 * spec.emitted, spec.summary()      # the rule is really exercised
+    assert chi_square_p(observed, expected) > 1e-3, (observed, expected)
+    monkeypatch.setattr(S, "_accept", lambda p, token, q, gen: True)
+    observed, expected, _ = sampled_counts(target, make, params, 40, 128)
+    assert chi_square_p(observed, expected) < 1e-6
+
+
+# ----------------------------------------------------------------------------
+# Bad input: one clear error each.
+
+def test_bad_input(models, tmp_path, monkeypatch):
+    target, draft = models
+    for k in (0, -1):
+        with pytest.raises(ValueError, match="spec-k must be >= 1"):
+            S.DraftModel(draft, target, k)
+        with pytest.raises(ValueError, match="spec-k must be >= 1"):
+            S.PromptLookup(3, k)
+    for text in ["5,1,5", "0,3,2", "5,3,0", "5,3", "a,b,c"]:
+        with pytest.raises(ValueError, match="--lookahead"):
+            S.parse_lookahead(text)
+    with pytest.raises(ValueError, match="prompt-lookup N needs N >= 1"):
+        S.PromptLookup(0)
+    other = M.Llama.from_pretrained(make_checkpoint(tmp_path / "v", vocab_size=352, **SMALL), "cpu")
+    with pytest.raises(ValueError, match="must use the target's tokenizer"):
+        S.DraftModel(other, target)
+    with pytest.raises(ValueError, match="lookahead decoding needs the dynamic cache"):
+        next(S.generate(target, [0, 1], M.SamplingParams(), S.Lookahead(3, 3, 3),
+                        cache=target.new_cache("static", max_len=64)))
+
+
+def test_draft_vocabulary_checked_at_load(tmp_path):
+    tgt_dir = make_checkpoint(tmp_path / "t")
+    bad_dir = make_checkpoint(tmp_path / "d", vocab_size=352)
+    target, tok = M.load(str(tgt_dir))
+    with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
+        S.load_draft(str(bad_dir), target, tok)
+    assert S.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+
+
+def test_runner_flags(tmp_path, monkeypatch, capsys):
+    import serve_local
+    tgt = str(make_checkpoint(tmp_path / "t"))
+    monkeypatch.setattr(S, "BUNDLED_DRAFT", tmp_path / "no-draft")
+    cases = [(["--draft", "bundled"], "python train.py"), (["--spec-k", "0", "--prompt-lookup", "3"], "spec-k"),
+             (["--lookahead", "4,1,4"], "--lookahead"), (["--draft", "bundled", "--prompt-lookup", "2"],
+                                                         "choose one speculative method")]
+    for flags, message in cases:
+        assert serve_local.main(["--model", tgt, "--prompt", "hi", *flags]) == 1
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("error: ") and message in err, err
+    assert serve_local.main(["--model", tgt, "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "24",
+                             "--prompt-lookup", "2"]) == 0
+    assert "acceptance" in capsys.readouterr().err
+
+
+def test_static_cache_and_chat_turns(models, tmp_path):
+    """Draft and prompt lookup run on a static cache too; in a chat, later turns see the
+    whole conversation (history) and still match plain decoding turn by turn."""
+    import io
+    import serve_local
+    target, draft = models
+    prompt = PROMPTS[1]
+    want = plain(target, prompt, 64)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
+    for proposer in (S.DraftModel(draft, target, 4), S.PromptLookup(3, 4)):
+        cache = target.new_cache("static", max_len=128)
+        assert list(S.generate(target, prompt, greedy, proposer, cache=cache)) == want
+        assert cache.length == len(prompt) + 64 - 1
+    model, tok = M.load(str(make_checkpoint(tmp_path / "chat")))
+    model.config.eos_ids = []
+    params = M.SamplingParams(temperature=0, max_new_tokens=40)
+    chats = [serve_local.Chat(model, tok, params),
+             serve_local.Chat(model, tok, params, proposer=S.PromptLookup(2, 4)),
+             serve_local.Chat(model, tok, params, proposer=S.Lookahead(3, 3, 3))]
+    for text in ["hello there", "the quick brown fox", "how can I help"]:
+        answers = [io.StringIO() for _ in chats]
+        for chat, out in zip(chats, answers):
+            chat.turn(text, out)
+        assert answers[1].getvalue() == answers[0].getvalue() == answers[2].getvalue()
+        assert chats[1].cache.length == chats[0].cache.length == chats[2].cache.length
+
+
+def test_lookahead_mask_respects_sliding_window(tmp_path):
+    target = M.Llama.from_pretrained(make_checkpoint(tmp_path / "w", **SMALL), "cpu", torch.float32)
+    target.config.eos_ids, target.config.sliding_window = [], 12     # Mistral-style attention window
+    prompt = [0, 9, 8, 7, 9, 8, 7, 9, 8, 3, 4]
+    want = plain(target, prompt, 96)
+    got = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=96), S.Lookahead(4, 3, 4)))
+    assert got == want
