@@ -3,6 +3,9 @@ bench.py — the project's benchmarks, one subcommand per idea. Prints markdown 
 
     python bench.py decode                        # bundled model + TinyLlama-shaped random checkpoint
     python bench.py decode --model tinyllama-random --dtypes bfloat16
+    python bench.py attention [--quick]           # flash.py: naive vs tiled vs SDPA, time and peak memory
+    python bench.py batching                      # engine.py: static vs continuous batching; prefix caching
+    python bench.py speculative                   # speculative.py: draft, lookahead, prompt lookup vs plain
 
 decode: batch 1, greedy, a fixed 128-token prompt, 128 new tokens with EOS
 ignored, one warm-up run, the median of --reps runs. For each configuration:
@@ -15,6 +18,12 @@ they are installed. llama.cpp runs GGUF files of the same weights, measured
 once per model (in the first dtype's group): the bundled model's original Q4_1
 file, and exports of our checkpoint (F16; Q8_0 too for tinyllama-random) that
 `checkpoint.export_gguf` writes once into the cache.
+
+batching: engine.py's continuous batching against static batching (batches of
+--max-batch requests, each running until its longest answer is done; padded
+rows, or finished rows dropping out) on 64 chat-like requests queued at once,
+then time to first token for requests sharing a 1,171-token system prompt with
+the prefix cache off and on. Same engine, same kernels; only scheduling differs.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 
 import checkpoint
 import model as M
+import quantize
 from kvcache import kv_bytes_per_token
 
 RANDOM_TINYLLAMA = "tinyllama-random"
@@ -47,10 +57,11 @@ def model_dir(name: str):
 
 def bytes_per_token(model: M.Llama, context: int) -> int:
     """What one decode step reads: every weight except the embedding table (one row
-    is gathered) — unless the table doubles as the LM head — plus the KV cache."""
+    is gathered) — unless the table doubles as the LM head — plus the KV cache.
+    Quantized weights count as stored, scales included (quantize.weight_bytes)."""
     c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not c.tie_embeddings:
+    weights = quantize.weight_bytes(model)
+    if not c.tie_embeddings or model.quantization:   # a quantized head is its own copy
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     kv = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.embed_tokens.weight.element_size())
     return weights + context * kv
@@ -144,18 +155,24 @@ def bench_decode(args):
             # implementation -> (dtype column, bytes read per decode step, fn(warmup) -> (ttft_s, decode_s))
             impls = {"nanoinfer cached": (dtype, per_token, lambda warmup: run_ours(
                 model, prompt, 8 if warmup else args.new_tokens))}
-            if not args.no_compile:
-                # A second instance: compile_decode() switches every one-token step to the compiled graph.
+            for weights in ([] if args.no_compile else args.weights):
+                # More instances: compile_decode() switches every one-token step to the compiled graph;
+                # int8/int4 quantize every Linear first (quantize.py), activations stay in `dtype`.
                 fast = M.Llama.from_pretrained(path, "cpu", dtype)
                 fast.config.eos_ids = []
+                quantize.quantize_model(fast, weights)
                 static = fast.new_cache("static", max_len=n_ctx)
                 t0 = time.perf_counter()
                 fast.compile_decode()
                 with torch.inference_mode():
                     run_ours(fast, prompt, 2, static)
-                print(f"  {name} {dtype}: compiled the decode step in {time.perf_counter() - t0:.1f} s", flush=True)
-                impls["nanoinfer static+compile"] = (dtype, per_token, lambda warmup: run_ours(
-                    fast, prompt, 8 if warmup else args.new_tokens, static))
+                print(f"  {name} {dtype} {weights}: compiled the decode step in {time.perf_counter() - t0:.1f} s",
+                      flush=True)
+                label = dtype if weights == "auto" else f"{weights} weights, {dtype}"
+                per_tok = bytes_per_token(fast, args.prompt_tokens + args.new_tokens // 2)
+                impls[f"nanoinfer static+compile{'' if weights == 'auto' else ' ' + weights}"] = (
+                    label, per_tok, lambda warmup, fast=fast, static=static: run_ours(
+                        fast, prompt, 8 if warmup else args.new_tokens, static))
             if not args.no_peers:
                 try:
                     from transformers import LlamaForCausalLM
@@ -199,6 +216,123 @@ def bench_decode(args):
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.2f} |")
 
 
+def long_system_prompt() -> str:
+    """The handbook of kvcache.py's prefix demo, plus two weeks of reports: ~1,150 tokens."""
+    import random
+    from kvcache import HANDBOOK
+    rng = random.Random(0)
+    orchards = ["Beaulieu", "Les Vergers", "Montfort", "La Clairière", "Saint-Aubin"]
+    log = "\n".join(f"Day {d} ({rng.choice(orchards)}): {rng.randint(300, 1800)} crates, {rng.randint(4, 12)} "
+                    f"carts, {rng.randint(0, 3)} red cards, {rng.randint(0, 2)} emergency stops."
+                    for d in range(1, 16))
+    return ("You are a helpful assistant. Answer from the handbook below in one short sentence.\n\n"
+            f"{HANDBOOK}\n\nAppendix: the daily reports of last season.\n{log}")
+
+
+def bench_batching(args):
+    """Continuous against static batching on a chat-like workload, and time to first
+    token with and without prefix caching; everything through engine.Engine, so the
+    kernels are the same and only the scheduling (or the cache) differs."""
+    import engine as E
+    from kvcache import QUESTIONS
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if hint := E.busy_machine_hint():
+        print(hint)
+    model, tok = M.load(args.model, dtype=args.dtype)
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    jobs = E.chat_workload(args.requests, model.config.vocab_size, seed=0)
+    outs = sorted(j.output_len for j in jobs)
+    prompts = [len(j.prompt) for j in jobs]
+    print(f"{args.model} ({dtype}), {torch.get_num_threads()} threads: {args.requests} requests, all queued at "
+          f"t = 0; prompts uniform 20-100 tokens (mean {statistics.mean(prompts):.0f}); answers log-uniform "
+          f"8-128 tokens, EOS ignored (median {statistics.median(outs):.0f}, mean {statistics.mean(outs):.0f}, "
+          f"max {outs[-1]}); static batch = continuous max batch = {args.max_batch}", flush=True)
+    E.run_continuous(model, jobs[:4], 4)          # warm-up: first calls of every kernel
+    runs = [lambda: E.run_static(model, jobs, args.max_batch, pad=True)]
+    if not args.skip_dropped:
+        runs.append(lambda: E.run_static(model, jobs, args.max_batch, pad=False))
+    runs.append(lambda: E.run_continuous(model, jobs, args.max_batch))
+    results = []
+    for run in runs:
+        results.append(run())
+        r = results[-1]
+        print(f"  {r.name}: {r.wall_s:.1f} s, {r.tok_s:.1f} tok/s", flush=True)
+    same = all(r.outputs == results[0].outputs for r in results)
+    print(f"\n{E.batching_table(results)}\n\nsame tokens in every run (greedy): {same}; latency = from t = 0 "
+          f"until the request's answer is complete (a padded static batch returns its answers together)")
+
+    system = long_system_prompt()
+    convs = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                 {"role": "user", "content": q}]), add_bos=False)
+             for q in QUESTIONS[:args.questions]]
+    shared = min(next((i for i, (a, b) in enumerate(zip(convs[0], c)) if a != b), len(c)) for c in convs[1:])
+    print(f"\nprefix caching: {len(convs)} requests, one at a time; each is the same system prompt plus a short "
+          f"question ({min(map(len, convs))}-{max(map(len, convs))} tokens, the first {shared} shared); "
+          f"TTFT = add_request to first token", flush=True)
+    rows = []
+    for caching in (False, True):
+        engine = E.Engine(model, max_batch=1, prefix_caching=caching)
+        ttfts, computed, answers = [], [], []
+        for ids in convs:
+            t0 = time.perf_counter()
+            rid = engine.add_request(ids, M.SamplingParams(max_new_tokens=1))
+            req = engine.request(rid)
+            while not req.finished:
+                engine.step()
+            ttfts.append(req.first_token - t0)
+            computed.append(req.prefill_tokens)
+            answers.append(req.sequences[0].output)
+        warm = ttfts[1:]          # with the cache on, the first request fills it
+        rows.append((caching, ttfts[0], statistics.median(warm), statistics.median(computed[1:]), answers))
+        print(f"  prefix cache {'on' if caching else 'off'}: TTFT {[round(t * 1000) for t in ttfts]} ms", flush=True)
+    off = rows[0][2]
+    print("\n| prefix cache | first request TTFT ms | later requests: TTFT ms (median) | prompt tokens computed "
+          "(median) | × faster |\n|---|---:|---:|---:|---:|")
+    for caching, first, median, comp, _ in rows:
+        print(f"| {'on' if caching else 'off'} | {first * 1000:.0f} | {median * 1000:.0f} | {comp:.0f} "
+              f"| {off / median:.1f} |")
+    print(f"\nsame first tokens with and without the cache: {rows[0][4] == rows[1][4]}")
+
+
+CHAT_PROMPTS = [
+    "Explain in simple terms why the sky is blue.",
+    "Write a short poem about a lighthouse keeper.",
+    "What are three tips for learning a new language?",
+    "Describe how a bicycle works to a ten-year-old.",
+    "Give me a recipe for a simple tomato soup.",
+    "What is the difference between weather and climate?",
+    "Write a polite email asking a neighbour to turn down their music.",
+    "List some good habits for staying healthy while working from home.",
+]
+
+
+def bench_speculative(args):
+    """Greedy, EOS ignored: plain decoding against each speculative method, same prompts, same run."""
+    import speculative as S
+    from kvcache import HANDBOOK
+    model, tok = M.load(args.model, "cpu", args.dtype)
+
+    def chat(text):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
+
+    methods = {"plain": lambda: None}
+    if args.draft:
+        draft = S.load_draft(args.draft, model, tok, "cpu", args.dtype)
+        methods[f"draft {args.draft}, k={args.spec_k}"] = lambda: S.DraftModel(draft, model, args.spec_k)
+        methods[f"draft {args.draft}, adaptive k"] = lambda: S.DraftModel(draft, model, args.spec_k, adaptive=True)
+    methods[f"lookahead {args.lookahead}"] = lambda: S.Lookahead(*S.parse_lookahead(args.lookahead))
+    methods[f"prompt lookup N={args.prompt_lookup}, k={args.lookup_k}"] = \
+        lambda: S.PromptLookup(args.prompt_lookup, args.lookup_k)
+    groups = {f"{args.prompts} chat prompts": [chat(t) for t in CHAT_PROMPTS[:args.prompts]],
+              "summarise-this-text prompt": [chat(S.SUMMARISE + HANDBOOK)]}
+    threads = torch.get_num_threads()
+    for name, prompts in groups.items():
+        print(f"\n{name}: {args.model} {args.dtype}, greedy, {args.new_tokens} new tokens each (EOS ignored), "
+              f"{threads} threads; speedup = decode tok/s over plain decoding in the same run\n", flush=True)
+        print(S.table(S.compare(model, prompts, methods, args.new_tokens)), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -210,9 +344,40 @@ def main():
     d.add_argument("--reps", type=int, default=3)
     d.add_argument("--no-peers", action="store_true", help="skip the peers (transformers, llama.cpp)")
     d.add_argument("--no-compile", action="store_true", help="skip the compiled static-cache configuration")
+    d.add_argument("--weights", nargs="+", default=["auto", "int8", "int4"], choices=["auto", "int8", "int4"],
+                   help="weight formats of the compiled configuration (auto = the dtype itself)")
+    a = sub.add_parser("attention", help="flash.py's benchmark: naive, tiled (eager, compiled), SDPA")
+    a.add_argument("--quick", action="store_true", help="N = 512, 2048, 8192 and d 64 only")
+    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    b = sub.add_parser("batching", help="engine.py: static vs continuous batching, prefix caching TTFT")
+    b.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    b.add_argument("--dtype", default="float32", choices=list(M.DTYPES))
+    b.add_argument("--requests", type=int, default=64)
+    b.add_argument("--max-batch", type=int, default=16)
+    b.add_argument("--questions", type=int, default=6, help="prefix caching: requests per configuration")
+    b.add_argument("--skip-dropped", action="store_true", help="skip the static run whose finished rows drop out")
+    b.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); on a busy shared machine 1 avoids OpenMP stalls")
+    sp = sub.add_parser("speculative", help="speculative.py: draft model, lookahead, prompt lookup vs plain")
+    sp.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    sp.add_argument("--dtype", default="float32", choices=list(M.DTYPES))
+    sp.add_argument("--draft", default="bundled", help="draft model; '' to skip (default: train.py's draft)")
+    sp.add_argument("--spec-k", type=int, default=4)
+    sp.add_argument("--lookahead", default="4,3,4", metavar="W,N,G")
+    sp.add_argument("--prompt-lookup", type=int, default=3, metavar="N")
+    sp.add_argument("--lookup-k", type=int, default=8, help="prompt lookup: tokens proposed per step")
+    sp.add_argument("--new-tokens", type=int, default=256)
+    sp.add_argument("--prompts", type=int, default=8, help="chat prompts (at most 8)")
     args = ap.parse_args()
-    if args.cmd == "decode":
+    if args.cmd == "speculative":
+        bench_speculative(args)
+    elif args.cmd == "batching":
+        bench_batching(args)
+    elif args.cmd == "decode":
         bench_decode(args)
+    elif args.cmd == "attention":
+        import flash
+        flash.bench(args.quick, args.dtype)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
+import flash
+import quantize
 from kvcache import DynamicCache, KVCache, SlidingWindowCache, StaticCache, attention_mask
 from tokenizer import Tokenizer
 
@@ -66,6 +68,7 @@ class LlamaConfig:
     sliding_window: int | None = None   # Mistral-style: attend to the last W positions only
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
+    quantization: dict | None = None    # a checkpoint written by quantize.py: {"weights": "int8"}, ...
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
@@ -98,7 +101,8 @@ class LlamaConfig:
                 max_seq_len=c.get("max_position_embeddings", 2048),
                 tie_embeddings=c.get("tie_word_embeddings", False), bos_id=c.get("bos_token_id"),
                 sliding_window=c.get("sliding_window") if c.get("use_sliding_window", True) else None,
-                eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+                eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+                quantization=c.get(quantize.CONFIG_KEY))
         except KeyError as e:
             raise ValueError(f"config.json lacks the field {e.args[0]}") from None
 
@@ -129,6 +133,8 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype):
     angles = positions.to(inv_freq.dtype)[..., None] * inv_freq   # (..., T, d/2)
     angles = torch.cat([angles, angles], dim=-1)                 # (..., T, d)
+    if angles.dim() == 3:   # positions (B, T): each row its own positions (a batch of sequences, engine.py);
+        angles = angles[:, None]                                 # (B, 1, T, d) broadcasts over the heads
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -148,7 +154,10 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     W that widens bf16 to fp32 on the fly and accumulates in fp32, reading
     21 GB/s here against 16 GB/s for oneDNN's kernel behind F.linear (8 matrices
     5632×2048, same run); the whole SmolLM2 step drops from 25 to 15 ms.
-    Everywhere else (eager, prefill, GPUs) F.linear is the right kernel."""
+    Everywhere else (eager, prefill, GPUs) F.linear is the right kernel.
+    A quantized layer (quantize.py) brings its own kernel."""
+    if not isinstance(layer, nn.Linear):
+        return layer(x)
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
         return (x.float().unsqueeze(-2) * layer.weight.float()).sum(-1).to(x.dtype)
     return F.linear(x, layer.weight)
@@ -176,7 +185,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache_layer=None, positions=None):
+    def forward(self, x, cos, sin, mask, cache_layer=None, positions=None, attn="sdpa"):
         B, T, _ = x.shape
         q, k, v = linear(x, self.qkv_proj).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -185,12 +194,22 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v, positions)   # all K/V so far: (B, n_kv, L, d)
-        y = attend(q, k, v, mask)
+        y = attend(q, k, v, mask, attn)
         return linear(y.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 
-def attend(q, k, v, mask):
+ATTN = ("sdpa", "flash", "naive")   # attend()'s implementations: --attn
+
+
+def attend(q, k, v, mask, impl: str = "sdpa"):
     """softmax(q·kᵀ/√d)·v for q (B, H, T, d) over k, v (B, H_kv, L, d); mask (T, L) or None = causal.
+
+    impl "sdpa" (the default) is described below. "flash" runs flash.py's own
+    kernels: Q×K/V tiles with causal tile skipping for prefill (compiled once a
+    prompt fills a 256×256 tile; the first such prompt waits for the compile),
+    flash-decoding (split keys, merged partials) for one token; a cache's mask
+    is taken as it is, and its empty tiles are skipped too. "naive" builds the
+    whole T×L score matrix (flash.naive), the reference the others must match.
 
     Prefill (T > 1) uses PyTorch's fused SDPA kernel, which never builds the
     T×L score matrix; enable_gqa lets each group of H/H_kv query heads read one
@@ -199,6 +218,12 @@ def attend(q, k, v, mask):
     KV head are stacked as rows of one matrix, so GQA costs no copy either. On
     this CPU this is ~3.5× faster than SDPA with a mask in bf16 (146 vs 516 µs
     for 9 heads × 512 keys) and compiles into two matmuls and one fused softmax."""
+    if impl == "naive":
+        return flash.naive(q, k, v, causal=mask is None, mask=mask)[0]
+    if impl == "flash":    # mask None: causal, the T queries being the last T positions
+        if q.shape[2] == 1:
+            return flash.decode(q, k, v, mask, causal=mask is None)[0]
+        return flash.attention(q, k, v, causal=mask is None, mask=mask, compiled=True)[0]
     B, H, T, d = q.shape
     n_kv = k.shape[1]
     if T > 1:
@@ -230,8 +255,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache_layer=None, positions=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_layer, positions)
+    def forward(self, x, cos, sin, mask, cache_layer=None, positions=None, attn="sdpa"):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_layer, positions, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -245,32 +270,54 @@ PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
 
 def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
     """The tensors a checkpoint must hold for this model, by their checkpoint names
-    (without the "model." prefix), each with its shape."""
+    (without the "model." prefix), each with its shape. A quantized model's
+    layers hold a weight and its scales (quantize.py), each split by rows too."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
+    if model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         shapes.pop("lm_head.weight")
     for i, layer in enumerate(model.layers):
         rows = {"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
         for packed, parts in PACKED.items():
-            cols = shapes.pop(f"layers.{i}.{packed}.weight")[1]
-            for part, n in zip(parts, rows[packed]):
-                shapes[f"layers.{i}.{part}.weight"] = (n, cols)
+            prefix = f"layers.{i}.{packed}."
+            for key in [k for k in shapes if k.startswith(prefix)]:
+                cols = shapes.pop(key)[1:]
+                for part, n in zip(parts, rows[packed]):
+                    shapes[f"layers.{i}.{part}.{key.removeprefix(prefix)}"] = (n, *cols)
     return shapes
 
 
 def pack(state: dict, n_layers: int) -> dict:
     for i in range(n_layers):
         for packed, parts in PACKED.items():
-            state[f"layers.{i}.{packed}.weight"] = torch.cat([state.pop(f"layers.{i}.{p}.weight") for p in parts])
+            first = f"layers.{i}.{parts[0]}."
+            for suffix in [k.removeprefix(first) for k in list(state) if k.startswith(first)]:
+                state[f"layers.{i}.{packed}.{suffix}"] = torch.cat(
+                    [state.pop(f"layers.{i}.{p}.{suffix}") for p in parts])
+    return state
+
+
+def unpack(model: "Llama") -> dict:
+    """The model's tensors by checkpoint names: pack's inverse (the stacked rows split again)."""
+    state = dict(model.state_dict())
+    for i, layer in enumerate(model.layers):
+        rows = {"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+        for packed, parts in PACKED.items():
+            prefix = f"layers.{i}.{packed}."
+            for key in [k for k in state if k.startswith(prefix)]:
+                for part, t in zip(parts, state.pop(key).split(rows[packed])):
+                    state[f"layers.{i}.{part}.{key.removeprefix(prefix)}"] = t.contiguous()
     return state
 
 
 class Llama(nn.Module):
     # Submodule names follow Hugging Face's (minus the "model." prefix) so a
     # checkpoint's tensors load by name.
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, attn: str = "sdpa"):
         super().__init__()
+        if attn not in ATTN:
+            raise ValueError(f"unknown attention '{attn}': use {', '.join(ATTN)}")
         self.config = cfg
+        self.attn = attn            # attend()'s implementation, passed down to every layer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
@@ -279,24 +326,29 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.compiled_step = None
+        self.quantization = None    # set by quantize.py: {"weights": "int8"}, ...
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) at absolute positions (T,) -> logits (B, T, vocab).
+        Positions (B, T) give each row its own (a paged cache's batch, engine.py).
 
         Without a cache the T tokens are the whole sequence (causal attention).
         With one, they follow the cache's contents and each attends to every
         cached key plus the new keys up to its own position. ``last_only`` skips
         the LM head for all but the last position: a 500-token prefill would
         otherwise spend 500 × vocab × hidden multiply-adds (14 GFLOP for
-        SmolLM2) on logits nobody reads."""
+        SmolLM2) on logits nobody reads. ``mask`` (T, L) bool, when given, replaces
+        the causal mask of the new tokens over all L keys (with a dynamic cache:
+        the cached rows, then the new ones in order): speculative.py's lookahead
+        packs several branches at overlapping positions into one pass."""
         window = self.config.sliding_window
         if cache is not None:
-            mask = cache.begin(positions)     # host-side bookkeeping, then pure tensor work below
-        elif window is not None and tokens.shape[1] > 1:
+            own = cache.begin(positions)      # host-side bookkeeping, then pure tensor work below
+            mask = own if mask is None else mask
+        elif mask is None and window is not None and tokens.shape[1] > 1:
             mask = attention_mask(positions, positions, window)
-        else:
-            mask = None                       # causal (or a single position)
+        # else: the given mask, or None = causal (or a single position)
         step = self.compiled_step if self.compiled_step is not None and tokens.shape[1] == 1 else self.step
         return step(tokens, positions, mask, cache, last_only)
 
@@ -306,24 +358,26 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions)
+            x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions, self.attn)
         if last_only:
             x = x[:, -1:]
         return linear(self.norm(x), self.lm_head).float()
 
-    def new_cache(self, kind: str = "dynamic", max_len: int | None = None, batch: int = 1) -> KVCache:
+    def new_cache(self, kind: str = "dynamic", max_len: int | None = None, batch: int = 1,
+                  kv_dtype: str | None = None) -> KVCache:
         """kind: dynamic (grows), static (preallocated to max_len, default the
-        model's context) or sliding (ring buffer; needs a sliding_window config)."""
+        model's context) or sliding (ring buffer; needs a sliding_window config).
+        kv_dtype: auto (the model's dtype), int8, fp8 or fp8-plain (quantize.py)."""
         c, w = self.config, self.embed_tokens.weight
-        shape = (c.n_layers, batch, c.n_kv_heads, c.head_dim)
+        shape, codec = (c.n_layers, batch, c.n_kv_heads, c.head_dim), quantize.kv_codec(kv_dtype)
         if kind == "dynamic":
-            return DynamicCache(*shape, dtype=w.dtype, device=w.device, window=c.sliding_window)
+            return DynamicCache(*shape, dtype=w.dtype, device=w.device, window=c.sliding_window, codec=codec)
         if kind == "static":
-            return StaticCache(*shape, max_len or c.max_seq_len, w.dtype, w.device, c.sliding_window)
+            return StaticCache(*shape, max_len or c.max_seq_len, w.dtype, w.device, c.sliding_window, codec)
         if kind == "sliding":
             if c.sliding_window is None:
                 raise ValueError("--cache sliding needs a model whose config.json sets sliding_window")
-            return SlidingWindowCache(*shape, c.sliding_window, w.dtype, w.device)
+            return SlidingWindowCache(*shape, c.sliding_window, w.dtype, w.device, codec=codec)
         raise ValueError(f"unknown cache kind '{kind}': use dynamic, static or sliding")
 
     def compile_decode(self):
@@ -345,18 +399,22 @@ class Llama(nn.Module):
         return self
 
     @classmethod
-    def from_pretrained(cls, model_dir, device=None, dtype=None, cfg: LlamaConfig | None = None) -> "Llama":
+    def from_pretrained(cls, model_dir, device=None, dtype=None, cfg: LlamaConfig | None = None,
+                        attn: str = "sdpa") -> "Llama":
         """Build on the meta device (no memory), then adopt the checkpoint's
-        mmap-backed tensors with assign=True: no random init, no second copy."""
+        mmap-backed tensors with assign=True: no random init, no second copy.
+        A checkpoint written by quantize.py loads as it is stored (int8/int4)."""
         cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
         device = pick_device(device)
         dtype = pick_dtype(dtype, device)
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, attn)
+            if cfg.quantization:
+                quantize.empty_quantized(model, cfg.quantization)
         expected = checkpoint_shapes(model)
         state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(model_dir).items()
                  if not k.endswith("rotary_emb.inv_freq")}
-        if cfg.tie_embeddings:
+        if cfg.tie_embeddings and not cfg.quantization:
             state.pop("lm_head.weight", None)
         missing = sorted(set(expected) - set(state))
         if missing:
@@ -369,10 +427,17 @@ class Llama(nn.Module):
                 raise checkpoint.CheckpointError(
                     f"tensor {name} has shape {tuple(t.shape)} but config.json implies "
                     f"{tuple(expected[name])}: weights and config.json do not belong together")
-        state = pack({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, cfg.n_layers)
+        # Quantized tensors and their scales keep their dtypes; the layers prepare them below.
+        state = pack({k: v.to(device=device, dtype=dtype if quantize.is_plain(k, v) else None)
+                      for k, v in state.items()}, cfg.n_layers)
+        if cfg.quantization:
+            quantize.check_quantized_tensors(state)
         model.load_state_dict(state, strict=False, assign=True)
-        if cfg.tie_embeddings:
+        if cfg.tie_embeddings and not cfg.quantization:
             model.lm_head.weight = model.embed_tokens.weight
+        for layer in model.modules():
+            if hasattr(layer, "prepare"):
+                layer.prepare(dtype)
         model.inv_freq = rope_frequencies(cfg).to(device)
         return model.eval()
 
@@ -422,13 +487,20 @@ def pick_dtype(name, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None) -> tuple[Llama, Tokenizer]:
-    """Alias, directory or .gguf -> (model, tokenizer)."""
+def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None,
+         group_size: int = quantize.GROUP, attn: str = "sdpa") -> tuple[Llama, Tokenizer]:
+    """Alias, directory or .gguf -> (model, tokenizer). ``weights`` int8/int4
+    quantizes every Linear at load (quantize.py); ``attn``: sdpa, flash or naive (attend())."""
+    quantize.check_scheme(weights, group_size)
     model_dir = checkpoint.resolve(name)
     # Cheap checks first: a bad config or missing tokenizer should not wait for gigabytes of weights.
     cfg = LlamaConfig.from_hf(checkpoint.read_config(model_dir))
+    if cfg.quantization and weights not in (None, "auto"):
+        raise ValueError(f"{model_dir} is already quantized ({cfg.quantization['weights']}); "
+                         f"drop --weights or load the full-precision checkpoint")
     tok = Tokenizer.from_dir(model_dir)
-    model = Llama.from_pretrained(model_dir, device, dtype, cfg)
+    model = Llama.from_pretrained(model_dir, device, dtype, cfg, attn)
+    quantize.quantize_model(model, weights, group_size)
     eos = set(tok.eos_ids) | set(model.config.eos_ids)   # generation_config may add ids
     model.config.eos_ids = sorted(eos)
     return model, tok

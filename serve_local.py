@@ -5,6 +5,7 @@ serve_local.py — chat with a Llama-family model on this machine, llama.cpp sty
     python serve_local.py --prompt "Hi" --temperature 0     # answer once; stdout = the answer only
     python serve_local.py --model tinyllama --dtype bf16
     python serve_local.py --dtype bf16 --cache static --compile   # fastest on a CPU with AVX512-BF16
+    python serve_local.py --kv paged            # engine.py's block pool: prefix-cached turns and system prompts
 
 What makes a chat turn cheap: the conversation's KV cache lives across turns.
 Each turn renders the whole conversation with the model's chat template,
@@ -20,12 +21,17 @@ Everything except the answer goes to stderr, so `--prompt` composes with pipes.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import checkpoint
 import model as M
+import quantize
+import speculative
+from kvcache import common_prefix
 from tokenizer import Tokenizer
 
 
@@ -40,16 +46,34 @@ class Chat:
     system: str | None = None
     cache_kind: str = "dynamic"
     ctx: int | None = None        # static cache size (default: the model's context)
+    kv_dtype: str | None = None   # int8 / fp8: quantized KV storage (quantize.py)
     messages: list = field(default_factory=list)
     ids: list = field(default_factory=list)   # the conversation's tokens; the cache holds a prefix of them
+    kv: str = "contiguous"        # or "paged": the engine's block pool (engine.py), prefix-cached
+    block_size: int = 16          # paged: tokens per block
+    proposer: object = None       # speculative decoding (speculative.py): --draft, --lookahead, --prompt-lookup
+    spec: object = None           # the last turn's speculative stats
+    plain_step_s: float = 0.0     # one plain decode step, measured at start: the speedup's baseline
 
     def __post_init__(self):
-        self.cache = self.model.new_cache(self.cache_kind, self.ctx)
+        self.cached_tokens = None     # paged: prompt tokens the last turn found in the cache
+        if self.kv == "paged":
+            import engine   # the runner sits on top: engine.py is only needed for --kv paged
+            ctx = self.ctx or self.model.config.max_seq_len
+            # One conversation's context; blocks it no longer holds stay in the prefix cache.
+            self.engine = engine.Engine(self.model, num_blocks=-(-ctx // self.block_size),
+                                        block_size=self.block_size, max_batch=1)
+            self.cache, self.session_key = self.engine.cache, object()
+        else:
+            self.cache = self.model.new_cache(self.cache_kind, self.ctx, kv_dtype=self.kv_dtype)
         self.reset()
 
     def reset(self):
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.cache.crop(0)
+        if self.kv == "paged":
+            self.engine.end_session(self.session_key)   # its full blocks stay cached for the next one
+        else:
+            self.cache.crop(0)
         self.ids = []
 
     def conversation_ids(self, user_text: str) -> list[int]:
@@ -67,11 +91,18 @@ class Chat:
         stats, answer, stream = M.GenerationStats(), [], self.tok.stream()
         if self.decoder == "naive":
             prefix, tokens = 0, M.generate_naive(self.model, ids, self.params, stats)
+        elif self.kv == "paged":
+            prefix, tokens = 0, self.paged_tokens(ids, stats)
         else:
             prefix = common_prefix(self.ids[:self.cache.length], ids)
             prefix = min(prefix, len(ids) - 1)     # at least one token must run to get logits
             self.cache.crop(prefix)
-            tokens = M.generate_cached(self.model, ids[prefix:], self.params, stats, self.cache)
+            if self.proposer is not None:
+                self.spec = speculative.SpecStats()
+                tokens = speculative.generate(self.model, ids[prefix:], self.params, self.proposer, stats,
+                                              self.spec, self.cache, history=ids[:prefix])
+            else:
+                tokens = M.generate_cached(self.model, ids[prefix:], self.params, stats, self.cache)
         try:
             for t in tokens:
                 answer.append(t)
@@ -87,27 +118,60 @@ class Chat:
             # The cache holds the prompt and every answer token but the last; after an
             # interrupt some layers may hold one more, so crop all to the agreed length.
             kept = len(ids) + len(answer) - 1 if answer else prefix
-            self.cache.crop(kept)
+            if self.kv != "paged":
+                self.cache.crop(kept)
             self.ids = ids + answer
         text = self.tok.decode([t for t in answer if t not in self.model.config.eos_ids], skip_special=True)
         if not self.raw:
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
         return stats
 
+    def paged_tokens(self, ids: list[int], stats: M.GenerationStats):
+        """The turn as one engine request in this conversation's session: the engine
+        appends to the previous turn's blocks (or finds the conversation's full blocks
+        in the prefix cache) and computes only what is new. Ctrl-C is held until the
+        step in flight ends, so the pool never keeps a half-written step."""
+        t0 = time.perf_counter()
+        rid = self.engine.add_request(ids, self.params, session=self.session_key)
+        req, stream = self.engine.request(rid), self.engine.stream(rid)
+        with held_interrupts() as interrupted:
+            try:
+                for i, t in enumerate(stream):
+                    if i == 0:
+                        stats.prompt_tokens, self.cached_tokens = req.prefill_tokens, req.cached_tokens
+                        stats.prefill_s = t1 = time.perf_counter() - t0
+                    else:
+                        stats.decode_s = time.perf_counter() - t0 - t1
+                    stats.new_tokens += 1
+                    stats.positions_computed += stats.prompt_tokens if i == 0 else 1
+                    yield t
+                    if interrupted:
+                        raise KeyboardInterrupt
+            finally:
+                stream.close()       # cancels the request if it is still running
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+
+@contextmanager
+def held_interrupts():
+    """Within the block, Ctrl-C sets a flag (a list that becomes non-empty) instead of
+    raising wherever the program happens to be."""
+    hits = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda *_: hits.append(True))
+    except ValueError:          # not the main thread: signals cannot be caught here anyway
+        old = None
+    try:
+        yield hits
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
 
 
-def stats_line(s: M.GenerationStats, context: int, max_ctx: int) -> str:
+def stats_line(s: M.GenerationStats, context: int, max_ctx: int, cached: int | None = None) -> str:
     prefill = s.prompt_tokens / s.prefill_s if s.prefill_s else 0.0
     decode = (s.new_tokens - 1) / s.decode_s if s.decode_s else 0.0
-    return (f"[prompt {s.prompt_tokens} tok, {prefill:.1f} tok/s | generated {s.new_tokens} tok, "
+    hit = "" if cached is None else f" (+{cached} cached)"
+    return (f"[prompt {s.prompt_tokens} tok{hit}, {prefill:.1f} tok/s | generated {s.new_tokens} tok, "
             f"{decode:.1f} tok/s | first token {s.prefill_s * 1000:.0f} ms | context {context}/{max_ctx}]")
 
 
@@ -130,9 +194,32 @@ def parse_args(argv=None):
                     help="KV cache: grows (dynamic), preallocated (static), or a ring (sliding-window models)")
     ap.add_argument("--ctx", type=int, default=None,
                     help="static cache size in tokens (default: min(model context, 2048)); attention "
-                         "reads all of it every step, so size it to the conversation")
+                         "reads all of it every step, so size it to the conversation; with --kv paged, "
+                         "the block pool's size")
+    ap.add_argument("--kv", choices=["contiguous", "paged"], default="contiguous",
+                    help="paged: the continuous-batching engine's block pool (engine.py); the conversation "
+                         "stays in its blocks between turns, and full blocks are shared by prefix caching")
+    ap.add_argument("--block-size", type=int, default=16, help="--kv paged: tokens per block")
+    ap.add_argument("--attn", choices=list(M.ATTN), default="sdpa",
+                    help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, or the naive "
+                         "full score matrix")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the decode step (needs --cache static; warm-up is printed)")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8-plain"],
+                    help="KV cache storage: the model's dtype (auto), or int8/fp8 with a scale per token "
+                         "and head (half the bytes); fp8-plain casts without a scale")
+    ap.add_argument("--weights", default="auto", choices=["auto", "int8", "int4"],
+                    help="quantize every Linear at load: int8 (per row) or int4 (grouped)")
+    ap.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
+    ap.add_argument("--draft", default=None, help="speculative decoding with a draft model of the same "
+                    "tokenizer (alias, directory, .gguf; `bundled` = train.py's draft for SmolLM2)")
+    ap.add_argument("--spec-k", type=int, default=4, help="tokens proposed per step (--draft, --prompt-lookup)")
+    ap.add_argument("--adaptive-k", action="store_true", help="--draft: grow k after full acceptance, shrink "
+                    "it after early rejection")
+    ap.add_argument("--lookahead", default=None, metavar="W,N,G", help="lookahead decoding: Jacobi window W, "
+                    "n-gram size N, up to G candidates verified per step (e.g. 4,3,4)")
+    ap.add_argument("--prompt-lookup", type=int, default=None, metavar="N", help="speculate by copying what "
+                    "followed the latest earlier match of the last N..1 tokens")
     return ap.parse_args(argv)
 
 
@@ -176,7 +263,10 @@ def interactive(chat: Chat):
             except M.ContextOverflow as e:
                 print(f"[context full: {e}]", file=sys.stderr)
                 continue
-            print(stats_line(stats, len(chat.ids), M.context_limit(chat.model, chat.cache)), file=sys.stderr)
+            print(stats_line(stats, len(chat.ids), M.context_limit(chat.model, chat.cache), chat.cached_tokens),
+                  file=sys.stderr)
+            if chat.spec is not None:
+                print(speculative.stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
     finally:
         if history is not None:
             readline.write_history_file(history)
@@ -189,23 +279,40 @@ def main(argv=None) -> int:
                                   seed=args.seed, max_new_tokens=args.max_new_tokens)
         t0 = time.perf_counter()
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        model, tok = M.load(args.model, args.device, None if args.dtype == "auto" else args.dtype)
+        model, tok = M.load(args.model, args.device, None if args.dtype == "auto" else args.dtype,
+                            args.weights, args.group_size, attn=args.attn)
         w = model.embed_tokens.weight
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"loaded in {time.perf_counter() - t0:.1f} s: {n_params / 1e6:.0f}M parameters, "
-              f"{str(w.dtype).removeprefix('torch.')}, {w.device}", file=sys.stderr)
+        quant = f", weights {model.quantization['weights']}" if model.quantization else ""
+        print(f"loaded in {time.perf_counter() - t0:.1f} s: {quantize.count_parameters(model) / 1e6:.0f}M "
+              f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB, {str(w.dtype).removeprefix('torch.')}"
+              f"{quant}, {w.device}", file=sys.stderr)
         raw = args.raw or tok.chat_template is None
         if args.compile and args.cache != "static":
             raise ValueError("--compile needs --cache static (fixed shapes compile once)")
         ctx = args.ctx or min(model.config.max_seq_len, 2048)
-        chat = Chat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx)
+        if args.kv == "paged" and (args.cache != "dynamic" or args.compile or args.decoder != "cached"
+                                   or args.kv_dtype not in (None, "auto")):
+            raise ValueError("--kv paged runs the engine's own cached decoder on a block pool of the model's "
+                             "dtype: drop --cache, --compile, --decoder and --kv-dtype")
+        proposer = speculative.make_proposer(model, tok, args.draft, args.spec_k, args.adaptive_k, args.lookahead,
+                                             args.prompt_lookup, args.device, w.dtype)
+        if proposer is not None and (args.kv == "paged" or args.decoder != "cached"):
+            raise ValueError("speculative decoding runs on the contiguous cached decoder: drop --kv paged "
+                             "and --decoder naive")
+        chat = Chat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
+                    kv=args.kv, block_size=args.block_size, proposer=proposer)
+        if proposer is not None:
+            chat.plain_step_s = speculative.plain_step_s(model)
         if args.compile:
             warm_up(chat)
         if args.prompt is None:
             interactive(chat)
             return 0
         stats = chat.turn(args.prompt)
-        print(stats_line(stats, len(chat.ids), M.context_limit(model, chat.cache)), file=sys.stderr)
+        print(stats_line(stats, len(chat.ids), M.context_limit(model, chat.cache), chat.cached_tokens),
+              file=sys.stderr)
+        if chat.spec is not None:
+            print(speculative.stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
         return 0
     except (ValueError, OSError) as e:
         # Every expected failure (bad weights, bad flags, context overflow) is one line.

@@ -59,6 +59,18 @@ def make_checkpoint(path: Path, tokenizer: bool = True, classic_config: bool = F
     return path
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For test modules of many tiny forward passes (they check values, not speed): with two
+    OpenMP threads every small op is a fork and a join that cost more than the op, and on a
+    shared 2-core machine a descheduled thread stalls the other (a tiny model's token: 73 ms
+    with 2 threads, 0.7 ms with 1). Use with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def tiny_ckpt(tmp_path):
     return make_checkpoint(tmp_path / "tiny")

@@ -6,6 +6,7 @@ import pytest
 
 import model as M
 import serve_local
+from kvcache import common_prefix
 
 
 def three_turns(path, decoder, raw=False, cache_kind="dynamic"):
@@ -31,7 +32,7 @@ def test_turns_prefill_only_new_tokens_and_match_naive(tiny_ckpt, cache_kind):
     first_turn = naive_stats[0][1].prompt_tokens
     for (in_cache, s), (_, ns) in zip(stats[1:], naive_stats[1:]):
         conversation = chat.ids[:ns.prompt_tokens]   # the naive decoder re-reads all of it
-        reused = serve_local.common_prefix(in_cache, conversation)
+        reused = common_prefix(in_cache, conversation)
         assert reused >= first_turn                  # at least the whole first turn came from the cache
         assert s.prompt_tokens == ns.prompt_tokens - reused
     assert [m["role"] for m in chat.messages] == ["system"] + ["user", "assistant"] * 3
