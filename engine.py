@@ -95,6 +95,7 @@ import torch
 
 import checkpoint
 import model as M
+import quantize
 from kvcache import kv_bytes_per_token
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable, PagedKVCache
 
@@ -307,15 +308,20 @@ class Engine:
     ``num_blocks`` defaults to what ``kv_bytes`` of memory holds (1 GiB), but no
     more than ``max_batch`` sequences of the model's full context need.
     ``max_len`` caps a sequence (prompt + output): the model's context, or the
-    pool if that is smaller. ``kv_dtype`` is the pool's storage type."""
+    pool if that is smaller. ``kv_dtype`` is the pool's storage type: a torch dtype, or
+    "int8"/"fp8"/"fp8-plain" for quantized rows (quantize.py)."""
 
     def __init__(self, model: M.Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES, prefix_caching: bool = True,
-                 max_len: int | None = None, kv_dtype: torch.dtype | None = None, watermark: float = 0.01):
+                 max_len: int | None = None, kv_dtype: torch.dtype | str | None = None,
+                 watermark: float = 0.01):
         c, w = model.config, model.embed_tokens.weight
-        kv_dtype = kv_dtype or w.dtype
+        codec = quantize.kv_codec(kv_dtype) if isinstance(kv_dtype, str) else None
+        kv_dtype = w.dtype if codec is not None or kv_dtype is None else kv_dtype
         if num_blocks is None:
             per_block = block_size * kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, kv_dtype.itemsize)
+            if codec is not None:     # quantized rows: d_head values + the scale, one byte each
+                per_block = block_size * 2 * c.n_layers * c.n_kv_heads * codec.row_bytes(c.head_dim)
             num_blocks = max(1, min(int(kv_bytes // per_block), math.ceil(max_batch * c.max_seq_len / block_size)))
         if num_blocks < 1 or block_size < 1 or max_batch < 1:
             raise ValueError(f"num_blocks, block_size and max_batch must be >= 1 "
@@ -323,7 +329,7 @@ class Engine:
         self.model, self.device = model, w.device
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, kv_dtype,
-                                  w.device, c.sliding_window)
+                                  w.device, c.sliding_window, codec)
         self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit)
         self.watermark = watermark
         self.scheduler = Scheduler(self.allocator, max_batch, self.max_len, watermark)

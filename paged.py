@@ -420,14 +420,17 @@ class PagedKVCache:
     as its last T (``allocate_sequence`` / ``append_slot`` put them there), so
     positions[b] = num_tokens - T ... num_tokens - 1. Sequences are not owned
     here: forks, crops and frees are the allocator's; the pool only holds data.
-    ``dtype`` is the storage type (a quantized KV format can be plugged in here;
-    K/V are converted on the way in and out)."""
+    ``dtype`` is the storage type; a ``codec`` (quantize.py's int8/fp8 KV rows, each
+    with its scale) stores rows of bytes instead, encoded on the way in and decoded
+    after the gather, so a block carries its scales wherever it is copied."""
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=None, device="cpu", window: int | None = None):
+                 dtype=None, device="cpu", window: int | None = None, codec=None):
         global torch
         import torch   # here, not at the top: the bookkeeping above stays torch-free
-        self.block_size, self.window = block_size, window
+        self.block_size, self.window, self.codec = block_size, window, codec
+        if codec is not None:
+            dtype, head_dim = torch.uint8, codec.row_bytes(head_dim)
         # [layer, K|V, block, slot in block, KV head, d_head]; zeros, not empty: a masked key
         # still meets a zero probability in probs @ V, and 0 · NaN garbage would be NaN.
         self.pool = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim,
@@ -480,10 +483,13 @@ class PagedKVCache:
     def _update(self, layer: int, k, v):
         B, H, T, d = k.shape
         pool = self.pool[layer]                                       # [2, blocks, block_size, H, d]
-        new = torch.stack([k, v]).transpose(2, 3).reshape(2, B * T, H, d).to(pool.dtype)
-        pool.view(2, -1, H, d).index_copy_(1, self._write, new)      # scatter to the slots
+        new = torch.stack([k, v]).transpose(2, 3).reshape(2, B * T, H, d)
+        new = new.to(pool.dtype) if self.codec is None else self.codec.encode(new)
+        row = new.shape[-1]                                           # d, or d + the scale's bytes
+        pool.view(2, -1, H, row).index_copy_(1, self._write, new)    # scatter to the slots
         kv = pool.index_select(1, self._read.flatten())               # gather whole blocks, table order
-        kv = kv.view(2, B, -1, H, d).transpose(2, 3).to(k.dtype)       # (2, B, H, L, d)
+        kv = kv.view(2, B, -1, H, row).transpose(2, 3)                # (2, B, H, L, row)
+        kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
         return kv[0], kv[1]
 
 

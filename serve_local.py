@@ -62,7 +62,8 @@ class Chat:
             ctx = self.ctx or self.model.config.max_seq_len
             # One conversation's context; blocks it no longer holds stay in the prefix cache.
             self.engine = engine.Engine(self.model, num_blocks=-(-ctx // self.block_size),
-                                        block_size=self.block_size, max_batch=1)
+                                        block_size=self.block_size, max_batch=1,
+                                        kv_dtype=None if self.kv_dtype == "auto" else self.kv_dtype)
             self.cache, self.session_key = self.engine.cache, object()
         else:
             self.cache = self.model.new_cache(self.cache_kind, self.ctx, kv_dtype=self.kv_dtype)
@@ -290,10 +291,9 @@ def main(argv=None) -> int:
         if args.compile and args.cache != "static":
             raise ValueError("--compile needs --cache static (fixed shapes compile once)")
         ctx = args.ctx or min(model.config.max_seq_len, 2048)
-        if args.kv == "paged" and (args.cache != "dynamic" or args.compile or args.decoder != "cached"
-                                   or args.kv_dtype not in (None, "auto")):
-            raise ValueError("--kv paged runs the engine's own cached decoder on a block pool of the model's "
-                             "dtype: drop --cache, --compile, --decoder and --kv-dtype")
+        if args.kv == "paged" and (args.cache != "dynamic" or args.compile or args.decoder != "cached"):
+            raise ValueError("--kv paged runs the engine's own cached decoder on its block pool: "
+                             "drop --cache, --compile and --decoder")
         proposer = speculative.make_proposer(model, tok, args.draft, args.spec_k, args.adaptive_k, args.lookahead,
                                              args.prompt_lookup, args.device, w.dtype)
         if proposer is not None and (args.kv == "paged" or args.decoder != "cached"):

@@ -68,6 +68,18 @@ def test_paged_decoding_equals_contiguous_cache(llama, reference, block_size):
     all_blocks_back(engine)
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_pages_equal_the_quantized_contiguous_cache(llama, kv):
+    """The same rows, encoded the same way, whether they live in blocks or in one tensor."""
+    want = [list(M.generate_cached(llama, p, GREEDY(max_new_tokens=30), cache=llama.new_cache(kv_dtype=kv)))
+            for p in PROMPTS]
+    engine = Engine(llama, block_size=16, max_batch=len(PROMPTS), kv_dtype=kv)
+    assert engine.cache.pool.dtype == torch.uint8
+    assert engine.cache.pool.shape[-1] == llama.config.head_dim + 2         # the values, then the scale
+    assert [o[0] for o in run_engine(engine, PROMPTS, GREEDY(max_new_tokens=30))] == want
+    all_blocks_back(engine)
+
+
 def test_paged_cache_mask_and_gather(llama):
     """Rows of different lengths: the mask hides each row's padding; update returns every
     row's own keys in position order."""
