@@ -268,6 +268,11 @@ PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
+def packed_rows(model: "Llama", layer: "Block") -> dict[str, list[int]]:
+    """How many rows each stacked matrix's parts have, in PACKED's order."""
+    return {"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+
+
 def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
     """The tensors a checkpoint must hold for this model, by their checkpoint names
     (without the "model." prefix), each with its shape. A quantized model's
@@ -276,7 +281,7 @@ def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
     if model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         shapes.pop("lm_head.weight")
     for i, layer in enumerate(model.layers):
-        rows = {"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+        rows = packed_rows(model, layer)
         for packed, parts in PACKED.items():
             prefix = f"layers.{i}.{packed}."
             for key in [k for k in shapes if k.startswith(prefix)]:
@@ -300,7 +305,7 @@ def unpack(model: "Llama") -> dict:
     """The model's tensors by checkpoint names: pack's inverse (the stacked rows split again)."""
     state = dict(model.state_dict())
     for i, layer in enumerate(model.layers):
-        rows = {"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+        rows = packed_rows(model, layer)
         for packed, parts in PACKED.items():
             prefix = f"layers.{i}.{packed}."
             for key in [k for k in state if k.startswith(prefix)]:
