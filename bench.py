@@ -365,7 +365,7 @@ def main():
     sp.add_argument("--spec-k", type=int, default=4)
     sp.add_argument("--lookahead", default="4,3,4", metavar="W,N,G")
     sp.add_argument("--prompt-lookup", type=int, default=3, metavar="N")
-    sp.add_argument("--lookup-k", type=int, default=8, help="prompt lookup: tokens proposed per step")
+    sp.add_argument("--lookup-k", type=int, default=4, help="prompt lookup: tokens proposed per step (4 beat 8 here: 1.75x vs 1.33x on the summarise prompt)")
     sp.add_argument("--new-tokens", type=int, default=256)
     sp.add_argument("--prompts", type=int, default=8, help="chat prompts (at most 8)")
     args = ap.parse_args()
