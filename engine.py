@@ -316,12 +316,13 @@ class Engine:
                  max_len: int | None = None, kv_dtype: torch.dtype | str | None = None,
                  watermark: float = 0.01):
         c, w = model.config, model.embed_tokens.weight
-        codec = quantize.kv_codec(kv_dtype) if isinstance(kv_dtype, str) else None
-        kv_dtype = w.dtype if codec is not None or kv_dtype is None else kv_dtype
+        codec = quantize.kv_codec(kv_dtype) if isinstance(kv_dtype, str) else None   # "auto" → None
+        if kv_dtype is None or isinstance(kv_dtype, str):
+            kv_dtype = w.dtype
         if num_blocks is None:
-            per_block = block_size * kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, kv_dtype.itemsize)
-            if codec is not None:     # quantized rows: d_head values + the scale, one byte each
-                per_block = block_size * 2 * c.n_layers * c.n_kv_heads * codec.row_bytes(c.head_dim)
+            # A quantized row is d_head one-byte values plus its scale's bytes.
+            row, size = (codec.row_bytes(c.head_dim), 1) if codec else (c.head_dim, kv_dtype.itemsize)
+            per_block = block_size * kv_bytes_per_token(c.n_layers, c.n_kv_heads, row, size)
             num_blocks = max(1, min(int(kv_bytes // per_block), math.ceil(max_batch * c.max_seq_len / block_size)))
         if num_blocks < 1 or block_size < 1 or max_batch < 1:
             raise ValueError(f"num_blocks, block_size and max_batch must be >= 1 "

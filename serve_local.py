@@ -63,7 +63,7 @@ class Chat:
             # One conversation's context; blocks it no longer holds stay in the prefix cache.
             self.engine = engine.Engine(self.model, num_blocks=-(-ctx // self.block_size),
                                         block_size=self.block_size, max_batch=1,
-                                        kv_dtype=None if self.kv_dtype == "auto" else self.kv_dtype)
+                                        kv_dtype=self.kv_dtype)
             self.cache, self.session_key = self.engine.cache, object()
         else:
             self.cache = self.model.new_cache(self.cache_kind, self.ctx, kv_dtype=self.kv_dtype)
@@ -224,6 +224,14 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def report(chat: Chat, stats: M.GenerationStats):
+    """The turn's stats line(s), on stderr: the answer alone goes to stdout."""
+    print(stats_line(stats, len(chat.ids), M.context_limit(chat.model, chat.cache), chat.cached_tokens),
+          file=sys.stderr)
+    if chat.spec is not None:
+        print(speculative.stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
+
+
 def warm_up(chat: Chat):
     """Compile before the user types: one throwaway decode step through the real cache."""
     t0 = time.perf_counter()
@@ -264,10 +272,7 @@ def interactive(chat: Chat):
             except M.ContextOverflow as e:
                 print(f"[context full: {e}]", file=sys.stderr)
                 continue
-            print(stats_line(stats, len(chat.ids), M.context_limit(chat.model, chat.cache), chat.cached_tokens),
-                  file=sys.stderr)
-            if chat.spec is not None:
-                print(speculative.stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
+            report(chat, stats)
     finally:
         if history is not None:
             readline.write_history_file(history)
@@ -309,10 +314,7 @@ def main(argv=None) -> int:
             interactive(chat)
             return 0
         stats = chat.turn(args.prompt)
-        print(stats_line(stats, len(chat.ids), M.context_limit(model, chat.cache), chat.cached_tokens),
-              file=sys.stderr)
-        if chat.spec is not None:
-            print(speculative.stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
+        report(chat, stats)
         return 0
     except (ValueError, OSError) as e:
         # Every expected failure (bad weights, bad flags, context overflow) is one line.
