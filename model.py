@@ -533,21 +533,32 @@ class SamplingParams:
             raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits (..., vocab) -> the probabilities a token is drawn from, row by row:
+    temperature, then top-k, then top-p. Greedy: a point mass on the argmax.
+    (speculative.py applies the same to the draft's and the target's logits.)"""
+    logits = logits.float()
+    if p.temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> int:
     """logits (vocab,) fp32 -> token id."""
     if p.temperature == 0:
         return int(logits.argmax())
-    logits = logits / p.temperature
-    if p.top_k:
-        kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
-        # drop a token when the tokens ranked above it already reach top_p
-        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(sampling_probs(logits, p), 1, generator=generator))
 
 
 # ----------------------------------------------------------------------------

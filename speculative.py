@@ -27,7 +27,8 @@ decoding is the special case where p is a point mass on the target's argmax:
 accept exactly when the guess is the argmax, else emit the argmax — so greedy
 speculative output is token-for-token the plain greedy output. Temperature,
 top-k and top-p are applied to the logits of both models before the rule
-(`distribution`), so "p" is the distribution plain sampling would draw from.
+(`model.sampling_probs`, which plain sampling draws from too), so "p" is exactly
+plain sampling's distribution.
 
 How much it buys. If each guess survives with probability α, a step emits the
 accepted prefix plus one token: 1 + α + α² + ... + α^k = (1 − α^(k+1)) / (1 − α)
@@ -86,25 +87,6 @@ BUNDLED_DRAFT = ROOT / "drafts" / "smollm2-135m-draft"   # written by train.py
 
 # ----------------------------------------------------------------------------
 # 1. The rule, on probability vectors.
-
-def distribution(logits: torch.Tensor, p: M.SamplingParams) -> torch.Tensor:
-    """logits (n, V) -> the probabilities model.sample draws from, row by row
-    (temperature, then top-k, then top-p). Greedy: a point mass on the argmax."""
-    logits = logits.float()
-    if p.temperature == 0:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / p.temperature
-    if p.top_k:
-        kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
 
 def _accept(p: torch.Tensor, token: int, q: torch.Tensor | None, gen) -> bool:
     """Accept with probability min(1, p(d)/q(d)); q None is a point mass on d."""
@@ -218,7 +200,7 @@ class DraftModel:
         for _ in range(k):
             pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
             logits = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True)[0, -1:]
-            q = distribution(logits, params)[0]
+            q = M.sampling_probs(logits, params)[0]
             token = int(q.argmax()) if params.temperature == 0 else int(torch.multinomial(q, 1, generator=gen))
             tokens.append(token)
             rows.append(q)
@@ -417,7 +399,7 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
         pos = torch.tensor(offsets, device=dev) + t
         logits = model(torch.tensor([ids], device=dev), pos, cache, mask=mask)[0]
         stats.positions_computed += len(ids)
-        probs = distribution(logits[:b0], p)
+        probs = M.sampling_probs(logits[:b0], p)
         target = [probs[[0] + list(range(s, s + len(c)))] for s, c in zip(starts, cands)] or [probs[:1]]
         c, n, nxt = verify(target, cands, prop.draft_probs, gen)
         accepted = (cands[c][:n] if cands else []) + [nxt]

@@ -145,7 +145,7 @@ def test_distribution_is_what_sample_draws():
     for params in [M.SamplingParams(temperature=0.8), M.SamplingParams(temperature=1.2, top_k=5),
                    M.SamplingParams(temperature=1.0, top_p=0.7), M.SamplingParams(temperature=0.5, top_k=6,
                                                                                    top_p=0.9)]:
-        probs = S.distribution(logits[None], params)[0]
+        probs = M.sampling_probs(logits[None], params)[0]
         counts = torch.bincount(torch.tensor([M.sample(logits, params, gen) for _ in range(4000)]),
                                 minlength=12).float()
         assert ((counts > 0) <= (probs > 0)).all()
@@ -178,7 +178,7 @@ def sampled_counts(target, make_proposer, params, n_seqs, n_new):
         seq = prompt + out
         with torch.inference_mode():
             logits = target(torch.tensor([seq]), torch.arange(len(seq)))[0, len(prompt) - 1:-1]
-        expected += S.distribution(logits, p).sum(0)
+        expected += M.sampling_probs(logits, p).sum(0)
         observed += torch.bincount(torch.tensor(out), minlength=16).float()
     return observed, expected, spec
 
