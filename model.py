@@ -155,7 +155,7 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     21 GB/s here against 16 GB/s for oneDNN's kernel behind F.linear (8 matrices
     5632×2048, same run); the whole SmolLM2 step drops from 25 to 15 ms.
     Everywhere else (eager, prefill, GPUs) F.linear is the right kernel.
-    A quantized layer (quantize.py) brings its own kernel."""
+    A quantized layer (quantize.py) brings its own."""
     if not isinstance(layer, nn.Linear):
         return layer(x)
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
@@ -390,17 +390,25 @@ class Llama(nn.Module):
         change, so it compiles once). On a CPU inductor emits C++ loops that fuse
         the elementwise work between matmuls (RMSNorm, RoPE, SiLU·up, residual
         adds, the softmax) and removes the per-op dispatch that dominates a small
-        model's eager step; the matrix-vector products become its own fused
-        loops too (see `linear`). `cpp_wrapper` calls the kernels from C++
-        instead of Python. Measured on SmolLM2-135M bf16, one step: eager 37 ms,
+        model's eager step; `cpp_wrapper` calls the kernels from C++ instead of
+        Python. The matrix-vector products become inductor's own fused loops (see
+        `linear`). Measured on SmolLM2-135M bf16, one step: eager 37 ms,
         compiled with F.linear 34; with inductor's `freezing` (oneDNN prepacked
         weights) 24, + cpp_wrapper 20; with `linear`'s multiply-and-sum and
         cpp_wrapper 15 (not frozen: freezing would fold W.float() into an fp32
-        copy of every weight, doubling the bytes read). max_autotune: no better.
+        copy of every weight, doubling the bytes read); with the realization
+        setting below 12.2 (README, Speed). Also tried, no better: max_autotune, and
+        FBGEMM's fp16 matrix-vector kernel called from the compiled step through
+        a custom op (TinyLlama shape 85 vs 87 ms a step, SmolLM2 slower: the
+        Python call per matrix costs more than it saves).
         The first compile takes 1-2.5 minutes on 2 cores; inductor caches it on
         disk (TORCHINDUCTOR_CACHE_DIR), and later runs start in ~20 s."""
+        # realize_opcount_threshold 0: store every reused elementwise result (a
+        # few KB per token) instead of recomputing it where it is read. Otherwise
+        # inductor inlines RMSNorm into the next matrix-vector loop, redoing the
+        # normalisation for every weight it reads: 2.8x slower on that matrix.
         self.compiled_step = torch.compile(self.step, dynamic=False, fullgraph=True,
-                                           options={"cpp_wrapper": True})
+                                           options={"cpp_wrapper": True, "realize_opcount_threshold": 0})
         return self
 
     @classmethod

@@ -130,6 +130,19 @@ def test_quantized_linear_equals_its_dequantized_matrix(scheme, dtype):
     assert ((reference - exact).norm() / exact.norm()) < (0.01 if scheme == "int8" else 0.12)
 
 
+def test_compiled_int8_decode_equals_eager(tmp_path):
+    """Inside the compiled step Int8Linear is a multiply-and-sum loop, not the eager kernel: same tokens."""
+    path = make_checkpoint(tmp_path / "m", num_hidden_layers=2)
+    runs = []
+    for compiled in (False, True):
+        model = Q.quantize_model(M.Llama.from_pretrained(path, "cpu", "float32"), "int8")
+        model.config.eos_ids = []
+        if compiled:
+            model.compile_decode()
+        runs.append(decode(model, PROMPT, model.new_cache("static", max_len=64), 30))
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_saved_checkpoint_matches_on_the_fly(tmp_path, scheme):
     src = make_checkpoint(tmp_path / "src", tie_word_embeddings=True)
