@@ -86,7 +86,6 @@ import operator
 import random
 import time
 from collections import OrderedDict, deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -672,18 +671,9 @@ class RunResult:
         return sum(self.latencies) / len(self.latencies)
 
 
-@contextmanager
-def _no_eos(model: M.Llama):
-    saved, model.config.eos_ids = model.config.eos_ids, []
-    try:
-        yield
-    finally:
-        model.config.eos_ids = saved
-
-
 def run_continuous(model: M.Llama, jobs: list[Job], max_batch: int, **engine_kwargs) -> RunResult:
     """Every job queued at t = 0; the engine keeps up to max_batch decoding."""
-    with _no_eos(model):
+    with M.ignore_eos(model):
         engine = Engine(model, max_batch=max_batch, **engine_kwargs)
         t0 = time.perf_counter()
         reqs = [engine._add(j.prompt, M.SamplingParams(max_new_tokens=j.output_len)) for j in jobs]
@@ -699,7 +689,7 @@ def run_static(model: M.Llama, jobs: list[Job], batch: int, pad: bool = True, **
     pad=True is a fixed-shape batch (what `generate` on a padded batch does): every row
     decodes until the batch's longest answer is done, and the batch's answers are
     returned together. pad=False lets finished rows drop out, but nothing refills them."""
-    with _no_eos(model):
+    with M.ignore_eos(model):
         engine = Engine(model, max_batch=batch, **engine_kwargs)
         outputs, latencies, steps, t0 = [], [], 0, time.perf_counter()
         for i in range(0, len(jobs), batch):

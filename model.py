@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -666,6 +667,17 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
 
 
 DECODERS = {"naive": generate_naive, "cached": generate_cached}
+
+
+@contextmanager
+def ignore_eos(model: Llama):
+    """Within the block the model never stops on EOS: benchmarks and training
+    data need answers of an exact length. The model's own EOS ids come back after."""
+    saved, model.config.eos_ids = model.config.eos_ids, []
+    try:
+        yield
+    finally:
+        model.config.eos_ids = saved
 
 
 # ----------------------------------------------------------------------------

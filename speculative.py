@@ -477,10 +477,9 @@ def compare(model: M.Llama, prompts: list[list[int]], methods: dict, new_tokens:
     """methods: name -> zero-argument factory of a proposer (None = plain decoding).
     Greedy, EOS ignored; returns one row per method with decode tok/s, speedup and
     the speculative stats; every method's tokens are checked against plain decoding."""
-    eos, model.config.eos_ids = model.config.eos_ids, []
     params = M.SamplingParams(temperature=0, max_new_tokens=new_tokens)
     rows, reference = [], None
-    try:
+    with M.ignore_eos(model):
         for name, factory in methods.items():
             spec, decode_s, tokens, outs = SpecStats(), 0.0, 0, []
             for ids in prompts:
@@ -494,8 +493,6 @@ def compare(model: M.Llama, prompts: list[list[int]], methods: dict, new_tokens:
             reference = reference or outs
             rows.append({"method": name, "tok_s": tokens / decode_s, "spec": spec if spec.steps else None,
                          "same": outs == reference})
-    finally:
-        model.config.eos_ids = eos
     for r in rows:
         r["speedup"] = r["tok_s"] / rows[0]["tok_s"]
     return rows

@@ -86,8 +86,8 @@ def generate_data(target, tok, prompts, new_tokens, deadline, max_rounds=8):
     """Phase 1: the target answers every prompt, round after round until the
     deadline; returns (tokens, prompt length) pairs (template + answer). Round
     0 is greedy (the text the draft must predict when `bench.py speculative`
-    decodes greedily);
-    later rounds sample at temperature 0.8 with new seeds, so the answers differ.
+    decodes greedily); later rounds sample at temperature 0.8 with new seeds,
+    so the answers differ.
     The prompts of a round run together through the continuous-batching engine:
     ~90 tok/s here against ~16 tok/s for one conversation at a time.
     EOS is ignored, as `bench.py speculative` ignores it: the draft must also
@@ -99,8 +99,7 @@ def generate_data(target, tok, prompts, new_tokens, deadline, max_rounds=8):
     llm = LLM(target, tokenizer=tok)
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_bos=False) for t in prompts]
     seqs, t0 = [], time.perf_counter()
-    eos, target.config.eos_ids = target.config.eos_ids, []
-    try:
+    with M.ignore_eos(target):
         for r in range(max_rounds):
             for start in range(0, len(ids), 64):      # chunks of a round, so the deadline is kept to a chunk
                 chunk = ids[start:start + 64]
@@ -113,8 +112,6 @@ def generate_data(target, tok, prompts, new_tokens, deadline, max_rounds=8):
                       f"{time.perf_counter() - t0:.0f} s", flush=True)
                 if time.perf_counter() + (time.perf_counter() - t1) > deadline:   # the next chunk would not fit
                     return seqs
-    finally:
-        target.config.eos_ids = eos
     return seqs
 
 
@@ -165,18 +162,18 @@ def distil(draft, data, steps, batch, lr, deadline):
         done = max(step / steps, (time.perf_counter() - t0) / budget)
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1))))
-        picks = torch.randint(len(data), (batch,), generator=gen).tolist()
-        T = max(len(data[i][0]) for i in picks)
+        picks = [data[i] for i in torch.randint(len(data), (batch,), generator=gen).tolist()]
+        T = max(len(s) for s, _, _, _ in picks)
         tokens = torch.zeros(batch, T, dtype=torch.long)
-        for b, i in enumerate(picks):
-            tokens[b, :len(data[i][0])] = data[i][0]
+        for b, (s, _, _, _) in enumerate(picks):
+            tokens[b, :len(s)] = s
         hidden = draft(tokens, torch.arange(T))                                   # (B, T, d)
-        rows = torch.cat([hidden[b, data[i][1] - 1:len(data[i][0]) - 1] for b, i in enumerate(picks)])
+        rows = torch.cat([hidden[b, n - 1:len(s) - 1] for b, (s, n, _, _) in enumerate(picks)])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = head(rows)
-        logq = torch.log_softmax(logits.float(), dim=-1)                           # (n, V)
-        p = torch.cat([data[i][2] for i in picks])
-        idx = torch.cat([data[i][3] for i in picks])
+        logq = torch.log_softmax(logits.float(), dim=-1)                           # (rows, V)
+        p = torch.cat([q for _, _, q, _ in picks])
+        idx = torch.cat([i for _, _, _, i in picks])
         loss = (-(p * logq.gather(-1, idx)).sum(-1) / p.sum(-1)).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
