@@ -136,6 +136,7 @@ class Sequence:
     forks: int = 0                    # branches to fork from this one right after its first prefill
     n_cached: int = 0                 # tokens of the table already computed when admitted
     generator: object = None          # the engine's sampling state (a torch.Generator or None)
+    logprobs: list = field(default_factory=list)   # per output token, with params.logprobs: (values, ids)
 
     @property
     def tokens(self) -> list[int]:
@@ -360,6 +361,8 @@ class Engine:
             raise ValueError("empty prompt: a request needs at least one token")
         if not all(0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab}), the model's vocabulary")
+        if params.logprobs > vocab:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}")
         if not 1 <= n <= self.scheduler.max_batch:
             raise ValueError(f"n must be between 1 and max_batch={self.scheduler.max_batch}, got {n}")
         if len(ids) >= self.max_len:
@@ -479,6 +482,8 @@ class Engine:
         req, p = seq.request, seq.request.params
         token = M.sample(logits, p, seq.generator)
         seq.output.append(token)
+        if p.logprobs:
+            seq.logprobs.append(torch.log_softmax(logits.float(), dim=-1).topk(p.logprobs))
         now = time.perf_counter()
         if req.first_token is None:
             req.first_token = now
@@ -537,6 +542,7 @@ class Completion:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None   # (values, ids), each (tokens, N)
 
 
 @dataclass
@@ -623,7 +629,10 @@ class LLM:
         decode = (lambda ids: self.tokenizer.decode([t for t in ids if t not in self.model.config.eos_ids],
                                                     skip_special=True)) if self.tokenizer else (lambda ids: None)
         seqs = sorted(req.sequences, key=lambda s: s.branch)
-        return Output(req.id, prompt, req.prompt, [Completion(s.output, decode(s.output), s.finish_reason) for s in seqs],
+        top = (lambda s: (torch.stack([v for v, _ in s.logprobs]), torch.stack([i for _, i in s.logprobs]))
+               if s.logprobs else None)
+        return Output(req.id, prompt, req.prompt,
+                      [Completion(s.output, decode(s.output), s.finish_reason, top(s)) for s in seqs],
                       req.cached_tokens, req.first_token - req.arrival, req.finish - req.arrival)
 
 

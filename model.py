@@ -161,7 +161,17 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return layer(x)
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
         return (x.float().unsqueeze(-2) * layer.weight.float()).sum(-1).to(x.dtype)
+    if x.dtype == torch.float32 and x.device.type == "cpu" and _ONEDNN and not torch.is_grad_enabled():
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
     return F.linear(x, layer.weight)
+
+
+# Eager fp32 on a CPU: F.linear calls MKL's sgemm, which on this AMD CPU takes
+# 61 ms for a one-token SmolLM2 step and 1.75-2.2x that for 2 or 3 tokens (the
+# sizes speculative decoding verifies); oneDNN's kernel, the one torch uses for
+# bf16 and inductor for its fused linears, takes 43 ms and 1.3x. (Inference
+# only: the op has no gradient, so training keeps F.linear.)
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class RMSNorm(nn.Module):
@@ -355,7 +365,9 @@ class Llama(nn.Module):
         elif mask is None and window is not None and tokens.shape[1] > 1:
             mask = attention_mask(positions, positions, window)
         # else: the given mask, or None = causal (or a single position)
-        step = self.compiled_step if self.compiled_step is not None and tokens.shape[1] == 1 else self.step
+        # the compiled step was traced for one token on a static cache; anything else runs eagerly
+        compiled = self.compiled_step is not None and tokens.shape[1] == 1 and isinstance(cache, StaticCache)
+        step = self.compiled_step if compiled else self.step
         return step(tokens, positions, mask, cache, last_only)
 
     def step(self, tokens, positions, mask, cache, last_only):
@@ -530,6 +542,8 @@ class SamplingParams:
     top_p: float = 1.0           # keep the smallest set whose probability reaches top_p
     seed: int | None = None
     max_new_tokens: int = 256
+    logprobs: int = 0            # the engine also returns the N most likely tokens' log-probabilities at
+                                 # every output position, from the raw distribution (before temperature)
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -540,6 +554,8 @@ class SamplingParams:
             raise ValueError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 (0 returns none), got {self.logprobs}")
 
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -555,9 +571,16 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # The nucleus is usually a few dozen tokens: rank only the 256 likeliest
+        # (1.3 ms a row here, against 7.2 ms to sort all 49,152), and sort the rest
+        # only for a row whose 256 fall short of top_p.
+        sorted_p, order = probs.topk(min(256, probs.shape[-1]), dim=-1)
+        cum = sorted_p.cumsum(-1)
+        if not bool((cum[..., -1] >= p.top_p).all()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            cum = sorted_p.cumsum(-1)
         # drop a token when the tokens ranked above it already reach top_p
-        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p
+        drop = cum - sorted_p >= p.top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

@@ -239,6 +239,10 @@ def warm_up(chat: Chat):
     chat.model.compile_decode()
     list(M.generate_cached(chat.model, [0], M.SamplingParams(max_new_tokens=2), cache=chat.cache))
     chat.cache.crop(0)
+    if isinstance(chat.proposer, speculative.DraftModel):     # its step is compiled too (make_proposer)
+        list(speculative.generate(chat.model, [0], M.SamplingParams(max_new_tokens=3), chat.proposer,
+                                  cache=chat.cache))
+        chat.cache.crop(0)
     print(f"compiled in {time.perf_counter() - t0:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
 
@@ -300,7 +304,7 @@ def main(argv=None) -> int:
             raise ValueError("--kv paged runs the engine's own cached decoder on its block pool: "
                              "drop --cache, --compile and --decoder")
         proposer = speculative.make_proposer(model, tok, args.draft, args.spec_k, args.adaptive_k, args.lookahead,
-                                             args.prompt_lookup, args.device, w.dtype)
+                                             args.prompt_lookup, args.device, w.dtype, args.compile)
         if proposer is not None and (args.kv == "paged" or args.decoder != "cached"):
             raise ValueError("speculative decoding runs on the contiguous cached decoder: drop --kv paged "
                              "and --decoder naive")

@@ -180,20 +180,40 @@ class PromptLookup:
 
 
 class DraftModel:
-    """A small model with the same tokenizer drafts k tokens autoregressively."""
+    """A small model with the same tokenizer drafts k tokens autoregressively.
+
+    A drafted token must cost a small fraction of a target step. The bundled
+    4-layer draft run eagerly takes 7.3 ms a token here, mostly per-op
+    overhead and its 49,152 × 192 head, against 41 ms for a SmolLM2 step (fp32).
+    With ``compile=True`` its one-token step is compiled (model.compile_decode)
+    on a static cache: 2.3 ms a drafted token. The static cache is sized in powers of two (≥ 1024) so
+    the compiled step sees few shapes; a longer context gets a bigger one."""
     needs_dynamic_cache = False
 
-    def __init__(self, draft: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, k_max: int = 12):
+    def __init__(self, draft: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
+                 compile: bool = False):
         check_k(k)
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
                              f"{target.config.vocab_size}: a draft must use the target's tokenizer")
         self.model, self.k, self.adaptive, self.k_max = draft, k, adaptive, max(k, k_max)
-        self.cache = draft.new_cache()
+        if compile and draft.compiled_step is None:
+            draft.compile_decode()
+        self.static = compile
+        self.cache = None if compile else draft.new_cache()
         self.ids: list[int] = []        # the tokens in self.cache
+
+    def reserve(self, n: int):
+        """A static cache that holds n tokens (a new, empty one if the current is too small)."""
+        if self.cache is None or self.cache.limit < n:
+            size = min(max(1024, 1 << (n - 1).bit_length()), self.model.config.max_seq_len)
+            self.cache = self.model.new_cache("static", max_len=size)
+            self.ids = []
 
     def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
         dev = self.model.embed_tokens.weight.device
+        if self.static:
+            self.reserve(len(context) + k)
         keep = min(common_prefix(self.ids, context), len(context) - 1)
         self.cache.crop(keep)
         feed, tokens, rows = context[keep:], [], []
@@ -284,13 +304,19 @@ def check_same_vocab(target_tok, draft_tok, target: M.Llama, draft: M.Llama):
 
 
 def load_draft(name: str, target: M.Llama, target_tok, device=None, dtype=None) -> M.Llama:
-    """--draft MODEL: any model name model.load accepts, or `bundled` (train.py's draft)."""
+    """--draft MODEL: any model name model.load accepts, or `bundled` (train.py's draft).
+    A model directory without tokenizer files (what train.py writes: its drafts use
+    the target's tokenizer by construction) is checked against the target's."""
     if name == "bundled":
         if not (BUNDLED_DRAFT / "config.json").is_file():
             raise ValueError(f"no trained draft in {BUNDLED_DRAFT}: run `python train.py` "
                              f"(distils one from the bundled model, ~45 min on 2 CPU cores) or pass --draft MODEL")
         name = str(BUNDLED_DRAFT)
-    draft, tok = M.load(name, device, dtype)
+    path = Path(name)
+    if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        draft, tok = M.Llama.from_pretrained(path, device, dtype), target_tok
+    else:
+        draft, tok = M.load(name, device, dtype)
     check_same_vocab(target_tok, tok, target, draft)
     return draft
 
@@ -426,15 +452,17 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
 
 
 def make_proposer(target: M.Llama, tok, draft: str | None = None, k: int = 4, adaptive: bool = False,
-                  lookahead: str | None = None, prompt_lookup: int | None = None, device=None, dtype=None):
-    """The runner's flags -> a proposer (or None for plain decoding). One at a time."""
+                  lookahead: str | None = None, prompt_lookup: int | None = None, device=None, dtype=None,
+                  compile: bool = False):
+    """The runner's flags -> a proposer (or None for plain decoding). One at a time.
+    ``compile`` compiles a draft model's one-token step."""
     chosen = [name for name, v in (("--draft", draft), ("--lookahead", lookahead),
                                    ("--prompt-lookup", prompt_lookup)) if v is not None]
     if len(chosen) > 1:
         raise ValueError(f"choose one speculative method, not {' and '.join(chosen)}")
     check_k(k)
     if draft is not None:
-        return DraftModel(load_draft(draft, target, tok, device, dtype), target, k, adaptive)
+        return DraftModel(load_draft(draft, target, tok, device, dtype), target, k, adaptive, compile=compile)
     if lookahead is not None:
         return Lookahead(*parse_lookahead(lookahead))
     if prompt_lookup is not None:

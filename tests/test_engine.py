@@ -229,7 +229,11 @@ def test_bad_requests_are_refused_and_nothing_is_queued(llama):
         M.SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max-new-tokens"):
         M.SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="logprobs must be >= 0"):
+        M.SamplingParams(logprobs=-1)
     engine = Engine(llama, max_batch=4)
+    with pytest.raises(ValueError, match="logprobs must be at most the vocabulary size"):
+        engine.add_request([1, 2], GREEDY(logprobs=10**6))
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add_request([], GREEDY())
     with pytest.raises(ValueError, match="vocabulary"):
@@ -267,6 +271,28 @@ def test_llm_generate_returns_outputs_in_input_order(tiny_ckpt, capsys):
         assert out.finish_reason == ("stop" if out.token_ids[-1] in eos else "length")
         assert 0 < out.ttft_s <= out.latency_s
     all_blocks_back(llm.engine)
+
+
+def test_logprobs_are_the_models_own_distribution_at_each_output_token(llama):
+    """SamplingParams(logprobs=N): the top-N log-probabilities the engine returns
+    at every output position equal a plain forward over prompt + output, whatever
+    the batch and the temperature (they are the raw distribution)."""
+    prompts, params = PROMPTS[1:4], [GREEDY(max_new_tokens=12, logprobs=5),
+                                     M.SamplingParams(temperature=0.8, seed=3, max_new_tokens=9, logprobs=5),
+                                     GREEDY(max_new_tokens=7)]
+    outs = LLM(llama, max_batch=4).generate(prompts, params, use_tqdm=False)
+    assert outs[2].completions[0].logprobs is None
+    for prompt, out, sp in zip(prompts[:2], outs, params):
+        values, ids = out.completions[0].logprobs
+        assert values.shape == ids.shape == (sp.max_new_tokens, 5)
+        seq = prompt + out.token_ids
+        with torch.inference_mode():
+            full = torch.log_softmax(llama(torch.tensor([seq]), torch.arange(len(seq)))[0, len(prompt) - 1:-1], -1)
+        want_values, want_ids = full.topk(5)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(values, want_values, atol=1e-4, rtol=0)
+        if sp.temperature == 0:
+            assert ids[:, 0].tolist() == out.token_ids
 
 
 def test_stream_yields_tokens_and_closing_it_cancels(llama):

@@ -112,6 +112,21 @@ def test_sampling_controls():
     assert kept == {0, 1} and probs[:2].sum() >= 0.8
 
 
+def test_top_p_equals_a_full_sort_of_the_vocabulary():
+    """sampling_probs ranks only the 256 likeliest tokens when they reach top_p,
+    and sorts everything when they fall short: both must equal the textbook rule."""
+    gen = torch.Generator().manual_seed(0)
+    for scale, nucleus_inside in ((8.0, True), (0.1, False)):   # peaked, then nearly flat over 2,000 tokens
+        logits = torch.randn(3, 2000, generator=gen) * scale
+        got = M.sampling_probs(logits, M.SamplingParams(temperature=1.0, top_p=0.9))
+        probs = torch.softmax(logits, -1)
+        sorted_p, order = probs.sort(-1, descending=True)
+        want = torch.zeros_like(probs).scatter_(-1, order, sorted_p * (sorted_p.cumsum(-1) - sorted_p < 0.9))
+        torch.testing.assert_close(got, want / want.sum(-1, keepdim=True))
+        kept = (got > 0).sum(-1)
+        assert bool((kept < 256).all()) if nucleus_inside else bool((kept > 256).all()), kept
+
+
 def test_seed_makes_sampling_reproducible(tiny_ckpt):
     model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
     model.config.eos_ids = []
@@ -155,3 +170,19 @@ def test_config_errors_name_the_field():
         M.LlamaConfig.from_hf({k: v for k, v in base.items() if k != "vocab_size"})
     cfg = M.LlamaConfig.from_hf({**base, "eos_token_id": [5, 7]})
     assert cfg.eos_ids == [5, 7] and cfg.n_kv_heads == 2 and cfg.head_dim == 4
+
+
+def test_linear_uses_onednn_for_fp32_inference_and_keeps_gradients():
+    """model.linear: eager fp32 inference goes through oneDNN (MKL's small-batch
+    sgemm is slow on some CPUs); same values as F.linear, and training still gets
+    F.linear's gradients."""
+    assert M._ONEDNN                     # every CPU wheel of torch ships oneDNN
+    layer = torch.nn.Linear(64, 300, bias=False)
+    for t in (1, 3, 8):
+        x = torch.randn(2, t, 64)
+        with torch.inference_mode():
+            torch.testing.assert_close(M.linear(x, layer), torch.nn.functional.linear(x, layer.weight),
+                                       atol=1e-5, rtol=1e-5)
+    x = torch.randn(1, 3, 64, requires_grad=True)
+    M.linear(x, layer).sum().backward()
+    assert layer.weight.grad is not None and x.grad is not None

@@ -69,6 +69,25 @@ def test_greedy_identical_to_plain(models, k):
                 assert spec.accepted > 0, (name, k, spec.summary())
 
 
+def test_compiled_draft_equals_plain(models):
+    """DraftModel(compile=True) drafts on a static cache through the compiled
+    one-token step; the output is still the target's own, and the cache resets
+    when it is too small."""
+    import copy
+    target, draft = models
+    draft = copy.deepcopy(draft)         # its compiled step stays off the shared fixture
+    proposer = S.DraftModel(draft, target, 4, compile=True)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
+    for prompt in PROMPTS[:2]:
+        spec = S.SpecStats()
+        assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == plain(target, prompt, 64)
+        check_cache_lengths(prompt, spec, True)
+    assert draft.compiled_step is not None and proposer.cache.limit == 1024   # the model's whole context here
+    long = list(range(1, 300)) * 3
+    assert list(S.generate(target, long, greedy, S.DraftModel(draft, target, 4, compile=True))) == \
+        plain(target, long, 64)
+
+
 def test_lookahead_moves_accepted_rows(models):
     """With several candidates the accepted one may not sit right behind x_t; its K/V
     rows are moved there. The cache must then equal a plain prefill of the same tokens."""
@@ -232,6 +251,13 @@ def test_draft_vocabulary_checked_at_load(tmp_path):
     with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
         S.load_draft(str(bad_dir), target, tok)
     assert S.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+    # train.py's drafts carry no tokenizer files: they load with the target's, vocabulary still checked
+    for d in (tgt_dir, bad_dir):
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (d / f).unlink(missing_ok=True)
+    assert S.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+    with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
+        S.load_draft(str(bad_dir), target, tok)
 
 
 def test_runner_flags(tmp_path, monkeypatch, capsys):
