@@ -186,3 +186,16 @@ def test_linear_uses_onednn_for_fp32_inference_and_keeps_gradients():
     x = torch.randn(1, 3, 64, requires_grad=True)
     M.linear(x, layer).sum().backward()
     assert layer.weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("k", [256, 4608])
+def test_compiled_matvec_equals_linear(k):
+    """Inside a compiled step `linear` is a multiply-and-sum; rows over 4,096 long
+    are summed as two halves (matvec_sum). Both equal F.linear."""
+    layer = torch.nn.Linear(k, 96, bias=False)
+    x = torch.randn(1, 1, k)
+    step = torch.compile(lambda x: M.linear(x, layer), dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(step(x), torch.nn.functional.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(M.matvec_sum(x, layer.weight), torch.nn.functional.linear(x, layer.weight),
+                                   atol=1e-4, rtol=1e-4)
