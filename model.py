@@ -70,6 +70,7 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     quantization: dict | None = None    # a checkpoint written by quantize.py: {"weights": "int8"}, ...
+    head_vocab: int | None = None       # an LM head over only this many tokens (a draft's, train.py)
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
@@ -103,7 +104,7 @@ class LlamaConfig:
                 tie_embeddings=c.get("tie_word_embeddings", False), bos_id=c.get("bos_token_id"),
                 sliding_window=c.get("sliding_window") if c.get("use_sliding_window", True) else None,
                 eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-                quantization=c.get(quantize.CONFIG_KEY))
+                quantization=c.get(quantize.CONFIG_KEY), head_vocab=c.get("draft_vocab_size"))
         except KeyError as e:
             raise ValueError(f"config.json lacks the field {e.args[0]}") from None
 
@@ -354,9 +355,18 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # A draft model's head may score only the tokens it is ever likely to
+        # propose (EAGLE-3 does this too): train.py's draft keeps 8,192 of 49,152,
+        # which makes its head 6x cheaper to run and to train. `head_ids` are
+        # their ids; every other token gets logit −inf, i.e. probability 0, which
+        # speculative.py's rejection rule handles exactly.
+        if cfg.head_vocab:
+            self.register_buffer("head_ids", torch.zeros(cfg.head_vocab, dtype=torch.long))
+        else:
+            self.head_ids = None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.head_vocab or cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.tie_head()
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.compiled_step = None
         self.quantization = None    # set by quantize.py: {"weights": "int8"}, ...
@@ -396,7 +406,18 @@ class Llama(nn.Module):
             x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions, self.attn)
         if last_only:
             x = x[:, -1:]
-        return linear(self.norm(x), self.lm_head).float()
+        logits = linear(self.norm(x), self.lm_head).float()
+        if self.head_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), -math.inf)
+        return full.index_copy_(-1, self.head_ids, logits)
+
+    def tie_head(self):
+        """Share the embedding with the LM head: the same matrix, or its head_ids
+        rows (a copy: gathering them on every step would cost more than it saves)."""
+        w = self.embed_tokens.weight
+        self.lm_head.weight = w if self.head_ids is None else nn.Parameter(w.detach()[self.head_ids],
+                                                                           requires_grad=False)
 
     def new_cache(self, kind: str = "dynamic", max_len: int | None = None, batch: int = 1,
                   kv_dtype: str | None = None) -> KVCache:
@@ -477,7 +498,7 @@ class Llama(nn.Module):
             quantize.check_quantized_tensors(state)
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_embeddings and not cfg.quantization:
-            model.lm_head.weight = model.embed_tokens.weight
+            model.tie_head()
         for layer in model.modules():
             if hasattr(layer, "prepare"):
                 layer.prepare(dtype)
@@ -496,6 +517,7 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
     state = {}
     for name, shape in shapes.items():
         t = torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else \
+            torch.randperm(cfg.vocab_size, generator=gen)[:shape[0]].sort().values if name == "head_ids" else \
             torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=gen)
         state[name if name == "lm_head.weight" else "model." + name] = t
     out = Path(out_dir)

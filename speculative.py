@@ -4,11 +4,13 @@ Speculative decoding: guess several tokens cheaply, let the model check all of t
 Why checking k guesses costs about one decode step. Batch-1 decoding is
 memory-bound (model.py): a step reads every weight once to compute one
 position. A forward pass over k+1 positions reads the same weights once and
-does k+1 times the arithmetic, which on this 2-core CPU stays cheap up to a
-handful of positions: SmolLM2-135M in fp32 reads 540 MB per pass whether it
-computes 1 position or 5. So if someone proposes tokens d1..dk, the target runs
-one forward over [last token, d1, ..., dk] and gets its own next-token
-distribution after each prefix, all for roughly the price of one step.
+does k+1 times the arithmetic, which on this 2-core CPU stays fairly cheap up
+to a handful of positions: SmolLM2-135M in fp32 reads 540 MB per pass whether
+it computes 1 position or 5, and an eager pass takes ~41 ms for 1 position,
+~46-51 ms for 4 (oneDNN's small-batch product is less efficient than its
+matrix-vector one). So if someone proposes tokens d1..dk, the target runs one
+forward over [last token, d1, ..., dk] and gets its own next-token
+distribution after each prefix, for little more than the price of one step.
 
 The verification rule. At position i the target says p, the proposer said q
 (and drew dᵢ from q). Accept dᵢ with probability min(1, p(dᵢ)/q(dᵢ)); on the
@@ -41,7 +43,9 @@ Three proposers, one verifier:
   n tokens (n = N..1) and propose what followed it. Free, and strong when the
   answer quotes its input (summaries, code edits, extraction).
 * DraftModel: a small model with the same tokenizer drafts k tokens one by one
-  from its own KV cache (train.py distils one from the bundled model).
+  from its own KV cache (train.py distils one from the bundled model). Its
+  head may score only part of the vocabulary (model.Llama.head_ids): q = 0
+  for the other tokens, which the rule above handles like any other q.
   Adaptive k grows k after a fully accepted step and shrinks it after an early
   rejection.
 * Lookahead(W, N, G) (Fu et al. 2024): no second model. The target itself runs
@@ -142,6 +146,22 @@ def verify(target: list[torch.Tensor], candidates: list[list[int]], draft: torch
         depth += 1
 
 
+def verify_greedy(best: list[int], starts: list[int], candidates: list[list[int]]) -> tuple[int, int, int]:
+    """`verify` when every distribution is a point mass (greedy): the same verdict
+    from token ids alone. best[0] is the target's argmax after the last accepted
+    token, best[starts[c] + j] its argmax after candidate c's token j. Returns
+    (candidate index, tokens accepted n, next token) for the longest match; no
+    49,152-wide rows are built (~1 ms a step here)."""
+    c, n = 0, 0
+    for i, (start, cand) in enumerate(zip(starts, candidates)):
+        m = 0
+        while m < len(cand) and cand[m] == (best[0] if m == 0 else best[start + m - 1]):
+            m += 1
+        if m > n:
+            c, n = i, m
+    return c, n, best[0] if n == 0 else best[starts[c] + n - 1]
+
+
 # ----------------------------------------------------------------------------
 # 2. Proposers. propose() returns candidates (and a draft's distributions, or
 # extra "branch" tokens the target should run in the same pass); update() sees
@@ -183,12 +203,15 @@ class DraftModel:
     """A small model with the same tokenizer drafts k tokens autoregressively.
 
     A drafted token must cost a small fraction of a target step. The bundled
-    4-layer draft run eagerly takes 7.3 ms a token here, mostly per-op
-    overhead and its 49,152 × 192 head, against 41 ms for a SmolLM2 step (fp32).
-    With ``compile=True`` its one-token step is compiled (model.compile_decode)
-    on a static cache: 2.3 ms a drafted token. The static cache is sized in
-    powers of two (≥ 1024) so the compiled step sees few shapes; a longer
-    context gets a bigger one."""
+    draft (6 layers of width 192, a head over 8,192 tokens) run eagerly takes
+    EAGER ms a token here, mostly per-op overhead, against 41 ms for a SmolLM2
+    step (fp32). With ``compile=True`` its one-token step is compiled
+    (model.compile_decode) on a static cache: 1.4 ms a drafted token (k = 3,
+    300-token context). The static cache is sized in powers of two (≥ 512) so
+    the compiled step sees few shapes; a longer context gets a bigger one.
+    (Attention reads the whole static cache: at 1,024 rows instead of 512 a
+    drafted token cost 1.8 ms.) Greedy drafting takes the argmax of the logits
+    and hands verify no distributions."""
     needs_dynamic_cache = False
 
     def __init__(self, draft: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
@@ -207,12 +230,12 @@ class DraftModel:
     def reserve(self, n: int):
         """A static cache that holds n tokens (a new, empty one if the current is too small)."""
         if self.cache is None or self.cache.limit < n:
-            size = min(max(1024, 1 << (n - 1).bit_length()), self.model.config.max_seq_len)
+            size = min(max(512, 1 << (n - 1).bit_length()), self.model.config.max_seq_len)
             with torch.inference_mode():    # as in propose: the compiled step's guards tell the two apart
                 self.cache = self.model.new_cache("static", max_len=size)
             self.ids = []
 
-    def warm_up(self, target: M.Llama, sizes=(1024, 2048)):
+    def warm_up(self, target: M.Llama, sizes=(512, 1024, 2048)):
         """Compile the draft's step now for these static-cache sizes (~13 s the first
         time, then from inductor's disk cache), so that no timed step waits for it."""
         for n in sizes:
@@ -228,14 +251,16 @@ class DraftModel:
         feed, tokens, rows = context[keep:], [], []
         for _ in range(k):
             pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
-            logits = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True)[0, -1:]
-            q = M.sampling_probs(logits, params)[0]
-            token = int(q.argmax()) if params.temperature == 0 else int(torch.multinomial(q, 1, generator=gen))
+            logits = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True)[0, -1]
+            if params.temperature == 0:     # a point mass: verify needs only the token
+                token = int(logits.argmax())
+            else:
+                rows.append(M.sampling_probs(logits, params))
+                token = int(torch.multinomial(rows[-1], 1, generator=gen))
             tokens.append(token)
-            rows.append(q)
             feed = [token]
         self.ids = context + tokens[:-1]
-        return Proposal([tokens], torch.stack(rows))
+        return Proposal([tokens], torch.stack(rows) if rows else None)
 
     def update(self, context, n, k, branch_logits):
         accepted = len(context) - 1           # what the target's cache holds now
@@ -434,9 +459,12 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
         pos = torch.tensor(offsets, device=dev) + t
         logits = model(torch.tensor([ids], device=dev), pos, cache, mask=mask)[0]
         stats.positions_computed += len(ids)
-        probs = M.sampling_probs(logits[:b0], p)
-        target = [probs[[0] + list(range(s, s + len(c)))] for s, c in zip(starts, cands)] or [probs[:1]]
-        c, n, nxt = verify(target, cands, prop.draft_probs, gen)
+        if p.temperature == 0:
+            c, n, nxt = verify_greedy(logits[:b0].argmax(-1).tolist(), starts, cands)
+        else:
+            probs = M.sampling_probs(logits[:b0], p)
+            target = [probs[[0] + list(range(s, s + len(c)))] for s, c in zip(starts, cands)] or [probs[:1]]
+            c, n, nxt = verify(target, cands, prop.draft_probs, gen)
         accepted = (cands[c][:n] if cands else []) + [nxt]
         if n and starts[c] != 1:                          # bring the accepted rows right behind x_t
             _move_rows(cache, t + starts[c], t + 1, n)

@@ -4,6 +4,9 @@ Greedy: token-for-token equal to plain greedy decoding. Sampled: a chi-square
 test of emitted token counts against the target's own distributions, which a
 deliberately wrong rule (accept everything) must fail."""
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -32,6 +35,53 @@ def models(tmp_path_factory):
 PROMPTS = [[0, 5, 17, 99, 4], [0, 250, 251, 252, 253, 7, 7, 7], [0, 42]]
 
 
+def head_subset(src, dst, ids: list[int]):
+    """A copy of a draft checkpoint whose head scores only `ids` (train.py's kind of draft)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    state["lm_head.weight"] = state["lm_head.weight"][ids].contiguous()
+    state["model.head_ids"] = torch.tensor(ids)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "draft_vocab_size": len(ids)}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def subset_draft(tmp_path_factory):
+    """A draft whose tied head scores 96 of the 320 tokens, as train.py writes them:
+    embedding rows shared with the head, `head_ids` and draft_vocab_size stored."""
+    cfg = json.loads((make_checkpoint(tmp_path_factory.mktemp("cfg") / "c", tokenizer=False) / "config.json")
+                     .read_text())
+    cfg.update(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+               intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=True, draft_vocab_size=96)
+    path = M.save_random_checkpoint(cfg, tmp_path_factory.mktemp("subset") / "d", seed=1)
+    return M.Llama.from_pretrained(path, "cpu", torch.float32)
+
+
+def test_head_subset_logits(models, subset_draft, tmp_path):
+    """A head over part of the vocabulary gives the full head's logits on its
+    tokens and −inf (probability 0) on every other; tied, its rows are the
+    embedding's."""
+    target, _ = models
+    ids = list(range(0, 320, 3))
+    full = M.Llama.from_pretrained(make_checkpoint(tmp_path / "full", **SMALL), "cpu", torch.float32)
+    part = M.Llama.from_pretrained(head_subset(tmp_path / "full", tmp_path / "part", ids), "cpu", torch.float32)
+    tokens = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        want, got = (m(tokens, torch.arange(tokens.shape[1])) for m in (full, part))
+    torch.testing.assert_close(got[..., ids], want[..., ids])
+    assert torch.isneginf(got).sum() == got[..., :1].numel() * (320 - len(ids))
+    d = subset_draft
+    assert d.head_ids.shape == (96,) and torch.equal(d.lm_head.weight, d.embed_tokens.weight[d.head_ids])
+    with torch.inference_mode():
+        probs = M.sampling_probs(d(tokens, torch.arange(tokens.shape[1]))[0], M.SamplingParams(temperature=1.0))
+    outside = torch.ones(320, dtype=torch.bool)
+    outside[d.head_ids] = False
+    assert (probs[:, outside] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(len(probs)))
+
+
 def plain(model, prompt, n):
     return list(M.generate_cached(model, prompt, M.SamplingParams(temperature=0, max_new_tokens=n)))
 
@@ -47,9 +97,10 @@ def check_cache_lengths(prompt, spec, draft_cache: bool):
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_identical_to_plain(models, k):
+def test_greedy_identical_to_plain(models, subset_draft, k):
     target, draft = models
     proposers = {"draft": lambda: S.DraftModel(draft, target, k),
+                 "subset-head draft": lambda: S.DraftModel(subset_draft, target, k),
                  "adaptive draft": lambda: S.DraftModel(draft, target, k, adaptive=True),
                  "self draft": lambda: S.DraftModel(target, target, k),
                  "prompt lookup": lambda: S.PromptLookup(3, k),
@@ -69,23 +120,24 @@ def test_greedy_identical_to_plain(models, k):
                 assert spec.accepted > 0, (name, k, spec.summary())
 
 
-def test_compiled_draft_equals_plain(models):
+def test_compiled_draft_equals_plain(models, subset_draft):
     """DraftModel(compile=True) drafts on a static cache through the compiled
     one-token step; the output is still the target's own, and the cache resets
-    when it is too small."""
+    when it is too small. The draft has a subset head, like the bundled one."""
     import copy
-    target, draft = models
-    draft = copy.deepcopy(draft)         # its compiled step stays off the shared fixture
+    target, _ = models
+    draft = copy.deepcopy(subset_draft)  # its compiled step stays off the shared fixture
     proposer = S.DraftModel(draft, target, 4, compile=True)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     for prompt in PROMPTS[:2]:
         spec = S.SpecStats()
         assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == plain(target, prompt, 64)
         check_cache_lengths(prompt, spec, True)
-    assert draft.compiled_step is not None and proposer.cache.limit == 1024   # the model's whole context here
+    assert draft.compiled_step is not None and proposer.cache.limit == 512     # the smallest size
     long = list(range(1, 300)) * 3
-    assert list(S.generate(target, long, greedy, S.DraftModel(draft, target, 4, compile=True))) == \
-        plain(target, long, 64)
+    proposer = S.DraftModel(draft, target, 4, compile=True)
+    assert list(S.generate(target, long, greedy, proposer)) == plain(target, long, 64)
+    assert proposer.cache.limit == 1024          # the next power of two: the model's whole context here
 
 
 def test_lookahead_moves_accepted_rows(models):
@@ -158,6 +210,26 @@ def test_rule_on_probability_vectors():
     assert chi_square_p(torch.bincount(torch.tensor(guesses), minlength=len(p)).float(), p * n) < 1e-6
 
 
+def test_greedy_verdict_from_token_ids():
+    """verify_greedy (token ids) gives verify's verdict on point masses: the same
+    accepted length and next token, for one or several candidates."""
+    gen = torch.Generator().manual_seed(0)
+    V = 6
+    for trial in range(300):
+        lens = torch.randint(1, 4, (int(torch.randint(1, 4, ())),), generator=gen).tolist()
+        cands = [torch.randint(0, 3, (n,), generator=gen).tolist() for n in lens]
+        starts = [1 + sum(lens[:i]) for i in range(len(lens))]
+
+        def argmax_after(prefix):     # a target: its greedy choice depends on the tokens so far only
+            return hash((trial, *prefix)) % 3
+        best = [argmax_after(())] + [argmax_after(tuple(c[:j + 1])) for c in cands for j in range(len(c))]
+        onehot = torch.nn.functional.one_hot(torch.tensor(best), V).float()
+        target = [onehot[[0] + list(range(st, st + len(c)))] for st, c in zip(starts, cands)]
+        c, n, nxt = S.verify(target, cands, None, gen)
+        c2, n2, nxt2 = S.verify_greedy(best, starts, cands)
+        assert (n2, nxt2, cands[c2][:n2]) == (n, nxt, cands[c][:n]), (best, cands)
+
+
 def test_distribution_is_what_sample_draws():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(12, generator=gen) * 2
@@ -178,8 +250,11 @@ def small_vocab(tmp_path_factory):
                tokenizer=False, max_position_embeddings=256)
     target = M.Llama.from_pretrained(make_checkpoint(root / "t", num_hidden_layers=2, **cfg), "cpu", torch.float32)
     draft = M.Llama.from_pretrained(make_checkpoint(root / "d", num_hidden_layers=1, **cfg), "cpu", torch.float32)
-    target.config.eos_ids = draft.config.eos_ids = []
-    return target, draft
+    # a draft that can only propose 10 of the 16 tokens: q = 0 elsewhere, the rule must stay exact
+    part = M.Llama.from_pretrained(head_subset(root / "d", root / "part", [0, 1, 2, 4, 5, 7, 9, 11, 12, 15]),
+                                   "cpu", torch.float32)
+    target.config.eos_ids = draft.config.eos_ids = part.config.eos_ids = []
+    return target, draft, part
 
 
 def sampled_counts(target, make_proposer, params, n_seqs, n_new):
@@ -202,18 +277,19 @@ def sampled_counts(target, make_proposer, params, n_seqs, n_new):
     return observed, expected, spec
 
 
-@pytest.mark.parametrize("method", ["draft", "prompt lookup", "lookahead"])
+@pytest.mark.parametrize("method", ["draft", "subset-head draft", "prompt lookup", "lookahead"])
 def test_sampling_matches_target(small_vocab, method, monkeypatch):
     """≥ 20,000 emitted tokens (the draft) against the target's exact distributions;
     then the same with a rule that accepts every guess, which must fail."""
-    target, draft = small_vocab
+    target, draft, part = small_vocab
     make = {"draft": lambda: S.DraftModel(draft, target, 3),
+            "subset-head draft": lambda: S.DraftModel(part, target, 3),
             "prompt lookup": lambda: S.PromptLookup(2, 4),
             "lookahead": lambda: S.Lookahead(3, 3, 3)}[method]
     params = M.SamplingParams(temperature=1.0, top_p=0.95)
-    n_seqs = 160 if method == "draft" else 40
+    n_seqs = 160 if method.endswith("draft") else 40
     observed, expected, spec = sampled_counts(target, make, params, n_seqs, 128)
-    assert observed.sum() >= (20000 if method == "draft" else 5000)
+    assert observed.sum() >= (20000 if method.endswith("draft") else 5000)
     assert spec.accepted > 0.05 * spec.emitted, spec.summary()      # the rule is really exercised
     assert chi_square_p(observed, expected) > 1e-3, (observed, expected)
     monkeypatch.setattr(S, "_accept", lambda p, token, q, gen: True)
@@ -310,3 +386,21 @@ def test_lookahead_mask_respects_sliding_window(tmp_path):
     want = plain(target, prompt, 96)
     got = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=96), S.Lookahead(4, 3, 4)))
     assert got == want
+
+
+def test_committed_draft(bundled_dir):
+    """drafts/ holds train.py's draft for the bundled model: within the 25 MB
+    budget, tokenizer-less (it loads with the target's), a head over part of
+    the vocabulary, and speculative output with it is still the target's own."""
+    files = list(S.BUNDLED_DRAFT.iterdir())
+    assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
+                                                                                          "model.safetensors"}
+    target, tok = M.load(str(bundled_dir), "cpu", "float32")
+    draft = S.load_draft("bundled", target, tok)
+    assert draft.head_ids is not None and len(draft.head_ids) < target.config.vocab_size
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}]),
+                        add_bos=False)
+    greedy, spec = M.SamplingParams(temperature=0, max_new_tokens=64), S.SpecStats()
+    got = list(S.generate(target, prompt, greedy, S.DraftModel(draft, target, 3), spec=spec))
+    assert got == list(M.generate_cached(target, prompt, greedy))
+    assert spec.tokens_per_forward > 1.15, spec.summary()    # a trained draft: a random one gives ~1.0
