@@ -152,7 +152,7 @@ def apply_rope(x, cos, sin):
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x·Wᵀ. Batch-1 decode is a chain of matrix-vector products that must read
     every weight at full memory speed. Inside a compiled one-token step on a CPU
-    we spell it as multiply-and-sum (`matvec_sum`): inductor then emits one
+    we spell it as multiply-and-sum (`quantize.matvec_sum`): inductor then emits one
     vectorized loop over W that widens bf16 to fp32 on the fly and accumulates
     in fp32, reading 21 GB/s here against 16 GB/s for oneDNN's kernel behind
     F.linear (8 matrices 5632×2048, same run); the whole SmolLM2 step drops from
@@ -162,26 +162,10 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if not isinstance(layer, nn.Linear):
         return layer(x)
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-        return matvec_sum(x, layer.weight)
+        return quantize.matvec_sum(x, layer.weight)
     if x.dtype == torch.float32 and x.device.type == "cpu" and _ONEDNN and not torch.is_grad_enabled():
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
     return F.linear(x, layer.weight)
-
-
-def matvec_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (..., K) · w (N, K)ᵀ as multiply-and-sum, for inductor to fuse (see `linear`).
-    Inductor sums a float reduction longer than 4,096 terms through a cascade
-    helper that is 2x slower here (2048 x 4096: 25.8 GB/s, 2048 x 4112: 12.2).
-    So a longer row (TinyLlama's down projection has 5,632) is read as two rows
-    of K/2, each against its half of x, and each pair of partial sums is added:
-    1.85 -> 1.18 ms for that matrix."""
-    n, k = w.shape
-    if k <= 4096 or k % 2:
-        return (x.float().unsqueeze(-2) * w.float()).sum(-1).to(x.dtype)
-    half = k // 2
-    rows = x.reshape(-1, 2, half).float()[:, torch.arange(2 * n, device=w.device) % 2]   # (M, 2N, K/2)
-    partial = (rows * w.view(2 * n, half).float()).sum(-1)                                # (M, 2N)
-    return partial.view(-1, n, 2).sum(-1).reshape(*x.shape[:-1], n).to(x.dtype)
 
 
 # Eager fp32 on a CPU: F.linear calls MKL's sgemm, which on this AMD CPU takes

@@ -173,6 +173,27 @@ GROUP = 32
 PREFILL_ROWS = 16
 
 
+def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) · w (N, K)ᵀ as multiply-and-sum, times ``scale`` (N,) if given:
+    the one-token product inside a compiled step (model.linear for float
+    weights, Int8Linear for int8 rows and their scales). Inductor fuses it into
+    one vectorized loop that widens each weight to fp32 as it reads it.
+    Inductor sums a float reduction longer than 4,096 terms through a cascade
+    helper that is 2x slower here (2048 x 4096: 25.8 GB/s, 2048 x 4112: 12.2).
+    So a longer row (TinyLlama's down projection has 5,632) is read as two rows
+    of K/2, each against its half of x, and each pair of partial sums is added:
+    1.85 -> 1.18 ms for that matrix in bf16."""
+    n, k = w.shape
+    if k <= 4096 or k % 2:
+        out = (x.float().unsqueeze(-2) * w.float()).sum(-1)
+    else:
+        half = k // 2
+        rows = x.reshape(-1, 2, half).float()[:, torch.arange(2 * n, device=w.device) % 2]   # (M, 2N, K/2)
+        partial = (rows * w.view(2 * n, half).float()).sum(-1)                                # (M, 2N)
+        out = partial.view(-1, n, 2).sum(-1).reshape(*x.shape[:-1], n)
+    return (out if scale is None else out * scale.float()).to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """y = x·Wᵀ with W stored as int8 rows and one scale per row:
     W[r] ≈ weight[r] · weight_scale[r]. The scale factors out of each row's dot
@@ -206,8 +227,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-            # model.linear's multiply-and-sum: inductor's loop widens each int8 weight as it reads it
-            return ((x.float().unsqueeze(-2) * self.weight.float()).sum(-1) * self.weight_scale.float()).to(x.dtype)
+            return matvec_sum(x, self.weight, self.weight_scale)
         if x.device.type == "cpu" and rows < PREFILL_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.weight_scale)
             return y.reshape(*x.shape[:-1], -1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import model as M
+import quantize
 from conftest import make_checkpoint
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -197,5 +198,10 @@ def test_compiled_matvec_equals_linear(k):
     step = torch.compile(lambda x: M.linear(x, layer), dynamic=False, fullgraph=True)
     with torch.inference_mode():
         torch.testing.assert_close(step(x), torch.nn.functional.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(M.matvec_sum(x, layer.weight), torch.nn.functional.linear(x, layer.weight),
+        torch.testing.assert_close(quantize.matvec_sum(x, layer.weight), torch.nn.functional.linear(x, layer.weight),
                                    atol=1e-4, rtol=1e-4)
+        # int8 rows and their scales take the same path (quantize.Int8Linear)
+        q8 = quantize.Int8Linear.from_float(layer.weight)
+        q8.prepare(torch.float32)
+        step8 = torch.compile(lambda x: q8(x), dynamic=False, fullgraph=True)
+        torch.testing.assert_close(step8(x), torch.nn.functional.linear(x, q8.dequantized()), atol=1e-4, rtol=1e-4)
