@@ -322,7 +322,7 @@ def bench_speculative(args):
         methods[f"draft {args.draft}, k={args.spec_k}"] = lambda: S.DraftModel(draft, model, args.spec_k, compile=True)
         methods[f"draft {args.draft}, adaptive k"] = \
             lambda: S.DraftModel(draft, model, args.spec_k, adaptive=True, compile=True)
-        t0 = time.perf_counter()        # for both static-cache sizes the prompts use
+        t0 = time.perf_counter()        # for every static-cache size the prompts use
         S.DraftModel(draft, model, args.spec_k, compile=True).warm_up(model)
         print(f"draft step compiled in {time.perf_counter() - t0:.0f} s (not timed below)", flush=True)
     methods[f"lookahead {args.lookahead}"] = lambda: S.Lookahead(*S.parse_lookahead(args.lookahead))

@@ -240,7 +240,7 @@ def warm_up(chat: Chat):
     list(M.generate_cached(chat.model, [0], M.SamplingParams(max_new_tokens=2), cache=chat.cache))
     chat.cache.crop(0)
     if isinstance(chat.proposer, speculative.DraftModel):     # its step is compiled too (make_proposer)
-        chat.proposer.warm_up(chat.model, sizes=(1024,))
+        chat.proposer.warm_up(chat.model, sizes=(512, 1024))   # a chat's first turns, then longer ones
     print(f"compiled in {time.perf_counter() - t0:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
 

@@ -590,7 +590,7 @@ if __name__ == "__main__":
                "lookahead 4,3,4": lambda: Lookahead(4, 3, 4)}
     if (BUNDLED_DRAFT / "config.json").is_file():
         draft = load_draft("bundled", model, tok)
-        DraftModel(draft, model, 2, compile=True).warm_up(model)
-        methods["draft (bundled), k=2, compiled"] = lambda: DraftModel(draft, model, 2, compile=True)
+        DraftModel(draft, model, 3, compile=True).warm_up(model)
+        methods["draft (bundled), k=3, compiled"] = lambda: DraftModel(draft, model, 3, compile=True)
     print(f"summarise-this-text prompt ({len(prompts[0])} tokens), greedy, {args.new_tokens} new tokens, fp32\n")
     print(table(compare(model, prompts, methods, args.new_tokens)))
