@@ -71,6 +71,7 @@ class LlamaConfig:
     eos_ids: list[int] = field(default_factory=list)
     quantization: dict | None = None    # a checkpoint written by quantize.py: {"weights": "int8"}, ...
     head_vocab: int | None = None       # an LM head over only this many tokens (a draft's, train.py)
+    eagle: bool = False                 # an EAGLE draft head: reads the target's features too (below)
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
@@ -104,7 +105,8 @@ class LlamaConfig:
                 tie_embeddings=c.get("tie_word_embeddings", False), bos_id=c.get("bos_token_id"),
                 sliding_window=c.get("sliding_window") if c.get("use_sliding_window", True) else None,
                 eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-                quantization=c.get(quantize.CONFIG_KEY), head_vocab=c.get("draft_vocab_size"))
+                quantization=c.get(quantize.CONFIG_KEY), head_vocab=c.get("draft_vocab_size"),
+                eagle=bool(c.get("eagle", False)))
         except KeyError as e:
             raise ValueError(f"config.json lacks the field {e.args[0]}") from None
 
@@ -163,7 +165,8 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return layer(x)
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
         return quantize.matvec_sum(x, layer.weight)
-    if x.dtype == torch.float32 and x.device.type == "cpu" and _ONEDNN and not torch.is_grad_enabled():
+    if x.dtype == layer.weight.dtype == torch.float32 and x.device.type == "cpu" and _ONEDNN and \
+            not torch.is_grad_enabled():
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
     return F.linear(x, layer.weight)
 
@@ -291,7 +294,10 @@ def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
     (without the "model." prefix), each with its shape. A quantized model's
     layers hold a weight and its scales (quantize.py), each split by rows too."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
+    if model.config.eagle:           # an EAGLE head uses the target's embedding and head (Llama.share_target)
+        shapes.pop("embed_tokens.weight")
+        shapes.pop("lm_head.weight")
+    elif model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         shapes.pop("lm_head.weight")
     for i, layer in enumerate(model.layers):
         rows = packed_rows(model, layer)
@@ -349,14 +355,22 @@ class Llama(nn.Module):
         else:
             self.head_ids = None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.head_vocab or cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
+        # An EAGLE draft head (Li et al. 2024; speculative.EagleDraft) is a Llama of
+        # one block whose input at position j is fc([embed(x_j+1); f_j]): the next
+        # token together with the *target's* feature at j (its final normalised
+        # hidden state, what the target's LM head reads). Its own output there,
+        # norm(x), predicts the target's feature at j+1, and the target's LM head
+        # turns that into a token. It owns no embedding or head (share_target).
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False) if cfg.eagle else None
+        if cfg.tie_embeddings and not cfg.eagle:
             self.tie_head()
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.compiled_step = None
         self.quantization = None    # set by quantize.py: {"weights": "int8"}, ...
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                last_only: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+                last_only: bool = False, mask: torch.Tensor | None = None, features: torch.Tensor | None = None,
+                hidden: bool = False):
         """tokens (B, T) at absolute positions (T,) -> logits (B, T, vocab).
         Positions (B, T) give each row its own (a paged cache's batch, engine.py).
 
@@ -368,7 +382,14 @@ class Llama(nn.Module):
         SmolLM2) on logits nobody reads. ``mask`` (T, L) bool, when given, replaces
         the causal mask of the new tokens over all L keys (with a dynamic cache:
         the cached rows, then the new ones in order): speculative.py's lookahead
-        packs several branches at overlapping positions into one pass."""
+        packs several branches at overlapping positions into one pass.
+        ``hidden`` returns (logits, features), the features (B, T, hidden_size)
+        being the final normalised states the LM head reads (EAGLE's input; for
+        every position even with last_only, which then limits only the logits);
+        ``features`` (B, T, hidden_size) is that input, for an EAGLE head."""
+        if self.config.eagle and (features is None or features.shape[:2] != tokens.shape):
+            raise ValueError(f"an EAGLE head needs the target's features for each of its {tuple(tokens.shape)} "
+                             f"tokens, got {None if features is None else tuple(features.shape)}")
         window = self.config.sliding_window
         if cache is not None:
             own = cache.begin(positions)      # host-side bookkeeping, then pure tensor work below
@@ -379,22 +400,25 @@ class Llama(nn.Module):
         # the compiled step was traced for one token on a static cache; anything else runs eagerly
         compiled = self.compiled_step is not None and tokens.shape[1] == 1 and isinstance(cache, StaticCache)
         step = self.compiled_step if compiled else self.step
-        return step(tokens, positions, mask, cache, last_only)
+        return step(tokens, positions, mask, cache, last_only, features, hidden)
 
-    def step(self, tokens, positions, mask, cache, last_only):
+    def step(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
         """The tensor work of a forward pass; with a StaticCache and one token it
         has fixed shapes, so torch.compile turns it into one fused program."""
         x = self.embed_tokens(tokens)
+        if self.fc is not None:
+            x = linear(torch.cat([x, features.to(x.dtype)], dim=-1), self.fc)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions, self.attn)
-        if last_only:
+        if last_only and not hidden:
             x = x[:, -1:]
-        logits = linear(self.norm(x), self.lm_head).float()
-        if self.head_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), -math.inf)
-        return full.index_copy_(-1, self.head_ids, logits)
+        h = self.norm(x)
+        logits = linear(h[:, -1:] if last_only else h, self.lm_head).float()
+        if self.head_ids is not None:
+            full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), -math.inf)
+            logits = full.index_copy_(-1, self.head_ids, logits)
+        return (logits, h) if hidden else logits
 
     def tie_head(self):
         """Share the embedding with the LM head: the same matrix, or its head_ids
@@ -402,6 +426,15 @@ class Llama(nn.Module):
         w = self.embed_tokens.weight
         self.lm_head.weight = w if self.head_ids is None else nn.Parameter(w.detach()[self.head_ids],
                                                                            requires_grad=False)
+
+    def share_target(self, target: "Llama"):
+        """An EAGLE head reads tokens with the target's embedding and scores with
+        the target's LM head (its head_ids rows, copied once), so its features
+        mean what the target's mean and it stores neither (~113 MB for SmolLM2)."""
+        self.embed_tokens = target.embed_tokens
+        w = target.lm_head.weight.detach()
+        self.lm_head.weight = nn.Parameter(w if self.head_ids is None else w[self.head_ids], requires_grad=False)
+        return self
 
     def new_cache(self, kind: str = "dynamic", max_len: int | None = None, batch: int = 1,
                   kv_dtype: str | None = None) -> KVCache:
@@ -481,7 +514,7 @@ class Llama(nn.Module):
         if cfg.quantization:
             quantize.check_quantized_tensors(state)
         model.load_state_dict(state, strict=False, assign=True)
-        if cfg.tie_embeddings and not cfg.quantization:
+        if cfg.tie_embeddings and not cfg.quantization and not cfg.eagle:
             model.tie_head()
         for layer in model.modules():
             if hasattr(layer, "prepare"):

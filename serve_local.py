@@ -220,7 +220,8 @@ def parse_args(argv=None):
     ap.add_argument("--lookahead", default=None, metavar="W,N,G", help="lookahead decoding: Jacobi window W, "
                     "n-gram size N, up to G candidates verified per step (e.g. 4,3,4)")
     ap.add_argument("--prompt-lookup", type=int, default=None, metavar="N", help="speculate by copying what "
-                    "followed the latest earlier match of the last N..1 tokens")
+                    "followed the latest earlier match of the last N..1 tokens; with --draft, copy where the "
+                    "last N tokens occurred before (up to 2K tokens) and draft elsewhere")
     return ap.parse_args(argv)
 
 
@@ -239,8 +240,9 @@ def warm_up(chat: Chat):
     chat.model.compile_decode()
     list(M.generate_cached(chat.model, [0], M.SamplingParams(max_new_tokens=2), cache=chat.cache))
     chat.cache.crop(0)
-    if isinstance(chat.proposer, speculative.DraftModel):     # its step is compiled too (make_proposer)
-        chat.proposer.warm_up(chat.model, sizes=(512, 1024))   # a chat's first turns, then longer ones
+    draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
+    if isinstance(draft, speculative.DraftModel):     # its step is compiled too (make_proposer)
+        draft.warm_up(chat.model, sizes=(512, 1024))   # a chat's first turns, then longer ones
     print(f"compiled in {time.perf_counter() - t0:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
 

@@ -37,7 +37,7 @@ accepted prefix plus one token: 1 + α + α² + ... + α^k = (1 − α^(k+1)) / 
 tokens per target forward (α = 0.7, k = 4: 2.8). The cost is the proposer's
 time plus a target forward slightly dearer than a plain step.
 
-Three proposers, one verifier:
+Proposers, one verifier:
 
 * PromptLookup(N): find the latest earlier occurrence of the context's last
   n tokens (n = N..1) and propose what followed it. Free, and strong when the
@@ -48,6 +48,12 @@ Three proposers, one verifier:
   for the other tokens, which the rule above handles like any other q.
   Adaptive k grows k after a fully accepted step and shrinks it after an early
   rejection.
+* EagleDraft (Li et al. 2024): the draft is a one-block head that reads the
+  target's own last hidden states (its "features") next to the tokens, so it
+  starts from everything the target has worked out instead of from scratch.
+  The verify pass returns the features of the positions it computed.
+* LookupThenDraft: prompt lookup where the last N tokens occurred before, the
+  draft model elsewhere (`--draft X --prompt-lookup N`).
 * Lookahead(W, N, G) (Fu et al. 2024): no second model. The target itself runs
   Jacobi iterations on a window of W future positions; every column of the
   window's last N−1 trajectories is an n-gram the model "thought of", kept in a
@@ -179,16 +185,17 @@ class Proposal:
 class PromptLookup:
     """Propose the continuation of the latest earlier occurrence of the last n tokens."""
     needs_dynamic_cache = False
+    needs_features = False     # EagleDraft: the target's features, through observe()
 
-    def __init__(self, ngram: int = 3, k: int = 4):
+    def __init__(self, ngram: int = 3, k: int = 4, min_ngram: int = 1):
         if ngram < 1:
             raise ValueError(f"--prompt-lookup N needs N >= 1 (the n-gram length to match), got {ngram}")
         check_k(k)
-        self.ngram, self.k = ngram, k
+        self.ngram, self.k, self.min_ngram = ngram, k, min(min_ngram, ngram)
 
     def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
         last = len(context)
-        for n in range(min(self.ngram, last - 1), 0, -1):
+        for n in range(min(self.ngram, last - 1), self.min_ngram - 1, -1):
             tail = context[-n:]
             for start in range(last - n - 1, -1, -1):      # latest first, never the tail itself
                 if context[start + n - 1] == tail[-1] and context[start:start + n] == tail:
@@ -202,10 +209,10 @@ class PromptLookup:
 class DraftModel:
     """A small model with the same tokenizer drafts k tokens autoregressively.
 
-    A drafted token must cost a small fraction of a target step. The bundled
-    draft (6 layers of width 192, a head over 8,192 tokens) run eagerly takes
-    3.6 ms a token here, mostly per-op overhead, against 41 ms for a SmolLM2
-    step (fp32). With ``compile=True`` its one-token step is compiled
+    A drafted token must cost a small fraction of a target step. A draft of 6
+    layers of width 192 with a head over 8,192 tokens (what train.py trained
+    before the EAGLE head) run eagerly takes 3.6 ms a token here, mostly per-op
+    overhead, against 41 ms for a SmolLM2 step (fp32). With ``compile=True`` its one-token step is compiled
     (model.compile_decode) on a static cache: 1.5 ms a drafted token (k = 3,
     300-token context). The static cache is sized in powers of two (≥ 512) so
     the compiled step sees few shapes; a longer context gets a bigger one.
@@ -213,6 +220,7 @@ class DraftModel:
     drafted token cost 1.8 ms.) Greedy drafting takes the argmax of the logits
     and hands verify no distributions."""
     needs_dynamic_cache = False
+    needs_features = False
 
     def __init__(self, draft: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
                  compile: bool = False):
@@ -263,9 +271,16 @@ class DraftModel:
         return Proposal([tokens], torch.stack(rows) if rows else None)
 
     def update(self, context, n, k, branch_logits):
+        self.sync(context)
+        self.adapt(n, k)
+
+    def sync(self, context: list[int]):
+        """Drop what the target rejected: the cache keeps the accepted tokens it holds."""
         accepted = len(context) - 1           # what the target's cache holds now
         self.ids = self.ids[:min(len(self.ids), accepted)]
         self.cache.crop(len(self.ids))
+
+    def adapt(self, n: int, k: int):
         if self.adaptive:                      # grow on full acceptance, shrink on early rejection
             if n == k:
                 self.k = min(self.k + 1, self.k_max)
@@ -273,9 +288,124 @@ class DraftModel:
                 self.k = max(self.k - 1, 1)
 
 
+class EagleDraft(DraftModel):
+    """EAGLE (Li et al. 2024): a one-block head drafts from the target's own features.
+
+    A separate small model must rediscover, from tokens alone, what the target
+    has already worked out. EAGLE's head instead reads the target's feature f_j
+    (the final normalised hidden state, what the LM head reads) next to the
+    token x_j+1 that followed, and predicts f_j+1; the target's LM head turns
+    the prediction into a token (model.Llama.fc and share_target):
+
+        head input at position j:  fc([embed(x_j+1); f_j])   ->   f̂_j+1  ->  token x̂_j+2
+
+    The verify forward hands the features of the positions it computed to
+    observe(); only accepted ones are kept. Drafting step 1 then runs the head
+    over every position whose true feature is new (the last accepted tokens, one
+    forward), which yields d1; steps 2..k feed the head's own predicted feature
+    with the token it just drafted. Its cache holds entries for true features
+    only between steps: the entries built on predictions are dropped, as the
+    target's rows for rejected guesses are.
+    A drafted token costs fc, one block and a head over 8,192 tokens, ~9M
+    multiply-adds against the target's ~135M: 2.0 ms compiled (2.5 eager) for
+    the bundled head (train.py), against 41 ms for a SmolLM2 step (fp32)."""
+    needs_features = True
+
+    def __init__(self, head: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
+                 compile: bool = False):
+        if not head.config.eagle:
+            raise ValueError("EagleDraft needs an EAGLE head (config.json \"eagle\": true); use DraftModel")
+        if head.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"the EAGLE head's width is {head.config.hidden_size} but the target's is "
+                             f"{target.config.hidden_size}: it reads the target's features, so it was trained "
+                             f"for another model")
+        super().__init__(head, target, k, adaptive, k_max, compile)
+        w = target.embed_tokens.weight
+        self.features = torch.zeros(0, target.config.hidden_size, dtype=w.dtype, device=w.device)
+
+    def observe(self, start: int, features: torch.Tensor):
+        """The target's features (T, hidden) at positions start..start+T-1 of the context."""
+        end, have = start + len(features), len(self.features)
+        if have < end:
+            self.features = torch.cat([self.features, self.features.new_zeros(max(end, 2 * have) - have,
+                                                                              self.features.shape[1])])
+        self.features[start:end] = features
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        t = len(context) - 1      # x_t is the last token; the target has features for 0..t-1
+        if self.static:
+            self.reserve(len(context) + k)
+        if len(self.features) < t:   # positions computed without features (a resumed chat): zeros
+            self.observe(len(self.features), self.features.new_zeros(t - len(self.features), self.features.shape[1]))
+        # entry j reads token j+1: entries 0..keep-1 still hold true features of this context
+        keep = max(0, min(common_prefix(self.ids, context) - 1, t - 1))
+        self.cache.crop(keep)
+        dev = self.features.device
+        feed, feats, tokens, rows = context[keep + 1:t + 1], self.features[keep:t], [], []
+        for _ in range(k):
+            pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
+            logits, h = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True,
+                                   features=feats[None], hidden=True)
+            logits = logits[0, -1]
+            if params.temperature == 0:
+                token = int(logits.argmax())
+            else:
+                rows.append(M.sampling_probs(logits, params))
+                token = int(torch.multinomial(rows[-1], 1, generator=gen))
+            tokens.append(token)
+            feed, feats = [token], h[0, -1:]
+        self.ids = context[:t + 1]            # the entries on predicted features are not kept
+        return Proposal([tokens], torch.stack(rows) if rows else None)
+
+    def sync(self, context: list[int]):
+        self.cache.crop(max(0, len(self.ids) - 1))     # entries on predicted features go
+
+
+class LookupThenDraft:
+    """Prompt lookup where the text repeats itself, the draft model elsewhere.
+
+    The two are strong in different places. Chat answers repeat their own
+    phrases, lists and the prompt's words; there an exact match of the last N
+    tokens proposes a long continuation for free, often wholly accepted. Where
+    nothing repeats, the draft model guesses. Measured on bench.py's chat
+    prompts (see README): the hybrid beats either alone, because the lookup's
+    steps are long (up to 2k tokens here) and the draft fills the rest. Either
+    way each guess is verified by the same rule, so output stays exact."""
+    needs_dynamic_cache = False
+
+    def __init__(self, draft: DraftModel, ngram: int = 3):
+        # an exact match of all N tokens only (a 1-token match is a weak guess: the
+        # draft does better there), and twice the draft's k: a lookup's guesses cost nothing
+        self.lookup, self.draft = PromptLookup(ngram, 2 * draft.k, min_ngram=ngram), draft
+        self.needs_features = draft.needs_features
+        self.looked_up = False        # whether this step's guess came from the lookup
+
+    @property
+    def k(self) -> int:
+        return max(self.lookup.k, self.draft.k)
+
+    @property
+    def cache(self):
+        return self.draft.cache
+
+    def observe(self, start: int, features: torch.Tensor):
+        self.draft.observe(start, features)
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        prop = self.lookup.propose(context, min(k, self.lookup.k), room, params, gen)
+        self.looked_up = bool(prop.candidates and prop.candidates[0])
+        return prop if self.looked_up else self.draft.propose(context, min(k, self.draft.k), room, params, gen)
+
+    def update(self, context, n, k, branch_logits):
+        self.draft.sync(context)
+        if not self.looked_up:        # adaptive k follows the draft's own guesses only
+            self.draft.adapt(n, k)
+
+
 class Lookahead:
     """Jacobi iteration over W future positions; n-grams from its trajectories; verify up to G."""
     needs_dynamic_cache = True
+    needs_features = False
 
     def __init__(self, window: int, ngram: int, guesses: int, seed: int = 0):
         if window < 1 or ngram < 2 or guesses < 1:
@@ -352,6 +482,11 @@ def load_draft(name: str, target: M.Llama, target_tok, device=None, dtype=None) 
     else:
         draft, tok = M.load(name, device, dtype)
     check_same_vocab(target_tok, tok, target, draft)
+    if draft.config.eagle:
+        if draft.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"{name} is an EAGLE head of width {draft.config.hidden_size}, but the target's "
+                             f"width is {target.config.hidden_size}: it was trained for another model")
+        draft.share_target(target)
     return draft
 
 
@@ -417,7 +552,11 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
     dev, gen = model.embed_tokens.weight.device, M._generator(model, p)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     pos = torch.arange(cache.length, cache.length + len(prompt), device=dev)
-    logits = model(torch.tensor([prompt], device=dev), pos, cache, last_only=True)
+    feats = proposer.needs_features
+    logits = model(torch.tensor([prompt], device=dev), pos, cache, last_only=True, hidden=feats)
+    if feats:
+        logits, hidden = logits
+        proposer.observe(len(history), hidden[0])
     stats.positions_computed += len(prompt)
     context = history + prompt + [M.sample(logits[0, -1], p, gen)]
     t0 = M._clock(stats, 0, t0)
@@ -457,7 +596,10 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
                 mask &= keys[None, :] > (torch.tensor(offsets) + t)[:, None] - model.config.sliding_window
             mask = mask.to(dev)
         pos = torch.tensor(offsets, device=dev) + t
-        logits = model(torch.tensor([ids], device=dev), pos, cache, mask=mask)[0]
+        logits = model(torch.tensor([ids], device=dev), pos, cache, mask=mask, hidden=feats)
+        if feats:
+            logits, hidden = logits
+        logits = logits[0]
         stats.positions_computed += len(ids)
         if p.temperature == 0:
             c, n, nxt = verify_greedy(logits[:b0].argmax(-1).tolist(), starts, cands)
@@ -469,6 +611,8 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
         if n and starts[c] != 1:                          # bring the accepted rows right behind x_t
             _move_rows(cache, t + starts[c], t + 1, n)
         cache.crop(t + 1 + n)
+        if feats:       # the features of x_t and the accepted guesses: positions t..t+n
+            proposer.observe(t, hidden[0, [0] + [starts[c] + i for i in range(n)]])
         context += accepted
         proposer.update(context, n, k, logits[b0:] if prop.branch else None)
         spec.steps += 1
@@ -495,16 +639,23 @@ def make_proposer(target: M.Llama, tok, draft: str | None = None, k: int = 4, ad
     ``compile`` compiles a draft model's one-token step."""
     chosen = [name for name, v in (("--draft", draft), ("--lookahead", lookahead),
                                    ("--prompt-lookup", prompt_lookup)) if v is not None]
-    if len(chosen) > 1:
-        raise ValueError(f"choose one speculative method, not {' and '.join(chosen)}")
+    if lookahead is not None and len(chosen) > 1:
+        raise ValueError(f"choose one speculative method, not {' and '.join(chosen)} "
+                         f"(only --draft and --prompt-lookup combine)")
     check_k(k)
     if draft is not None:
-        return DraftModel(load_draft(draft, target, tok, device, dtype), target, k, adaptive, compile=compile)
+        proposer = draft_proposer(load_draft(draft, target, tok, device, dtype), target, k, adaptive, compile)
+        return proposer if prompt_lookup is None else LookupThenDraft(proposer, prompt_lookup)
     if lookahead is not None:
         return Lookahead(*parse_lookahead(lookahead))
     if prompt_lookup is not None:
         return PromptLookup(prompt_lookup, k)
     return None
+
+
+def draft_proposer(draft: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, compile: bool = False):
+    """The proposer for a loaded draft: an EAGLE head drafts from the target's features."""
+    return (EagleDraft if draft.config.eagle else DraftModel)(draft, target, k, adaptive, compile=compile)
 
 
 def parse_lookahead(text: str) -> tuple[int, int, int]:
@@ -590,7 +741,7 @@ if __name__ == "__main__":
                "lookahead 4,3,4": lambda: Lookahead(4, 3, 4)}
     if (BUNDLED_DRAFT / "config.json").is_file():
         draft = load_draft("bundled", model, tok)
-        DraftModel(draft, model, 3, compile=True).warm_up(model)
-        methods["draft (bundled), k=3, compiled"] = lambda: DraftModel(draft, model, 3, compile=True)
+        draft_proposer(draft, model, 3, compile=True).warm_up(model)
+        methods["draft (bundled), k=3, compiled"] = lambda: draft_proposer(draft, model, 3, compile=True)
     print(f"summarise-this-text prompt ({len(prompts[0])} tokens), greedy, {args.new_tokens} new tokens, fp32\n")
     print(table(compare(model, prompts, methods, args.new_tokens)))

@@ -60,6 +60,18 @@ def subset_draft(tmp_path_factory):
     return M.Llama.from_pretrained(path, "cpu", torch.float32)
 
 
+@pytest.fixture(scope="module")
+def eagle_head(models, tmp_path_factory):
+    """A random EAGLE head for the target: one block of its width, a head over 96
+    tokens, the target's embedding and LM head rows (train.py's kind of head)."""
+    target, _ = models
+    root = tmp_path_factory.mktemp("eagle")
+    cfg = json.loads((make_checkpoint(root / "c", **SMALL) / "config.json").read_text())
+    cfg.update(num_hidden_layers=1, eagle=True, draft_vocab_size=96)
+    head = M.Llama.from_pretrained(M.save_random_checkpoint(cfg, root / "h", seed=2), "cpu", torch.float32)
+    return head.share_target(target)
+
+
 def test_head_subset_logits(models, subset_draft, tmp_path):
     """A head over part of the vocabulary gives the full head's logits on its
     tokens and −inf (probability 0) on every other; tied, its rows are the
@@ -86,20 +98,27 @@ def plain(model, prompt, n):
     return list(M.generate_cached(model, prompt, M.SamplingParams(temperature=0, max_new_tokens=n)))
 
 
-def check_cache_lengths(prompt, spec, draft_cache: bool):
+def check_cache_lengths(prompt, spec, draft: str | None):
     """After every step the target's cache holds exactly the accepted tokens (all but
     the last emitted one, which is fed next); a draft's holds the same, less its
-    own last guess after a fully accepted step (that guess never ran through it)."""
+    own last guess after a fully accepted step (that guess never ran through it);
+    an EAGLE head's only its entries on true features: those before the step."""
     for emitted, n, k, target_len, draft_len in spec.trace:
         assert target_len == len(prompt) + emitted - 1
-        if draft_cache and k:    # k = 0: a plain last step, the draft was not asked
+        if draft == "draft" and k:    # k = 0: a plain last step, the draft was not asked
             assert draft_len == target_len - (1 if n == k else 0)
+        if draft == "eagle" and k:
+            assert draft_len == target_len - 1 - n
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_identical_to_plain(models, subset_draft, k):
+def test_greedy_identical_to_plain(models, subset_draft, eagle_head, k):
     target, draft = models
     proposers = {"draft": lambda: S.DraftModel(draft, target, k),
+                 "eagle head": lambda: S.EagleDraft(eagle_head, target, k),
+                 "adaptive eagle head": lambda: S.EagleDraft(eagle_head, target, k, adaptive=True),
+                 "lookup then draft": lambda: S.LookupThenDraft(S.DraftModel(draft, target, k, adaptive=True), 2),
+                 "lookup then eagle": lambda: S.LookupThenDraft(S.EagleDraft(eagle_head, target, k), 2),
                  "subset-head draft": lambda: S.DraftModel(subset_draft, target, k),
                  "adaptive draft": lambda: S.DraftModel(draft, target, k, adaptive=True),
                  "self draft": lambda: S.DraftModel(target, target, k),
@@ -113,11 +132,12 @@ def test_greedy_identical_to_plain(models, subset_draft, k):
             got = list(S.generate(target, prompt, greedy, make(), spec=spec, cache=cache))
             assert got == want, (name, k, prompt)
             assert cache.length == len(prompt) + 128 - 1
-            check_cache_lengths(prompt, spec, name.endswith("draft"))
+            check_cache_lengths(prompt, spec, None if name.startswith("lookup then") else "draft"
+                                if name.endswith("draft") else "eagle" if name.endswith("eagle head") else None)
             if name == "self draft":     # the target as its own draft agrees with itself everywhere
                 assert spec.acceptance == 1.0, spec.summary()
-            if name in ("self draft", "prompt lookup", "lookahead"):   # a random draft may never agree
-                assert spec.accepted > 0, (name, k, spec.summary())
+            if name in ("self draft", "prompt lookup", "lookahead", "lookup then draft"):
+                assert spec.accepted > 0, (name, k, spec.summary())    # a random draft alone may never agree
 
 
 def test_compiled_draft_equals_plain(models, subset_draft):
@@ -132,12 +152,73 @@ def test_compiled_draft_equals_plain(models, subset_draft):
     for prompt in PROMPTS[:2]:
         spec = S.SpecStats()
         assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == plain(target, prompt, 64)
-        check_cache_lengths(prompt, spec, True)
+        check_cache_lengths(prompt, spec, "draft")
     assert draft.compiled_step is not None and proposer.cache.limit == 512     # the smallest size
     long = list(range(1, 300)) * 3
     proposer = S.DraftModel(draft, target, 4, compile=True)
     assert list(S.generate(target, long, greedy, proposer)) == plain(target, long, 64)
     assert proposer.cache.limit == 1024          # the next power of two: the model's whole context here
+
+
+def test_lookup_then_draft_chooses(models):
+    """The lookup proposes only after an exact match of all N tokens, up to 2k of
+    what followed; otherwise the draft guesses; adaptive k follows the draft's own
+    guesses only."""
+    target, draft = models
+    greedy = M.SamplingParams(temperature=0)
+    hybrid = S.LookupThenDraft(S.DraftModel(draft, target, 3, adaptive=True), 3)
+    with torch.inference_mode():
+        repeat = [0, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 7, 8, 9]
+        assert hybrid.propose(repeat, 6, 100, greedy, None).candidates == [[10, 11, 12, 13, 14, 15]]
+        assert hybrid.looked_up and hybrid.k == 6
+        hybrid.update(repeat + [10, 11, 12, 13, 14, 15, 16], 6, 6, None)
+        assert hybrid.draft.k == 3                       # a fully accepted lookup step: no growth
+        once = [0, 7, 8, 9, 10, 5, 6, 9]                 # only "9" repeats: a 1-token match, not 3
+        prop = hybrid.propose(once, 6, 100, greedy, None)
+        assert not hybrid.looked_up and len(prop.candidates[0]) == 3
+        assert prop.candidates == S.DraftModel(draft, target, 3).propose(once, 3, 100, greedy, None).candidates
+
+
+def test_compiled_eagle_equals_plain(models, eagle_head):
+    import copy
+    target, _ = models
+    head = copy.deepcopy(eagle_head).share_target(target)
+    proposer = S.EagleDraft(head, target, 3, compile=True)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
+    for prompt in PROMPTS[:2]:
+        spec = S.SpecStats()
+        assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == plain(target, prompt, 64)
+        check_cache_lengths(prompt, spec, "eagle")
+    assert head.compiled_step is not None and proposer.cache.limit == 512
+
+
+def test_eagle_reads_the_right_features(models, eagle_head):
+    """The head's cache, built step by step from the features each verify pass
+    reported (and only the accepted ones), equals one fresh pass of the head over
+    the whole context with the target's features from one fresh forward: entry j
+    reads (token j+1, feature j). Its next guess is that pass's argmax."""
+    target, _ = models
+    proposer = S.EagleDraft(eagle_head, target, 4)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=48)
+    prompt = PROMPTS[1]
+    context = prompt + list(S.generate(target, prompt, greedy, proposer))
+    with torch.inference_mode():
+        guess = proposer.propose(context, 1, 100, greedy, None).candidates[0][0]
+    t = len(context) - 1
+    with torch.inference_mode():
+        _, feats = target(torch.tensor([context]), torch.arange(t + 1), hidden=True)
+        fresh = eagle_head.new_cache()
+        logits = eagle_head(torch.tensor([context[1:]]), torch.arange(t), fresh, features=feats[:, :t])
+    assert proposer.cache.length == t
+    for layer in range(len(fresh.k)):
+        torch.testing.assert_close(proposer.cache.k[layer][:, :, :t], fresh.k[layer][:, :, :t], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(proposer.cache.v[layer][:, :, :t], fresh.v[layer][:, :, :t], atol=1e-4, rtol=1e-4)
+    assert guess == int(logits[0, -1].argmax())
+    # a wrong alignment (feature j+1 with token j+1) builds a different cache
+    with torch.inference_mode():
+        wrong = eagle_head.new_cache()
+        eagle_head(torch.tensor([context[1:]]), torch.arange(t), wrong, features=feats[:, 1:])
+    assert not torch.allclose(proposer.cache.k[0][:, :, :t], wrong.k[0][:, :, :t], atol=1e-3)
 
 
 def test_lookahead_moves_accepted_rows(models):
@@ -253,8 +334,13 @@ def small_vocab(tmp_path_factory):
     # a draft that can only propose 10 of the 16 tokens: q = 0 elsewhere, the rule must stay exact
     part = M.Llama.from_pretrained(head_subset(root / "d", root / "part", [0, 1, 2, 4, 5, 7, 9, 11, 12, 15]),
                                    "cpu", torch.float32)
+    # an EAGLE head for the target, over the same 10 tokens
+    hf = json.loads((root / "d" / "config.json").read_text())
+    hf.update(hidden_size=32, num_hidden_layers=1, eagle=True, draft_vocab_size=10)
+    eagle = M.Llama.from_pretrained(M.save_random_checkpoint(hf, root / "e", torch.float32, seed=3), "cpu",
+                                    torch.float32).share_target(target)
     target.config.eos_ids = draft.config.eos_ids = part.config.eos_ids = []
-    return target, draft, part
+    return target, draft, part, eagle
 
 
 def sampled_counts(target, make_proposer, params, n_seqs, n_new):
@@ -277,19 +363,23 @@ def sampled_counts(target, make_proposer, params, n_seqs, n_new):
     return observed, expected, spec
 
 
-@pytest.mark.parametrize("method", ["draft", "subset-head draft", "prompt lookup", "lookahead"])
+@pytest.mark.parametrize("method", ["draft", "subset-head draft", "eagle head", "lookup then draft",
+                                    "prompt lookup", "lookahead"])
 def test_sampling_matches_target(small_vocab, method, monkeypatch):
     """≥ 20,000 emitted tokens (the draft) against the target's exact distributions;
     then the same with a rule that accepts every guess, which must fail."""
-    target, draft, part = small_vocab
+    target, draft, part, eagle = small_vocab
     make = {"draft": lambda: S.DraftModel(draft, target, 3),
             "subset-head draft": lambda: S.DraftModel(part, target, 3),
+            "eagle head": lambda: S.EagleDraft(eagle, target, 3),
+            "lookup then draft": lambda: S.LookupThenDraft(S.DraftModel(draft, target, 3), 2),
             "prompt lookup": lambda: S.PromptLookup(2, 4),
             "lookahead": lambda: S.Lookahead(3, 3, 3)}[method]
     params = M.SamplingParams(temperature=1.0, top_p=0.95)
-    n_seqs = 160 if method.endswith("draft") else 40
+    model = method.endswith(("draft", "head"))     # lookup then draft: partly point masses, partly q
+    n_seqs = 160 if model else 40
     observed, expected, spec = sampled_counts(target, make, params, n_seqs, 128)
-    assert observed.sum() >= (20000 if method.endswith("draft") else 5000)
+    assert observed.sum() >= (20000 if model else 5000)
     assert spec.accepted > 0.05 * spec.emitted, spec.summary()      # the rule is really exercised
     assert chi_square_p(observed, expected) > 1e-3, (observed, expected)
     monkeypatch.setattr(S, "_accept", lambda p, token, q, gen: True)
@@ -315,6 +405,16 @@ def test_bad_input(models, tmp_path, monkeypatch):
     other = M.Llama.from_pretrained(make_checkpoint(tmp_path / "v", vocab_size=352, **SMALL), "cpu")
     with pytest.raises(ValueError, match="must use the target's tokenizer"):
         S.DraftModel(other, target)
+    with pytest.raises(ValueError, match="EAGLE head"):
+        S.EagleDraft(draft, target)
+    narrow = M.Llama.from_pretrained(make_checkpoint(tmp_path / "n", hidden_size=32, **SMALL), "cpu")
+    wide_cfg = json.loads((tmp_path / "n" / "config.json").read_text())
+    wide_cfg.update(num_hidden_layers=1, eagle=True, draft_vocab_size=8)
+    head = M.Llama.from_pretrained(M.save_random_checkpoint(wide_cfg, tmp_path / "e"), "cpu").share_target(narrow)
+    with pytest.raises(ValueError, match="width is 32 but the target's is 64"):
+        S.EagleDraft(head, target)
+    with pytest.raises(ValueError, match="needs the target's features"):
+        head(torch.tensor([[1, 2]]), torch.arange(2))
     with pytest.raises(ValueError, match="lookahead decoding needs the dynamic cache"):
         next(S.generate(target, [0, 1], M.SamplingParams(), S.Lookahead(3, 3, 3),
                         cache=target.new_cache("static", max_len=64)))
@@ -341,15 +441,16 @@ def test_runner_flags(tmp_path, monkeypatch, capsys):
     tgt = str(make_checkpoint(tmp_path / "t"))
     monkeypatch.setattr(S, "BUNDLED_DRAFT", tmp_path / "no-draft")
     cases = [(["--draft", "bundled"], "python train.py"), (["--spec-k", "0", "--prompt-lookup", "3"], "spec-k"),
-             (["--lookahead", "4,1,4"], "--lookahead"), (["--draft", "bundled", "--prompt-lookup", "2"],
+             (["--lookahead", "4,1,4"], "--lookahead"), (["--lookahead", "4,3,4", "--prompt-lookup", "2"],
                                                          "choose one speculative method")]
     for flags, message in cases:
         assert serve_local.main(["--model", tgt, "--prompt", "hi", *flags]) == 1
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("error: ") and message in err, err
-    assert serve_local.main(["--model", tgt, "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "24",
-                             "--prompt-lookup", "2"]) == 0
-    assert "acceptance" in capsys.readouterr().err
+    for flags in (["--prompt-lookup", "2"], ["--draft", tgt, "--prompt-lookup", "2"]):
+        assert serve_local.main(["--model", tgt, "--prompt", "hello", "--temperature", "0",
+                                 "--max-new-tokens", "24", *flags]) == 0
+        assert "acceptance" in capsys.readouterr().err
 
 
 def test_static_cache_and_chat_turns(models, tmp_path):
@@ -389,18 +490,22 @@ def test_lookahead_mask_respects_sliding_window(tmp_path):
 
 
 def test_committed_draft(bundled_dir):
-    """drafts/ holds train.py's draft for the bundled model: within the 25 MB
-    budget, tokenizer-less (it loads with the target's), a head over part of
-    the vocabulary, and speculative output with it is still the target's own."""
+    """drafts/ holds train.py's EAGLE head for the bundled model: within the 25 MB
+    budget, no tokenizer, embedding or LM head of its own (it uses the target's),
+    a head over part of the vocabulary; speculative output with it is still the
+    target's own, and it guesses well (a random head gives ~1.0 token per forward)."""
     files = list(S.BUNDLED_DRAFT.iterdir())
     assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
                                                                                           "model.safetensors"}
     target, tok = M.load(str(bundled_dir), "cpu", "float32")
-    draft = S.load_draft("bundled", target, tok)
-    assert draft.head_ids is not None and len(draft.head_ids) < target.config.vocab_size
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}]),
-                        add_bos=False)
-    greedy, spec = M.SamplingParams(temperature=0, max_new_tokens=64), S.SpecStats()
-    got = list(S.generate(target, prompt, greedy, S.DraftModel(draft, target, 3), spec=spec))
-    assert got == list(M.generate_cached(target, prompt, greedy))
-    assert spec.tokens_per_forward > 1.15, spec.summary()    # a trained draft: a random one gives ~1.0
+    head = S.load_draft("bundled", target, tok)
+    assert head.config.eagle and head.embed_tokens is target.embed_tokens
+    assert head.head_ids is not None and len(head.head_ids) < target.config.vocab_size
+    text = "Write a short poem about a lighthouse keeper."     # bench.py's second chat prompt
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
+    want = list(M.generate_cached(target, prompt, greedy))
+    for proposer in (S.EagleDraft(head, target, 3), S.LookupThenDraft(S.EagleDraft(head, target, 3), 3)):
+        spec = S.SpecStats()
+        assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == want
+        assert spec.tokens_per_forward > 1.5, spec.summary()    # measured: 1.85 (head alone)
