@@ -140,22 +140,26 @@ def test_greedy_identical_to_plain(models, subset_draft, eagle_head, k):
                 assert spec.accepted > 0, (name, k, spec.summary())    # a random draft alone may never agree
 
 
-def test_compiled_draft_equals_plain(models, subset_draft):
-    """DraftModel(compile=True) drafts on a static cache through the compiled
-    one-token step; the output is still the target's own, and the cache resets
-    when it is too small. The draft has a subset head, like the bundled one."""
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
+    """A draft model (or an EAGLE head) with compile=True drafts on a static
+    cache through the compiled one-token step; the output is still the
+    target's own, and the cache resets when it is too small. Both have subset
+    heads, like the bundled one."""
     import copy
     target, _ = models
-    draft = copy.deepcopy(subset_draft)  # its compiled step stays off the shared fixture
-    proposer = S.DraftModel(draft, target, 4, compile=True)
+    draft = copy.deepcopy(subset_draft if kind == "draft" else eagle_head)  # its compiled step stays off the fixture
+    if kind == "eagle":
+        draft.share_target(target)
+    proposer = S.draft_proposer(draft, target, 4, compile=True)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     for prompt in PROMPTS[:2]:
         spec = S.SpecStats()
         assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == plain(target, prompt, 64)
-        check_cache_lengths(prompt, spec, "draft")
+        check_cache_lengths(prompt, spec, kind)
     assert draft.compiled_step is not None and proposer.cache.limit == 512     # the smallest size
     long = list(range(1, 300)) * 3
-    proposer = S.DraftModel(draft, target, 4, compile=True)
+    proposer = S.draft_proposer(draft, target, 4, compile=True)
     assert list(S.generate(target, long, greedy, proposer)) == plain(target, long, 64)
     assert proposer.cache.limit == 1024          # the next power of two: the model's whole context here
 
@@ -177,19 +181,6 @@ def test_lookup_then_draft_chooses(models):
         prop = hybrid.propose(once, 6, 100, greedy, None)
         assert not hybrid.looked_up and len(prop.candidates[0]) == 3
         assert prop.candidates == S.DraftModel(draft, target, 3).propose(once, 3, 100, greedy, None).candidates
-
-
-def test_compiled_eagle_equals_plain(models, eagle_head):
-    import copy
-    target, _ = models
-    head = copy.deepcopy(eagle_head).share_target(target)
-    proposer = S.EagleDraft(head, target, 3, compile=True)
-    greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
-    for prompt in PROMPTS[:2]:
-        spec = S.SpecStats()
-        assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == plain(target, prompt, 64)
-        check_cache_lengths(prompt, spec, "eagle")
-    assert head.compiled_step is not None and proposer.cache.limit == 512
 
 
 def test_eagle_reads_the_right_features(models, eagle_head):
