@@ -743,5 +743,7 @@ if __name__ == "__main__":
         draft = load_draft("bundled", model, tok)
         draft_proposer(draft, model, 3, compile=True).warm_up(model)
         methods["draft (bundled), k=3, compiled"] = lambda: draft_proposer(draft, model, 3, compile=True)
+        methods["draft (bundled), k=3 + lookup N=3"] = \
+            lambda: LookupThenDraft(draft_proposer(draft, model, 3, compile=True), 3)
     print(f"summarise-this-text prompt ({len(prompts[0])} tokens), greedy, {args.new_tokens} new tokens, fp32\n")
     print(table(compare(model, prompts, methods, args.new_tokens)))
