@@ -260,15 +260,18 @@ class DraftModel:
         for _ in range(k):
             pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
             logits = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True)[0, -1]
-            if params.temperature == 0:     # a point mass: verify needs only the token
-                token = int(logits.argmax())
-            else:
-                rows.append(M.sampling_probs(logits, params))
-                token = int(torch.multinomial(rows[-1], 1, generator=gen))
-            tokens.append(token)
-            feed = [token]
+            tokens.append(self.choose(logits, params, gen, rows))
+            feed = tokens[-1:]
         self.ids = context + tokens[:-1]
         return Proposal([tokens], torch.stack(rows) if rows else None)
+
+    @staticmethod
+    def choose(logits: torch.Tensor, params, gen, rows: list) -> int:
+        """The drafted token; sampling also keeps its distribution q in rows for verify."""
+        if params.temperature == 0:     # a point mass: verify needs only the token
+            return int(logits.argmax())
+        rows.append(M.sampling_probs(logits, params))
+        return int(torch.multinomial(rows[-1], 1, generator=gen))
 
     def update(self, context, n, k, branch_logits):
         self.sync(context)
@@ -346,14 +349,8 @@ class EagleDraft(DraftModel):
             pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
             logits, h = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True,
                                    features=feats[None], hidden=True)
-            logits = logits[0, -1]
-            if params.temperature == 0:
-                token = int(logits.argmax())
-            else:
-                rows.append(M.sampling_probs(logits, params))
-                token = int(torch.multinomial(rows[-1], 1, generator=gen))
-            tokens.append(token)
-            feed, feats = [token], h[0, -1:]
+            tokens.append(self.choose(logits[0, -1], params, gen, rows))
+            feed, feats = tokens[-1:], h[0, -1:]
         self.ids = context[:t + 1]            # the entries on predicted features are not kept
         return Proposal([tokens], torch.stack(rows) if rows else None)
 
@@ -482,10 +479,7 @@ def load_draft(name: str, target: M.Llama, target_tok, device=None, dtype=None) 
     else:
         draft, tok = M.load(name, device, dtype)
     check_same_vocab(target_tok, tok, target, draft)
-    if draft.config.eagle:
-        if draft.config.hidden_size != target.config.hidden_size:
-            raise ValueError(f"{name} is an EAGLE head of width {draft.config.hidden_size}, but the target's "
-                             f"width is {target.config.hidden_size}: it was trained for another model")
+    if draft.config.eagle:      # its width is checked by EagleDraft, the one way to use it
         draft.share_target(target)
     return draft
 

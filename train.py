@@ -146,6 +146,14 @@ def head_tokens(data, vocab: int, n: int) -> torch.Tensor:
     return mass.topk(n).indices.sort().values
 
 
+def padded(seqs) -> torch.Tensor:
+    """Token sequences of different lengths as one (B, T) batch, zeros after each end."""
+    tokens = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = s
+    return tokens
+
+
 @torch.inference_mode()
 def target_features(target, data, batch=8):
     """Phase 2: the target's feature at every position of every conversation
@@ -157,11 +165,8 @@ def target_features(target, data, batch=8):
     out = [None] * len(data)
     for start in range(0, len(order), batch):
         part = order[start:start + batch]
-        T = max(len(data[i][0]) for i in part)
-        tokens = torch.zeros(len(part), T, dtype=torch.long)
-        for b, i in enumerate(part):
-            tokens[b, :len(data[i][0])] = data[i][0]
-        _, h = target(tokens, torch.arange(T), hidden=True)
+        tokens = padded([data[i][0] for i in part])
+        _, h = target(tokens, torch.arange(tokens.shape[1]), hidden=True)
         for b, i in enumerate(part):
             out[i] = h[b, :len(data[i][0])].to(torch.bfloat16).clone()
     print(f"features: {sum(len(f) for f in out)} positions in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -174,7 +179,7 @@ def make_head(target: M.Llama, target_dir: Path, ids: torch.Tensor) -> tuple[M.L
     torch.manual_seed(0)
     head = M.Llama(M.LlamaConfig.from_hf(hf))
     head.head_ids.copy_(ids)
-    for name, p in head.named_parameters():
+    for p in head.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, 0.0, 0.02)
     # fc starts by passing the feature through (plus small noise from the token), the
@@ -201,13 +206,15 @@ def features_only(head):
         head.head_ids, head.lm_head = ids, lm
 
 
-def head_loss(head, teacher_rows, tokens, feats, n_prompt, passes=2):
-    """The loss of one batch. tokens (B, T), feats (B, T, d): the target's.
-    Head position j reads (x_j+1, f_j) and must predict f_j+1 (smooth L1) and
-    the target's distribution over x_j+2, softmax(f_j+1 · E_idsᵀ) restricted to
-    the head's tokens (cross-entropy = KL up to a constant). Pass 2 feeds the
-    head its own predictions f̂_j in place of f_j, as drafting steps 2..k do."""
+def head_loss(head, tokens, feats, n_prompt, passes=2):
+    """The loss of one batch, and the argmax agreement of each pass. tokens (B, T),
+    feats (B, T, d): the target's. Head position j reads (x_j+1, f_j) and must
+    predict f_j+1 (smooth L1) and the target's distribution over x_j+2,
+    softmax(f_j+1 · E_idsᵀ) over the head's rows E_ids (cross-entropy = KL up to
+    a constant). Pass 2 feeds the head its own predictions f̂_j in place of f_j,
+    as drafting steps 2..k do."""
     B, T = tokens.shape
+    teacher_rows = head.lm_head.weight.detach().to(torch.bfloat16)
     inp, nxt, target_f = tokens[:, 1:], feats[:, :-1].float(), feats[:, 1:].float()
     valid = torch.zeros(B, T - 1, dtype=torch.bool)
     for b, (n, L) in enumerate(n_prompt):
@@ -217,7 +224,7 @@ def head_loss(head, teacher_rows, tokens, feats, n_prompt, passes=2):
     losses, agree = [], []
     f_in = nxt
     for _ in range(passes):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), features_only(head):
             _, h = head(inp, torch.arange(T - 1), features=f_in, hidden=True)
             logits = h[valid] @ teacher_rows.T
         logq = torch.log_softmax(logits.float(), dim=-1)
@@ -232,9 +239,8 @@ def head_loss(head, teacher_rows, tokens, feats, n_prompt, passes=2):
 def distil(head, data, feats, steps, batch, lr, deadline, passes):
     """Phase 3: AdamW on the head (fc, one block, final norm; the embedding and
     LM head are the target's and stay fixed), warm-up then cosine decay."""
-    params = [p for n, p in head.named_parameters() if p.requires_grad and "embed" not in n and "lm_head" not in n]
+    params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    rows = head.lm_head.weight.detach().to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     warmup, t0, step = 30, time.perf_counter(), 0
     budget = max(deadline - t0, 1e-9)
@@ -244,14 +250,11 @@ def distil(head, data, feats, steps, batch, lr, deadline, passes):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1))))
         picks = torch.randint(len(data), (batch,), generator=gen).tolist()
-        T = max(len(data[i][0]) for i in picks)
-        tokens = torch.zeros(batch, T, dtype=torch.long)
-        f = torch.zeros(batch, T, feats[0].shape[1])
+        tokens = padded([data[i][0] for i in picks])
+        f = torch.zeros(*tokens.shape, feats[0].shape[1])
         for b, i in enumerate(picks):
-            tokens[b, :len(data[i][0])] = data[i][0]
-            f[b, :len(data[i][0])] = feats[i].float()
-        with features_only(head):
-            loss, agree = head_loss(head, rows, tokens, f, [(data[i][1], len(data[i][0])) for i in picks], passes)
+            f[b, :len(feats[i])] = feats[i].float()
+        loss, agree = head_loss(head, tokens, f, [(data[i][1], len(data[i][0])) for i in picks], passes)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -271,14 +274,10 @@ def distil(head, data, feats, steps, batch, lr, deadline, passes):
 def agreement(head, data, feats) -> list[float]:
     """How often the head's argmax is the target's, from true features (drafting
     step 1) and from its own predicted ones (step 2): the greedy acceptance rates."""
-    rows = head.lm_head.weight.detach().to(torch.bfloat16)
-    hits = None
-    for i in range(len(data)):
-        s, n = data[i][0], data[i][1]
-        with features_only(head):
-            _, agree = head_loss(head, rows, s[None], feats[i][None].float(), [(n, len(s))], passes=2)
-        hits = agree if hits is None else [a + b for a, b in zip(hits, agree)]
-    return [h / max(len(data), 1) for h in hits]
+    hits = torch.zeros(2)
+    for (s, n), f in zip(data, feats):
+        hits += torch.tensor(head_loss(head, s[None], f[None].float(), [(n, len(s))], passes=2)[1])
+    return (hits / max(len(data), 1)).tolist()
 
 
 def save(head: M.Llama, hf: dict, out: Path):
