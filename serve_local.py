@@ -215,6 +215,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft", default=None, help="speculative decoding with a draft model of the same "
                     "tokenizer (alias, directory, .gguf; `bundled` = train.py's draft for SmolLM2)")
     ap.add_argument("--spec-k", type=int, default=4, help="tokens proposed per step (--draft, --prompt-lookup)")
+    ap.add_argument("--spec-tree", default=None, metavar="W,M", help="--draft with an EAGLE head: draft a tree, "
+                    "W children per node, --spec-k levels, and verify the M likeliest tokens in one pass (e.g. 4,10)")
     ap.add_argument("--adaptive-k", action="store_true", help="--draft: grow k after full acceptance, shrink "
                     "it after early rejection")
     ap.add_argument("--lookahead", default=None, metavar="W,N,G", help="lookahead decoding: Jacobi window W, "
@@ -241,7 +243,7 @@ def warm_up(chat: Chat):
     list(M.generate_cached(chat.model, [0], M.SamplingParams(max_new_tokens=2), cache=chat.cache))
     chat.cache.crop(0)
     draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
-    if isinstance(draft, speculative.DraftModel):     # its step is compiled too (make_proposer)
+    if isinstance(draft, speculative.DraftModel) and draft.static:   # its step is compiled too (make_proposer)
         draft.warm_up(chat.model, sizes=(512, 1024))   # a chat's first turns, then longer ones
     print(f"compiled in {time.perf_counter() - t0:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
@@ -304,7 +306,7 @@ def main(argv=None) -> int:
             raise ValueError("--kv paged runs the engine's own cached decoder on its block pool: "
                              "drop --cache, --compile and --decoder")
         proposer = speculative.make_proposer(model, tok, args.draft, args.spec_k, args.adaptive_k, args.lookahead,
-                                             args.prompt_lookup, args.device, w.dtype, args.compile)
+                                             args.prompt_lookup, args.device, w.dtype, args.compile, args.spec_tree)
         if proposer is not None and (args.kv == "paged" or args.decoder != "cached"):
             raise ValueError("speculative decoding runs on the contiguous cached decoder: drop --kv paged "
                              "and --decoder naive")

@@ -60,21 +60,31 @@ Proposers, one verifier:
   pool keyed by its first token. Up to G pool n-grams starting with the current
   token are verified — in the same forward pass as the next Jacobi iteration.
 
-One pass, several branches. For lookahead the forward input is
+One pass, several branches. Lookahead verifies several candidates, and an
+EAGLE head can draft a tree (EagleDraft.propose_tree, `--spec-tree W,M`: the
+head's likeliest few tokens at each depth instead of its one best guess). The
+candidates are merged into a token tree (TokenTree): a prefix several share is
+computed once. For lookahead the forward input is
 
-    [x_t | candidate 1 (N−1 tokens) | ... | candidate G | window row 0 (W) | ... | row N−2 (W)]
+    [x_t | the candidate tree | window row 0 (W) | ... | row N−2 (W)]
 
-at positions t; t+1..t+N−1 for every candidate; t+1+r+i for row r, column i.
+at positions t; t+depth for a tree token; t+1+r+i for window row r, column i.
 Positions overlap, so the causal mask is wrong; `Llama.forward(mask=...)` takes
-a (T, L) mask instead: everything sees the cached prefix and x_t; candidate
-token j sees its own tokens 0..j; window token (r, i) sees row 0's columns 0..i
+a (T, L) mask instead: everything sees the cached prefix and x_t; a tree token
+sees its ancestors and itself; window token (r, i) sees row 0's columns 0..i
 and rows 1..r of its own column — the sequence x_t, row0[0..i], row1[i], ..,
 rowr[i] at consecutive positions, so the output at (r, i) is the model's next
 token after that column's chain. The dynamic cache stores the new K/V rows in
-input order. After verification the accepted candidate's rows are moved right
+input order. After verification the accepted path's rows are moved right
 behind x_t (their K/V was computed at the right positions and over exactly the
 accepted prefix, so moving is exact — no recompute) and the cache is cropped:
 it holds the accepted tokens and nothing else, as after every step here.
+A tree buys tokens per forward where the head is unsure: on bench.py's 8 chat
+prompts the bundled head's chain of 3 made 1.75 tokens per forward, a tree of
+10 tokens (W = 4, depth 3) 2.26. It pays for them with a wider verify pass (11
+positions: ~1.45x a plain step here against ~1.25x for 4) and 3 eager head
+passes (~15 ms), so on this CPU it is only a little faster: 1.23x plain
+against 1.16x in the same run (README).
 """
 
 from __future__ import annotations
@@ -152,20 +162,66 @@ def verify(target: list[torch.Tensor], candidates: list[list[int]], draft: torch
         depth += 1
 
 
-def verify_greedy(best: list[int], starts: list[int], candidates: list[list[int]]) -> tuple[int, int, int]:
+def verify_greedy(best: list[int], rows: list[list[int]], candidates: list[list[int]]) -> tuple[int, int, int]:
     """`verify` when every distribution is a point mass (greedy): the same verdict
-    from token ids alone. best[0] is the target's argmax after the last accepted
-    token, best[starts[c] + j] its argmax after candidate c's token j. Returns
-    (candidate index, tokens accepted n, next token) for the longest match; no
-    49,152-wide rows are built (~1 ms a step here)."""
+    from token ids alone. best[r] is the target's argmax after the token in row r
+    of the pass; rows[c] lists the rows of x_t and of candidate c's tokens (a
+    TokenTree, below, shares rows between candidates). Returns (candidate index,
+    tokens accepted n, next token) for the longest match; no 49,152-wide rows
+    are built (~1 ms a step here)."""
     c, n = 0, 0
-    for i, (start, cand) in enumerate(zip(starts, candidates)):
+    for i, (path, cand) in enumerate(zip(rows, candidates)):
         m = 0
-        while m < len(cand) and cand[m] == (best[0] if m == 0 else best[start + m - 1]):
+        while m < len(cand) and cand[m] == best[path[m]]:
             m += 1
         if m > n:
             c, n = i, m
-    return c, n, best[0] if n == 0 else best[starts[c] + n - 1]
+    return c, n, best[rows[c][n]] if rows else best[0]
+
+
+@dataclass
+class TokenTree:
+    """Candidates merged into a tree: a prefix that several share is computed once.
+
+    tokens[i] sits at depth depths[i] (1 = right after x_t) below parents[i]
+    (0 = x_t, i + 1 = tokens[i]: the indices are rows of the verify pass, whose
+    row 0 is x_t); rows[c] lists the rows of x_t and of candidate c's tokens."""
+    tokens: list[int]
+    depths: list[int]
+    parents: list[int]
+    rows: list[list[int]]
+
+    @property
+    def is_chain(self) -> bool:
+        """Each token follows the one before it: the plain causal mask is right."""
+        return all(p == i for i, p in enumerate(self.parents))
+
+    def mask(self) -> torch.Tensor:
+        """(1 + n, 1 + n) bool: row r sees x_t, its ancestors and itself."""
+        n = len(self.tokens) + 1
+        m = torch.zeros(n, n, dtype=torch.bool)
+        m[0, 0] = True
+        for i, p in enumerate(self.parents, start=1):
+            m[i] = m[p]
+            m[i, i] = True
+        return m
+
+
+def token_tree(candidates: list[list[int]]) -> TokenTree:
+    """Merge candidates (lists of tokens after x_t) into one TokenTree."""
+    tree, child = TokenTree([], [], [], []), {}       # (parent row, token) -> row
+    for cand in candidates:
+        path = [0]
+        for depth, token in enumerate(cand, start=1):
+            key = (path[-1], token)
+            if key not in child:
+                child[key] = len(tree.tokens) + 1
+                tree.tokens.append(token)
+                tree.depths.append(depth)
+                tree.parents.append(path[-1])
+            path.append(child[key])
+        tree.rows.append(path)
+    return tree
 
 
 # ----------------------------------------------------------------------------
@@ -311,18 +367,24 @@ class EagleDraft(DraftModel):
     target's rows for rejected guesses are.
     A drafted token costs fc, one block and a head over 8,192 tokens, ~9M
     multiply-adds against the target's ~135M: 2.0 ms compiled (2.5 eager) for
-    the bundled head (train.py), against 41 ms for a SmolLM2 step (fp32)."""
+    the bundled head (train.py), against 41 ms for a SmolLM2 step (fp32).
+    With ``tree=(W, M)`` it drafts a tree instead of a chain (propose_tree)."""
     needs_features = True
 
     def __init__(self, head: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
-                 compile: bool = False):
+                 compile: bool = False, tree: tuple[int, int] | None = None):
         if not head.config.eagle:
             raise ValueError("EagleDraft needs an EAGLE head (config.json \"eagle\": true); use DraftModel")
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"the EAGLE head's width is {head.config.hidden_size} but the target's is "
                              f"{target.config.hidden_size}: it reads the target's features, so it was trained "
                              f"for another model")
-        super().__init__(head, target, k, adaptive, k_max, compile)
+        if tree is not None:
+            check_tree(*tree)
+        # a tree grows level by level with several tokens per head pass: the eager step, a dynamic cache
+        super().__init__(head, target, k, adaptive, k_max, compile and tree is None)
+        self.tree = tree
+        self.needs_dynamic_cache = tree is not None      # the target's rows too: tree tokens share positions
         w = target.embed_tokens.weight
         self.features = torch.zeros(0, target.config.hidden_size, dtype=w.dtype, device=w.device)
 
@@ -343,16 +405,74 @@ class EagleDraft(DraftModel):
         # entry j reads token j+1: entries 0..keep-1 still hold true features of this context
         keep = max(0, min(common_prefix(self.ids, context) - 1, t - 1))
         self.cache.crop(keep)
-        dev = self.features.device
         feed, feats, tokens, rows = context[keep + 1:t + 1], self.features[keep:t], [], []
+        self.ids = context[:t + 1]            # the entries on predicted features are not kept
+        if self.tree is not None:
+            return self.propose_tree(feed, feats, t, k, room)
         for _ in range(k):
-            pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
-            logits, h = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True,
-                                   features=feats[None], hidden=True)
+            logits, h = self.head_pass(feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
             tokens.append(self.choose(logits[0, -1], params, gen, rows))
             feed, feats = tokens[-1:], h[0, -1:]
-        self.ids = context[:t + 1]            # the entries on predicted features are not kept
         return Proposal([tokens], torch.stack(rows) if rows else None)
+
+    def head_pass(self, tokens: list[int], positions: torch.Tensor, features: torch.Tensor, mask=None):
+        """The head over new entries (token, feature) -> (logits, predicted features);
+        without a mask only the last position's logits."""
+        dev = features.device
+        return self.model(torch.tensor([tokens], device=dev), positions.to(dev), self.cache,
+                          last_only=mask is None, mask=None if mask is None else mask.to(dev),
+                          features=features[None], hidden=True)
+
+    def propose_tree(self, feed: list[int], feats: torch.Tensor, t: int, k: int, room: int) -> Proposal:
+        """A tree of guesses, grown like EAGLE-2: level 1 is the head's top W
+        tokens for x_t+1; each next level expands the W most likely nodes of the
+        last (likely = the product of the head's probabilities along the path),
+        W children each, all in one head pass whose mask lets a node see its own
+        ancestors only. After k levels the M most likely nodes are verified (a
+        node is never likelier than its parent, so they form a tree). The guesses
+        are fixed functions of the head's scores, so verify treats them as point
+        masses, several per depth: exact for sampling as for greedy."""
+        W, budget = self.tree
+        logits, h = self.head_pass(feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
+        # per node: its token, parent (-1: x_t), log-probability of its path, the feature it reads
+        tokens, parents, scores, inputs = [], [], [], []
+        entry = {}                            # an expanded node -> its row in the head's cache
+
+        def grow(logits_row, parent, feature):
+            top = torch.log_softmax(logits_row.float(), -1).topk(W)
+            base = scores[parent] if parent >= 0 else 0.0
+            for lp, token in zip(top.values.tolist(), top.indices.tolist()):
+                tokens.append(token)
+                parents.append(parent)
+                scores.append(base + lp)
+                inputs.append(feature)
+            return range(len(tokens) - W, len(tokens))
+
+        level = grow(logits[0, -1], -1, h[0, -1])
+        for depth in range(1, k):
+            expand = sorted(level, key=lambda i: -scores[i])[:W]
+            L = self.cache.length
+            mask = torch.zeros(len(expand), L + len(expand), dtype=torch.bool)
+            mask[:, :t] = True                                  # the true entries
+            for j, i in enumerate(expand):
+                entry[i] = L + j
+                a = i
+                while a >= 0:
+                    mask[j, entry[a]] = True
+                    a = parents[a]
+            logits, h = self.head_pass([tokens[i] for i in expand], torch.full((len(expand),), t - 1 + depth),
+                                       torch.stack([inputs[i] for i in expand]), mask)
+            level = [n for j, i in enumerate(expand) for n in grow(logits[0, j], i, h[0, j])]
+        chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:max(1, min(budget, room))]
+        leaves = set(chosen) - {parents[i] for i in chosen}
+        candidates = []
+        for leaf in sorted(leaves, key=lambda i: (-scores[i], i)):
+            path, a = [], leaf
+            while a >= 0:
+                path.append(tokens[a])
+                a = parents[a]
+            candidates.append(path[::-1])
+        return Proposal(candidates)
 
     def sync(self, context: list[int]):
         self.cache.crop(max(0, len(self.ids) - 1))     # entries on predicted features go
@@ -374,7 +494,7 @@ class LookupThenDraft:
         # an exact match of all N tokens only (a 1-token match is a weak guess: the
         # draft does better there), and twice the draft's k: a lookup's guesses cost nothing
         self.lookup, self.draft = PromptLookup(ngram, 2 * draft.k, min_ngram=ngram), draft
-        self.needs_features = draft.needs_features
+        self.needs_features, self.needs_dynamic_cache = draft.needs_features, draft.needs_dynamic_cache
         self.looked_up = False        # whether this step's guess came from the lookup
 
     @property
@@ -451,6 +571,12 @@ def check_k(k: int):
         raise ValueError(f"--spec-k must be >= 1 (tokens proposed per step), got {k}")
 
 
+def check_tree(w: int, m: int):
+    if w < 1 or m < 1:
+        raise ValueError(f"--spec-tree W,M needs W >= 1 (children per node) and M >= 1 (tokens verified), "
+                         f"got {w},{m}")
+
+
 def check_same_vocab(target_tok, draft_tok, target: M.Llama, draft: M.Llama):
     """A draft's token ids must mean what the target's mean."""
     sizes = (target.config.vocab_size, draft.config.vocab_size, target_tok.vocab_size, draft_tok.vocab_size)
@@ -516,11 +642,12 @@ class SpecStats:
                 f"forward | accepted lengths {hist}")
 
 
-def _move_rows(cache: DynamicCache, src: int, dst: int, n: int):
-    """Copy K/V rows src..src+n-1 to dst..dst+n-1 in every layer (stored form, quantized or not)."""
+def _move_rows(cache: DynamicCache, src: list[int], dst: int):
+    """Copy the K/V rows src (a list) to dst, dst+1, ... in every layer (stored form, quantized or not)."""
+    idx = torch.tensor(src, device=cache.k[0].device)
     for store in (cache.k, cache.v):
         for t in store:
-            t[:, :, dst:dst + n] = t[:, :, src:src + n].clone()
+            t[:, :, dst:dst + len(src)] = t[:, :, idx]
 
 
 @torch.inference_mode()
@@ -539,8 +666,8 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
     if len(history) != cache.length:
         raise ValueError(f"history has {len(history)} tokens but the cache holds {cache.length}")
     if proposer.needs_dynamic_cache and not isinstance(cache, DynamicCache):
-        raise ValueError("lookahead decoding needs the dynamic cache (--cache dynamic): its branches "
-                         "share positions, so their K/V rows are kept in input order")
+        raise ValueError("lookahead decoding and draft trees need the dynamic cache (--cache dynamic): their "
+                         "branches share positions, so their K/V rows are kept in input order")
     limit = M.context_limit(model, cache)
     M.check_context(model, cache.length + len(prompt), cache)
     dev, gen = model.embed_tokens.weight.device, M._generator(model, p)
@@ -567,22 +694,18 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
         prop = proposer.propose(context, k, room, p, gen) if k else Proposal()
         spec.propose_s += time.perf_counter() - ts
         cands = [c for c in prop.candidates if c] if prop.draft_probs is None else prop.candidates
-        # One pass: x_t, every candidate, the lookahead branch.
-        ids, offsets, starts = [context[-1]], [0], []
-        for c in cands:
-            starts.append(len(ids))
-            ids += c
-            offsets += range(1, len(c) + 1)
+        # One pass: x_t, the candidates as a token tree, the lookahead branch.
+        tree = token_tree(cands)
+        ids, offsets, rows = [context[-1]] + tree.tokens, [0] + tree.depths, tree.rows
         b0 = len(ids)
         ids += prop.branch
         offsets += prop.branch_offsets
         mask = None
-        if len(cands) > 1 or prop.branch:
+        if not tree.is_chain or prop.branch:
             T = len(ids)
             mask = torch.zeros(T, t + T, dtype=torch.bool)
             mask[:, :t + 1] = True                        # the cached prefix and x_t
-            for s, c in zip(starts, cands):
-                mask[s:s + len(c), t + s:t + s + len(c)] = torch.ones(len(c), len(c), dtype=torch.bool).tril()
+            mask[:b0, t:t + b0] = tree.mask()
             if prop.branch:
                 mask[b0:, t + b0:] = prop.branch_mask
             if model.config.sliding_window is not None:    # keys are rows 0..t-1, then the new tokens
@@ -596,17 +719,18 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
         logits = logits[0]
         stats.positions_computed += len(ids)
         if p.temperature == 0:
-            c, n, nxt = verify_greedy(logits[:b0].argmax(-1).tolist(), starts, cands)
+            c, n, nxt = verify_greedy(logits[:b0].argmax(-1).tolist(), rows, cands)
         else:
             probs = M.sampling_probs(logits[:b0], p)
-            target = [probs[[0] + list(range(s, s + len(c)))] for s, c in zip(starts, cands)] or [probs[:1]]
+            target = [probs[path] for path in rows] or [probs[:1]]
             c, n, nxt = verify(target, cands, prop.draft_probs, gen)
         accepted = (cands[c][:n] if cands else []) + [nxt]
-        if n and starts[c] != 1:                          # bring the accepted rows right behind x_t
-            _move_rows(cache, t + starts[c], t + 1, n)
+        kept = rows[c][:n + 1] if cands else [0]       # the pass's rows of x_t and the accepted guesses
+        if kept != list(range(n + 1)):                    # bring their K/V right behind x_t
+            _move_rows(cache, [t + r for r in kept[1:]], t + 1)
         cache.crop(t + 1 + n)
         if feats:       # the features of x_t and the accepted guesses: positions t..t+n
-            proposer.observe(t, hidden[0, [0] + [starts[c] + i for i in range(n)]])
+            proposer.observe(t, hidden[0, kept])
         context += accepted
         proposer.update(context, n, k, logits[b0:] if prop.branch else None)
         spec.steps += 1
@@ -628,18 +752,26 @@ def generate(model: M.Llama, prompt: list[int], p: M.SamplingParams, proposer,
 
 def make_proposer(target: M.Llama, tok, draft: str | None = None, k: int = 4, adaptive: bool = False,
                   lookahead: str | None = None, prompt_lookup: int | None = None, device=None, dtype=None,
-                  compile: bool = False):
+                  compile: bool = False, tree: str | None = None):
     """The runner's flags -> a proposer (or None for plain decoding). One at a time.
-    ``compile`` compiles a draft model's one-token step."""
+    ``compile`` compiles a draft model's one-token step; ``tree`` "W,M" makes an
+    EAGLE head draft a tree (EagleDraft.propose_tree)."""
     chosen = [name for name, v in (("--draft", draft), ("--lookahead", lookahead),
                                    ("--prompt-lookup", prompt_lookup)) if v is not None]
     if lookahead is not None and len(chosen) > 1:
         raise ValueError(f"choose one speculative method, not {' and '.join(chosen)} "
                          f"(only --draft and --prompt-lookup combine)")
     check_k(k)
+    shape = parse_tree(tree) if tree is not None else None
     if draft is not None:
-        proposer = draft_proposer(load_draft(draft, target, tok, device, dtype), target, k, adaptive, compile)
+        model = load_draft(draft, target, tok, device, dtype)
+        if shape is not None and not model.config.eagle:
+            raise ValueError(f"--spec-tree needs an EAGLE head as the draft (train.py's `bundled`); {draft} is a "
+                             f"standalone draft model")
+        proposer = draft_proposer(model, target, k, adaptive, compile, shape)
         return proposer if prompt_lookup is None else LookupThenDraft(proposer, prompt_lookup)
+    if shape is not None:
+        raise ValueError("--spec-tree needs --draft with an EAGLE head (e.g. --draft bundled)")
     if lookahead is not None:
         return Lookahead(*parse_lookahead(lookahead))
     if prompt_lookup is not None:
@@ -647,9 +779,12 @@ def make_proposer(target: M.Llama, tok, draft: str | None = None, k: int = 4, ad
     return None
 
 
-def draft_proposer(draft: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, compile: bool = False):
+def draft_proposer(draft: M.Llama, target: M.Llama, k: int = 4, adaptive: bool = False, compile: bool = False,
+                   tree: tuple[int, int] | None = None):
     """The proposer for a loaded draft: an EAGLE head drafts from the target's features."""
-    return (EagleDraft if draft.config.eagle else DraftModel)(draft, target, k, adaptive, compile=compile)
+    if draft.config.eagle:
+        return EagleDraft(draft, target, k, adaptive, compile=compile, tree=tree)
+    return DraftModel(draft, target, k, adaptive, compile=compile)
 
 
 def parse_lookahead(text: str) -> tuple[int, int, int]:
@@ -659,6 +794,15 @@ def parse_lookahead(text: str) -> tuple[int, int, int]:
         raise ValueError(f"--lookahead takes W,N,G (window, n-gram size, candidates), e.g. 5,3,5; got '{text}'")
     Lookahead(w, n, g)   # validates
     return w, n, g
+
+
+def parse_tree(text: str) -> tuple[int, int]:
+    try:
+        w, m = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--spec-tree takes W,M (children per node, tokens verified), e.g. 4,10; got '{text}'")
+    check_tree(w, m)
+    return w, m
 
 
 def plain_step_s(model: M.Llama, context: int = 64, steps: int = 6) -> float:
@@ -737,6 +881,7 @@ if __name__ == "__main__":
         draft = load_draft("bundled", model, tok)
         draft_proposer(draft, model, 3, compile=True).warm_up(model)
         methods["draft (bundled), k=3, compiled"] = lambda: draft_proposer(draft, model, 3, compile=True)
+        methods["draft (bundled), tree of 10 (W=4, depth 3)"] = lambda: draft_proposer(draft, model, 3, tree=(4, 10))
         methods["draft (bundled), k=3 + lookup N=3"] = \
             lambda: LookupThenDraft(draft_proposer(draft, model, 3, compile=True), 3)
     print(f"summarise-this-text prompt ({len(prompts[0])} tokens), greedy, {args.new_tokens} new tokens, fp32\n")
