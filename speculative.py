@@ -268,8 +268,8 @@ class DraftModel:
     A drafted token must cost a small fraction of a target step. A draft of 6
     layers of width 192 with a head over 8,192 tokens (what train.py trained
     before the EAGLE head) run eagerly takes 3.6 ms a token here, mostly per-op
-    overhead, against 41 ms for a SmolLM2 step (fp32). With ``compile=True`` its one-token step is compiled
-    (model.compile_decode) on a static cache: 1.5 ms a drafted token (k = 3,
+    overhead, against 41 ms for a SmolLM2 step (fp32). With ``compile=True``
+    its one-token step is compiled (model.compile_decode) on a static cache: 1.5 ms a drafted token (k = 3,
     300-token context). The static cache is sized in powers of two (≥ 512) so
     the compiled step sees few shapes; a longer context gets a bigger one.
     (Attention reads the whole static cache: at 1,024 rows instead of 512 a
@@ -438,6 +438,11 @@ class EagleDraft(DraftModel):
         tokens, parents, scores, inputs = [], [], [], []
         entry = {}                            # an expanded node -> its row in the head's cache
 
+        def lineage(i):                       # node i, its parent, ..., up to depth 1
+            while i >= 0:
+                yield i
+                i = parents[i]
+
         def grow(logits_row, parent, feature):
             top = torch.log_softmax(logits_row.float(), -1).topk(W)
             base = scores[parent] if parent >= 0 else 0.0
@@ -456,23 +461,14 @@ class EagleDraft(DraftModel):
             mask[:, :t] = True                                  # the true entries
             for j, i in enumerate(expand):
                 entry[i] = L + j
-                a = i
-                while a >= 0:
-                    mask[j, entry[a]] = True
-                    a = parents[a]
+                mask[j, [entry[a] for a in lineage(i)]] = True
             logits, h = self.head_pass([tokens[i] for i in expand], torch.full((len(expand),), t - 1 + depth),
                                        torch.stack([inputs[i] for i in expand]), mask)
             level = [n for j, i in enumerate(expand) for n in grow(logits[0, j], i, h[0, j])]
         chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:max(1, min(budget, room))]
         leaves = set(chosen) - {parents[i] for i in chosen}
-        candidates = []
-        for leaf in sorted(leaves, key=lambda i: (-scores[i], i)):
-            path, a = [], leaf
-            while a >= 0:
-                path.append(tokens[a])
-                a = parents[a]
-            candidates.append(path[::-1])
-        return Proposal(candidates)
+        return Proposal([[tokens[a] for a in lineage(leaf)][::-1]
+                         for leaf in sorted(leaves, key=lambda i: (-scores[i], i))])
 
     def sync(self, context: list[int]):
         self.cache.crop(max(0, len(self.ids) - 1))     # entries on predicted features go
@@ -488,7 +484,6 @@ class LookupThenDraft:
     prompts (see README): the hybrid beats either alone, because the lookup's
     steps are long (up to 2k tokens here) and the draft fills the rest. Either
     way each guess is verified by the same rule, so output stays exact."""
-    needs_dynamic_cache = False
 
     def __init__(self, draft: DraftModel, ngram: int = 3):
         # an exact match of all N tokens only (a 1-token match is a weak guess: the

@@ -147,11 +147,12 @@ def head_tokens(data, vocab: int, n: int) -> torch.Tensor:
 
 
 def padded(seqs) -> torch.Tensor:
-    """Token sequences of different lengths as one (B, T) batch, zeros after each end."""
-    tokens = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    """Sequences of different lengths (tokens (L,) or features (L, d)) as one
+    (B, T, ...) batch, zeros after each end."""
+    out = seqs[0].new_zeros(len(seqs), max(len(s) for s in seqs), *seqs[0].shape[1:])
     for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = s
-    return tokens
+        out[b, :len(s)] = s
+    return out
 
 
 @torch.inference_mode()
@@ -250,10 +251,7 @@ def distil(head, data, feats, steps, batch, lr, deadline, passes):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1))))
         picks = torch.randint(len(data), (batch,), generator=gen).tolist()
-        tokens = padded([data[i][0] for i in picks])
-        f = torch.zeros(*tokens.shape, feats[0].shape[1])
-        for b, i in enumerate(picks):
-            f[b, :len(feats[i])] = feats[i].float()
+        tokens, f = padded([data[i][0] for i in picks]), padded([feats[i] for i in picks]).float()
         loss, agree = head_loss(head, tokens, f, [(data[i][1], len(data[i][0])) for i in picks], passes)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -118,7 +118,8 @@ def test_greedy_identical_to_plain(models, subset_draft, eagle_head, k):
                  "eagle head": lambda: S.EagleDraft(eagle_head, target, k),
                  "adaptive eagle head": lambda: S.EagleDraft(eagle_head, target, k, adaptive=True),
                  "tree eagle head": lambda: S.EagleDraft(eagle_head, target, k, tree=(3, 2 * k)),
-                 "lookup then tree eagle": lambda: S.LookupThenDraft(S.EagleDraft(eagle_head, target, k, tree=(2, 6)), 2),
+                 "lookup then tree eagle":
+                     lambda: S.LookupThenDraft(S.EagleDraft(eagle_head, target, k, tree=(2, 6)), 2),
                  "lookup then draft": lambda: S.LookupThenDraft(S.DraftModel(draft, target, k, adaptive=True), 2),
                  "lookup then eagle": lambda: S.LookupThenDraft(S.EagleDraft(eagle_head, target, k), 2),
                  "subset-head draft": lambda: S.DraftModel(subset_draft, target, k),
