@@ -27,6 +27,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 import checkpoint
 import model as M
 import quantize
@@ -241,6 +243,14 @@ def warm_up(chat: Chat):
     print("compiling the decode step ...", file=sys.stderr, flush=True)
     chat.model.compile_decode()
     list(M.generate_cached(chat.model, [0], M.SamplingParams(max_new_tokens=2), cache=chat.cache))
+    if chat.proposer is not None and chat.proposer.needs_features:
+        # An EAGLE head reads the target's features, so a one-token target step (a
+        # turn's last token, where nothing is left to draft) asks for them: a second
+        # variant of the compiled step, compiled now rather than mid-answer (~7 s).
+        dev = chat.model.embed_tokens.weight.device
+        with torch.inference_mode():
+            chat.model(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([chat.cache.length], device=dev),
+                       chat.cache, last_only=True, hidden=True)
     chat.cache.crop(0)
     draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
     if isinstance(draft, speculative.DraftModel) and draft.static:   # its step is compiled too (make_proposer)
@@ -312,10 +322,10 @@ def main(argv=None) -> int:
                              "and --decoder naive")
         chat = Chat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
                     kv=args.kv, block_size=args.block_size, proposer=proposer)
-        if proposer is not None:
-            chat.plain_step_s = speculative.plain_step_s(model)
         if args.compile:
             warm_up(chat)
+        if proposer is not None:   # after compiling: the baseline is this configuration's own plain step
+            chat.plain_step_s = speculative.plain_step_s(model, chat.cache)
         if args.prompt is None:
             interactive(chat)
             return 0

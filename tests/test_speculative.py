@@ -553,3 +553,22 @@ def test_committed_draft(bundled_dir):
         per_forward.append(spec.tokens_per_forward)
     # measured: 1.85 (head alone), 2.62 (a tree of 10 from the same head)
     assert min(per_forward) > 1.5 and per_forward[2] > per_forward[0] + 0.3, per_forward
+
+
+def test_compare_reports_where_texts_part(models):
+    """bench.py's table: exact methods match plain decoding on every prompt; a text
+    that parts from it is reported with the first new token that differs."""
+    target, _ = models
+    rows = S.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3)}, 24)
+    assert [r["diverged"] for r in rows] == [[None, None], [None, None]]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["spec"].steps > 0
+    assert S.same_tokens([None, None]) == "yes"
+    assert S.same_tokens([None, 7, 3]) == "1/3; others from token 3, 7"
+
+
+def test_plain_step_baseline_uses_the_given_cache(models):
+    """The runner's baseline runs through its own cache (compiled with --compile) and leaves it empty."""
+    target, _ = models
+    cache = target.new_cache("static", 256)
+    assert S.plain_step_s(target, cache) > 0 and cache.length == 0
+    assert S.plain_step_s(target) > 0
