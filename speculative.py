@@ -104,7 +104,7 @@ from typing import Iterator
 import torch
 
 import model as M
-from kvcache import DynamicCache, common_prefix
+from kvcache import DynamicCache, KVCache, common_prefix
 
 ROOT = Path(__file__).resolve().parent
 BUNDLED_DRAFT = ROOT / "drafts" / "smollm2-135m-draft"   # written by train.py
@@ -835,35 +835,45 @@ def stats_line(spec: SpecStats, stats: M.GenerationStats, plain_s: float) -> str
 # 4. Measuring: plain decoding against each method on the same prompts.
 
 def compare(model: M.Llama, prompts: list[list[int]], methods: dict, new_tokens: int) -> list[dict]:
-    """methods: name -> zero-argument factory of a proposer (None = plain decoding).
-    Greedy, EOS ignored; returns one row per method with decode tok/s, speedup and
-    the speculative stats; every method's tokens are checked against plain decoding:
-    "diverged" lists, per prompt, the first new token that differs (None: identical).
-    In fp32 every method must match. In bf16 a verify pass of T tokens rounds
+    """methods: name -> zero-argument factory of a proposer, or of None (plain
+    decoding) or a cache (plain decoding on it: a static cache runs a compiled
+    step). The first method is the baseline. Greedy, EOS ignored; returns one
+    row per method with decode tok/s, speedup and the speculative stats.
+
+    The methods take turns prompt by prompt, so a slow spell of this shared
+    machine lands on all of them rather than on whichever ran then (one bf16
+    run measured the draft at 1.29× where two others had 1.63× and 1.76×).
+
+    Every method's tokens are checked against the baseline's: "diverged" lists,
+    per prompt, the first new token that differs (None: identical). In fp32
+    every method must match. In bf16 a verify pass of T tokens rounds
     differently from T one-token steps: its attention runs in SDPA's kernel, a
     one-token step's in two matmuls around an fp32 softmax (model.attend), and
     a few matrix products differ in the last bit. At a near-tie the argmax can
     flip, and the two texts part there."""
     params = M.SamplingParams(temperature=0, max_new_tokens=new_tokens)
-    rows, reference = [], None
+    runs = {name: dict(spec=SpecStats(), decode_s=0.0, tokens=0, outs=[]) for name in methods}
     with M.ignore_eos(model):
-        for name, factory in methods.items():
-            spec, decode_s, tokens, outs = SpecStats(), 0.0, 0, []
-            for ids in prompts:
-                stats = M.GenerationStats()
-                proposer = factory()
-                run = M.generate_cached(model, ids, params, stats) if proposer is None else \
-                    generate(model, ids, params, proposer, stats, spec)
-                outs.append(list(run))
-                decode_s += stats.decode_s
-                tokens += stats.new_tokens - 1
-            reference = reference or outs
-            diverged = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None)
-                        for o, r in zip(outs, reference)]
-            rows.append({"method": name, "tok_s": tokens / decode_s, "spec": spec if spec.steps else None,
-                         "diverged": diverged})
-    for r in rows:
-        r["speedup"] = r["tok_s"] / rows[0]["tok_s"]
+        for ids in prompts:
+            for name, factory in methods.items():
+                r, stats, proposer = runs[name], M.GenerationStats(), factory()
+                if proposer is None or isinstance(proposer, KVCache):
+                    if proposer is not None:
+                        proposer.crop(0)
+                    run = M.generate_cached(model, ids, params, stats, proposer)
+                else:
+                    run = generate(model, ids, params, proposer, stats, r["spec"])
+                r["outs"].append(list(run))
+                r["decode_s"] += stats.decode_s
+                r["tokens"] += stats.new_tokens - 1
+    rows, reference = [], next(iter(runs.values()))
+    for name, r in runs.items():
+        diverged = [next((i for i, (a, b) in enumerate(zip(o, ref)) if a != b), None)
+                    for o, ref in zip(r["outs"], reference["outs"])]
+        rows.append({"method": name, "tok_s": r["tokens"] / r["decode_s"], "diverged": diverged,
+                     "spec": r["spec"] if r["spec"].steps else None})
+    for row in rows:
+        row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
     return rows
 
 

@@ -559,9 +559,11 @@ def test_compare_reports_where_texts_part(models):
     """bench.py's table: exact methods match plain decoding on every prompt; a text
     that parts from it is reported with the first new token that differs."""
     target, _ = models
-    rows = S.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3)}, 24)
-    assert [r["diverged"] for r in rows] == [[None, None], [None, None]]
-    assert rows[0]["speedup"] == 1.0 and rows[1]["spec"].steps > 0
+    static = target.new_cache("static", 64)      # plain decoding on a given cache, reused prompt after prompt
+    rows = S.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3),
+                                           "static": lambda: static}, 24)
+    assert [r["diverged"] for r in rows] == [[None, None]] * 3
+    assert rows[0]["speedup"] == 1.0 and rows[1]["spec"].steps > 0 and rows[2]["spec"] is None
     assert S.same_tokens([None, None]) == "yes"
     assert S.same_tokens([None, 7, 3]) == "1/3; others from token 3, 7"
 
