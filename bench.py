@@ -45,7 +45,7 @@ import torch
 import checkpoint
 import model as M
 import quantize
-from kvcache import kv_bytes_per_token
+from kvcache import common_prefix, kv_bytes_per_token
 
 RANDOM_TINYLLAMA = "tinyllama-random"
 
@@ -272,7 +272,7 @@ def bench_batching(args):
     convs = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
                                                  {"role": "user", "content": q}]), add_bos=False)
              for q in QUESTIONS[:args.questions]]
-    shared = min(next((i for i, (a, b) in enumerate(zip(convs[0], c)) if a != b), len(c)) for c in convs[1:])
+    shared = min(common_prefix(convs[0], c) for c in convs[1:])
     print(f"\nprefix caching: {len(convs)} requests, one at a time; each is the same system prompt plus a short "
           f"question ({min(map(len, convs))}-{max(map(len, convs))} tokens, the first {shared} shared); "
           f"TTFT = add_request to first token", flush=True)
