@@ -305,9 +305,11 @@ def main(argv=None) -> int:
                             args.weights, args.group_size, attn=args.attn)
         w = model.embed_tokens.weight
         quant = f", weights {model.quantization['weights']}" if model.quantization else ""
+        packed = M.prepacked_bytes(model)
+        packed = f" (+{packed / 1e6:.0f} MB of them prepacked for oneDNN)" if packed else ""
         print(f"loaded in {time.perf_counter() - t0:.1f} s: {quantize.count_parameters(model) / 1e6:.0f}M "
-              f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB, {str(w.dtype).removeprefix('torch.')}"
-              f"{quant}, {w.device}", file=sys.stderr)
+              f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB{packed}, "
+              f"{str(w.dtype).removeprefix('torch.')}{quant}, {w.device}", file=sys.stderr)
         raw = args.raw or tok.chat_template is None
         if args.compile and args.cache != "static":
             raise ValueError("--compile needs --cache static (fixed shapes compile once)")

@@ -4,18 +4,18 @@ Speculative decoding: guess several tokens cheaply, let the model check all of t
 Why checking k guesses costs about one decode step. Batch-1 decoding is
 memory-bound (model.py): a step reads every weight once to compute one
 position. A forward pass over k+1 positions reads the same weights once and
-does k+1 times the arithmetic, which on this 2-core CPU stays fairly cheap up
-to a handful of positions: SmolLM2-135M in fp32 reads 540 MB per pass whether
-it computes 1 position or 5, and an eager pass takes ~41 ms for 1 position,
-~46-51 ms for 4 (oneDNN's small-batch product is less efficient than its
-matrix-vector one). So if someone proposes tokens d1..dk, the target runs one
-forward over [last token, d1, ..., dk] and gets its own next-token
-distribution after each prefix, for little more than the price of one step.
-In bf16 oneDNN's product costs the same for 1 to 4 positions (~32 ms, 40 for
-11), so the same guesses buy more there. The exception is a compiled step
-(--compile): one position becomes a fused matrix-vector loop, 13 ms in bf16,
-that a several-position pass cannot use (34 ms for 4), so against compiled
-decoding only a proposer that lands ~3 tokens per forward wins (README).
+does k+1 times the arithmetic, which on this 2-core CPU stays cheap up to a
+handful of positions: SmolLM2-135M in fp32 reads 540 MB per pass whether it
+computes 1 position or 5. With the weights in oneDNN's own layout
+(model.prepack) an eager fp32 pass takes ~33 ms for 1 position, ~30 for 4 and
+~41 for 11; bf16 27, 25 and 30. (Before prepacking, 4 positions cost 1.3x one:
+oneDNN reordered every weight on every several-row call.) So if someone
+proposes tokens d1..dk, the target runs one forward over [last token, d1, ...,
+dk] and gets its own next-token distribution after each prefix, for the price
+of one step. The exception is a compiled step (--compile): one position
+becomes a fused matrix-vector loop, 13 ms in bf16, that a several-position
+pass cannot use, so against compiled decoding a proposer must land ~2 tokens
+per forward to break even (README).
 
 The verification rule. At position i the target says p, the proposer said q
 (and drew dᵢ from q). Accept dᵢ with probability min(1, p(dᵢ)/q(dᵢ)); on the
@@ -103,6 +103,7 @@ from typing import Iterator
 
 import torch
 
+import checkpoint
 import model as M
 from kvcache import DynamicCache, KVCache, common_prefix
 
@@ -417,7 +418,7 @@ class EagleDraft(DraftModel):
         for _ in range(k):
             logits, h = self.head_pass(feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
             tokens.append(self.choose(logits[0, -1], params, gen, rows))
-            feed, feats = tokens[-1:], h[0, -1:]
+            feed, feats = tokens[-1:], h[0, -1:].to(self.features.dtype)
         return Proposal([tokens], torch.stack(rows) if rows else None)
 
     def head_pass(self, tokens: list[int], positions: torch.Tensor, features: torch.Tensor, mask=None):
@@ -590,6 +591,16 @@ def check_same_vocab(target_tok, draft_tok, target: M.Llama, draft: M.Llama):
                          "a draft must use the same tokenizer")
 
 
+def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Run a bf16-stored draft in bf16 under an fp32 target on a CPU that computes
+    bf16 (avx512_bf16/AMX): its weights hold nothing finer, and drafting is
+    memory-bound, so half the bytes is half the time. The bundled EAGLE head
+    drafting 3 tokens for fp32 SmolLM2: ~6 ms a step in fp32, ~4 ms in bf16, the
+    same tokens per forward. Verification, and so the output, is the target's."""
+    return stored == "bfloat16" and dtype == torch.float32 and device.type == "cpu" and \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def load_draft(name: str, target: M.Llama, target_tok, device=None, dtype=None) -> M.Llama:
     """--draft MODEL: any model name model.load accepts, or `bundled` (train.py's draft).
     A model directory without tokenizer files (what train.py writes: its drafts use
@@ -601,13 +612,16 @@ def load_draft(name: str, target: M.Llama, target_tok, device=None, dtype=None) 
         name = str(BUNDLED_DRAFT)
     path = Path(name)
     if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        draft, tok = M.Llama.from_pretrained(path, device, dtype), target_tok
+        hf, dev = checkpoint.read_config(path), M.pick_device(device)
+        if narrow_draft(hf.get("torch_dtype"), dev, M.pick_dtype(dtype, dev)):
+            dtype = torch.bfloat16
+        draft, tok = M.Llama.from_pretrained(path, dev, dtype, M.LlamaConfig.from_hf(hf)), target_tok
     else:
         draft, tok = M.load(name, device, dtype)
     check_same_vocab(target_tok, tok, target, draft)
     if draft.config.eagle:      # its width is checked by EagleDraft, the one way to use it
         draft.share_target(target)
-    return draft
+    return M.prepack(draft)
 
 
 # ----------------------------------------------------------------------------

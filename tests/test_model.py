@@ -189,6 +189,37 @@ def test_linear_uses_onednn_for_fp32_inference_and_keeps_gradients():
     assert layer.weight.grad is not None and x.grad is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_linear(dtype):
+    """model.prepack: big Linears get oneDNN's blocked copy of their weight, used
+    by eager CPU inference for any number of rows, with F.linear's values; a
+    swapped weight is used as it is (the stale copy is not), the dtype must
+    match, and with gradients on it is F.linear again."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bf16 oneDNN kernels")
+    net = torch.nn.Sequential(torch.nn.Linear(512, 640, bias=False), torch.nn.Linear(64, 32, bias=False)).to(dtype)
+    M.prepack(net)
+    big, small = net
+    assert big.onednn[0] is big.weight and big.onednn[1].is_mkldnn and not hasattr(small, "onednn")
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    swapped = torch.nn.Parameter(torch.randn(640, 512, dtype=dtype))
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 11):
+            x = torch.randn(2, rows, 512, dtype=dtype)
+            torch.testing.assert_close(M.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
+        twice = torch.ops.mkldnn._reorder_linear_weight(2 * big.weight, 16)     # proof the copy is what runs
+        big.onednn = (big.weight, twice)
+        torch.testing.assert_close(M.linear(x, big), 2 * torch.nn.functional.linear(x, big.weight), **tol)
+        big.weight = swapped
+        torch.testing.assert_close(M.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
+        M.prepack(net)
+        assert big.onednn[0] is big.weight
+        torch.testing.assert_close(M.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
+    x = torch.randn(1, 3, 512, dtype=dtype, requires_grad=True)
+    M.linear(x, big).sum().backward()
+    assert big.weight.grad is not None and x.grad is not None
+
+
 @pytest.mark.parametrize("k", [256, 4608])
 def test_compiled_matvec_equals_linear(k):
     """Inside a compiled step `linear` is a multiply-and-sum; rows over 4,096 long

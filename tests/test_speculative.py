@@ -143,17 +143,20 @@ def test_greedy_identical_to_plain(models, subset_draft, eagle_head, k):
                 assert spec.accepted > 0, (name, k, spec.summary())    # a random draft alone may never agree
 
 
-@pytest.mark.parametrize("kind", ["draft", "eagle"])
+@pytest.mark.parametrize("kind", ["draft", "eagle", "bf16 eagle"])
 def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
     """A draft model (or an EAGLE head) with compile=True drafts on a static
     cache through the compiled one-token step; the output is still the
     target's own, and the cache resets when it is too small. Both have subset
-    heads, like the bundled one."""
+    heads, like the bundled one. A bf16 head under the fp32 target (what
+    load_draft makes of the bundled one here) reads fp32 embeddings and
+    features and keeps a bf16 cache."""
     import copy
     target, _ = models
     draft = copy.deepcopy(subset_draft if kind == "draft" else eagle_head)  # its compiled step stays off the fixture
-    if kind == "eagle":
-        draft.share_target(target)
+    if kind != "draft":
+        draft.to(torch.bfloat16 if kind == "bf16 eagle" else torch.float32).share_target(target)
+        assert draft.lm_head.weight.dtype == draft.fc.weight.dtype == draft.new_cache().spec[3]
     proposer = S.draft_proposer(draft, target, 4, compile=True)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     for prompt in PROMPTS[:2]:
@@ -540,6 +543,8 @@ def test_committed_draft(bundled_dir):
     target, tok = M.load(str(bundled_dir), "cpu", "float32")
     head = S.load_draft("bundled", target, tok)
     assert head.config.eagle and head.embed_tokens is target.embed_tokens
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()       # stored in bf16: run in bf16 where the CPU can
+    assert head.fc.weight.dtype == head.lm_head.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
     assert head.head_ids is not None and len(head.head_ids) < target.config.vocab_size
     text = "Write a short poem about a lighthouse keeper."     # bench.py's second chat prompt
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
@@ -553,6 +558,15 @@ def test_committed_draft(bundled_dir):
         per_forward.append(spec.tokens_per_forward)
     # measured: 1.85 (head alone), 2.62 (a tree of 10 from the same head)
     assert min(per_forward) > 1.5 and per_forward[2] > per_forward[0] + 0.3, per_forward
+
+
+def test_narrow_draft():
+    """A bf16-stored draft runs in bf16 only under an fp32 target on a CPU that computes bf16."""
+    cpu = torch.device("cpu")
+    assert S.narrow_draft("bfloat16", cpu, torch.float32) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not S.narrow_draft("float32", cpu, torch.float32)
+    assert not S.narrow_draft(None, cpu, torch.float32)
+    assert not S.narrow_draft("bfloat16", torch.device("cuda"), torch.float32)
 
 
 def test_compare_reports_where_texts_part(models):
