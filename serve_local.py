@@ -306,7 +306,7 @@ def main(argv=None) -> int:
         w = model.embed_tokens.weight
         quant = f", weights {model.quantization['weights']}" if model.quantization else ""
         packed = M.prepacked_bytes(model)
-        packed = f" (+{packed / 1e6:.0f} MB of them prepacked for oneDNN)" if packed else ""
+        packed = f" + {packed / 1e6:.0f} MB of oneDNN-prepacked copies" if packed else ""
         print(f"loaded in {time.perf_counter() - t0:.1f} s: {quantize.count_parameters(model) / 1e6:.0f}M "
               f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB{packed}, "
               f"{str(w.dtype).removeprefix('torch.')}{quant}, {w.device}", file=sys.stderr)

@@ -87,9 +87,9 @@ it holds the accepted tokens and nothing else, as after every step here.
 A tree buys tokens per forward where the head is unsure: on bench.py's 8 chat
 prompts the bundled head's chain of 3 made 1.75 tokens per forward, a tree of
 10 tokens (W = 4, depth 3) 2.26. It pays for them with a wider verify pass (11
-positions: ~1.45x a plain step here against ~1.25x for 4) and 3 eager head
-passes (~15 ms), so on this CPU it is no faster than the chain: 1.25x plain
-against 1.26x in fp32, 1.53x against 1.59x in bf16 (README).
+positions: ~42 ms against ~34 for 4, fp32 here) and 3 eager head passes (~7 ms
+against the chain's ~4), so on this CPU it is no faster than the chain: 1.61x
+plain against 1.66x in fp32, 1.62x against 1.66x in bf16 (README).
 """
 
 from __future__ import annotations
@@ -372,8 +372,12 @@ class EagleDraft(DraftModel):
     only between steps: the entries built on predictions are dropped, as the
     target's rows for rejected guesses are.
     A drafted token costs fc, one block and a head over 8,192 tokens, ~9M
-    multiply-adds against the target's ~135M: 2.0 ms compiled (2.5 eager) for
-    the bundled head (train.py), against 41 ms for a SmolLM2 step (fp32).
+    multiply-adds against the target's ~135M. The bundled head (train.py),
+    compiled, at context ~300: 1.15 ms a drafted token in fp32, 0.77 in bf16
+    (load_draft runs it in bf16, see narrow_draft), against ~33 ms for an
+    eager fp32 SmolLM2 step. Its cache and outputs are in its own dtype; the
+    target's features are cast on the way in, and the features it predicts
+    are kept in the target's dtype, so the compiled step sees one dtype.
     With ``tree=(W, M)`` it drafts a tree instead of a chain (propose_tree)."""
     needs_features = True
 

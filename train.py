@@ -13,8 +13,8 @@ position j is the next token together with the target's own feature there
 feature; the target's LM head, restricted to the 8,192 tokens the target is
 likeliest to write (model.Llama.head_ids: 99% of its greedy choices), turns
 that into a token. It shares the target's embedding and LM head, so it owns
-4.2M numbers (8.5 MB in bf16), and a drafted token costs one block: 2.0 ms
-compiled here.
+4.2M numbers (8.5 MB in bf16), and a drafted token costs one block: 0.77 ms
+compiled here (bf16; 1.15 in fp32).
 
 Three phases, nanoGPT style, everything in this file:
 
