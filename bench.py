@@ -152,7 +152,7 @@ def bench_decode(args):
     for name in args.models:
         path = model_dir(name)
         for dtype in args.dtypes:
-            model = M.Llama.from_pretrained(path, "cpu", dtype)
+            model = M.prepack(M.Llama.from_pretrained(path, "cpu", dtype))      # as model.load does
             model.config.eos_ids = []     # always generate exactly --new-tokens
             prompt = torch.randint(100, model.config.vocab_size - 100, (args.prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
@@ -166,7 +166,7 @@ def bench_decode(args):
                 # int8/int4 quantize every Linear first (quantize.py), activations stay in `dtype`.
                 fast = M.Llama.from_pretrained(path, "cpu", dtype)
                 fast.config.eos_ids = []
-                quantize.quantize_model(fast, weights)
+                M.prepack(quantize.quantize_model(fast, weights))      # the prefill runs eagerly
                 static = fast.new_cache("static", max_len=n_ctx)
                 t0 = time.perf_counter()
                 fast.compile_decode()

@@ -463,7 +463,7 @@ class Llama(nn.Module):
         has fixed shapes, so torch.compile turns it into one fused program."""
         x = self.embed_tokens(tokens)
         if self.fc is not None:
-            x = linear(torch.cat([x, features.to(x.dtype)], dim=-1).to(self.fc.weight.dtype), self.fc)
+            x = linear(torch.cat([x, features.to(x.dtype)], dim=-1).to(self.norm.weight.dtype), self.fc)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions, self.attn)
@@ -485,12 +485,14 @@ class Llama(nn.Module):
 
     def share_target(self, target: "Llama"):
         """An EAGLE head reads tokens with the target's embedding and scores with
-        the target's LM head (its head_ids rows, copied once), so its features
-        mean what the target's mean and it stores neither (~113 MB for SmolLM2)."""
+        the target's LM head (its head_ids rows, copied once, in the head's own
+        dtype: speculative.narrow_draft runs a bf16 head under an fp32 target),
+        so its features mean what the target's mean and it stores neither
+        (~113 MB for SmolLM2)."""
         self.embed_tokens = target.embed_tokens
         w = target.lm_head.weight.detach()
         w = w if self.head_ids is None else w[self.head_ids]
-        self.lm_head.weight = nn.Parameter(w.to(self.fc.weight.dtype), requires_grad=False)
+        self.lm_head.weight = nn.Parameter(w.to(self.norm.weight.dtype), requires_grad=False)
         return self
 
     def new_cache(self, kind: str = "dynamic", max_len: int | None = None, batch: int = 1,

@@ -193,8 +193,8 @@ def test_linear_uses_onednn_for_fp32_inference_and_keeps_gradients():
 def test_prepacked_linear(dtype):
     """model.prepack: big Linears get oneDNN's blocked copy of their weight, used
     by eager CPU inference for any number of rows, with F.linear's values; a
-    swapped weight is used as it is (the stale copy is not), the dtype must
-    match, and with gradients on it is F.linear again."""
+    swapped weight is used as it is (the stale copy is not), and with
+    gradients on it is F.linear again."""
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bf16 oneDNN kernels")
     net = torch.nn.Sequential(torch.nn.Linear(512, 640, bias=False), torch.nn.Linear(64, 32, bias=False)).to(dtype)
