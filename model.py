@@ -629,9 +629,11 @@ def pick_dtype(name, device: torch.device) -> torch.dtype:
 
 
 def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None,
-         group_size: int = quantize.GROUP, attn: str = "sdpa") -> tuple[Llama, Tokenizer]:
+         group_size: int = quantize.GROUP, attn: str = "sdpa", prepacked: bool = True) -> tuple[Llama, Tokenizer]:
     """Alias, directory or .gguf -> (model, tokenizer). ``weights`` int8/int4
-    quantizes every Linear at load (quantize.py); ``attn``: sdpa, flash or naive (attend())."""
+    quantizes every Linear at load (quantize.py); ``attn``: sdpa, flash or naive
+    (attend()); ``prepacked=False`` keeps one copy of the weights (half the
+    memory of a CPU model, slower eager passes: see prepack)."""
     quantize.check_scheme(weights, group_size)
     model_dir = checkpoint.resolve(name)
     # Cheap checks first: a bad config or missing tokenizer should not wait for gigabytes of weights.
@@ -642,7 +644,8 @@ def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None, weights:
     tok = Tokenizer.from_dir(model_dir)
     model = Llama.from_pretrained(model_dir, device, dtype, cfg, attn)
     quantize.quantize_model(model, weights, group_size)
-    prepack(model)          # the CPU's eager passes; a no-op elsewhere and for quantized layers
+    if prepacked:           # the CPU's eager passes; a no-op elsewhere and for quantized layers
+        prepack(model)
     eos = set(tok.eos_ids) | set(model.config.eos_ids)   # generation_config may add ids
     model.config.eos_ids = sorted(eos)
     return model, tok

@@ -80,3 +80,4 @@ def test_runner_answers_paris(cache_home):
     assert rc == 0, err
     assert "Paris" in out
     assert "tok/s" in err and "tok/s" not in out and "loaded" not in out
+    assert "538 MB + 538 MB of oneDNN-prepacked copies" in err      # model.prepack, every big matrix
