@@ -164,9 +164,9 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     (quantize.py) brings its own."""
     if not isinstance(layer, nn.Linear):
         return layer(x)
-    cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
-    if x.shape[-2] == 1 and cpu_inference and torch.compiler.is_compiling():
+    if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
         return quantize.matvec_sum(x, layer.weight)
+    cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
     packed = getattr(layer, "onednn", None)
     if packed is not None and packed[0] is layer.weight and packed[1].dtype == x.dtype and cpu_inference \
             and not torch.compiler.is_compiling():
