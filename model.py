@@ -167,10 +167,9 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
         return quantize.matvec_sum(x, layer.weight)
     cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
-    packed = getattr(layer, "onednn", None)
-    if packed is not None and packed[0] is layer.weight and packed[1].dtype == x.dtype and cpu_inference \
-            and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, packed[1], None, "none", [], "")
+    packed = packed_weight(layer)
+    if packed is not None and packed.dtype == x.dtype and cpu_inference and not torch.compiler.is_compiling():
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if x.dtype == layer.weight.dtype == torch.float32 and cpu_inference and _ONEDNN and \
             layer.weight.numel() >= _ONEDNN_MIN:
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
@@ -223,16 +222,21 @@ def prepack(model: nn.Module) -> nn.Module:
         if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.numel() < _ONEDNN_MIN or \
                 not (w.dtype == torch.float32 or w.dtype == torch.bfloat16 and bf16_ok):
             continue
-        if getattr(m, "onednn", (None,))[0] is not w:
+        if packed_weight(m) is None:
             # the size hint (16 rows) picks the blocking; any number of rows can use it
             m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
     return model
 
 
+def packed_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The layer's oneDNN copy from prepack, if it is a copy of its current weight."""
+    packed = getattr(layer, "onednn", None)
+    return packed[1] if packed is not None and packed[0] is layer.weight else None
+
+
 def prepacked_bytes(model: nn.Module) -> int:
     """The memory prepack's copies take (the runner prints it next to the weights')."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if hasattr(m, "onednn") and m.onednn[0] is m.weight)
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if packed_weight(m) is not None)
 
 
 class RMSNorm(nn.Module):
@@ -463,7 +467,8 @@ class Llama(nn.Module):
         has fixed shapes, so torch.compile turns it into one fused program."""
         x = self.embed_tokens(tokens)
         if self.fc is not None:
-            x = linear(torch.cat([x, features.to(x.dtype)], dim=-1).to(self.norm.weight.dtype), self.fc)
+            dtype = self.norm.weight.dtype      # the head's own; its embedding is the target's
+            x = linear(torch.cat([x.to(dtype), features.to(dtype)], dim=-1), self.fc)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions, self.attn)
