@@ -1,11 +1,15 @@
 """
-bench.py — the project's benchmarks, one subcommand per idea. Prints markdown tables.
+bench.py — the project's benchmarks and model-level demos, one subcommand per idea. Prints markdown tables.
 
     python bench.py decode                        # bundled model + TinyLlama-shaped random checkpoint
     python bench.py decode --model tinyllama-random --dtypes bfloat16
     python bench.py attention [--quick]           # flash.py: naive vs tiled vs SDPA, time and peak memory
     python bench.py batching                      # engine.py: static vs continuous batching; prefix caching
     python bench.py speculative                   # speculative.py: draft, lookahead, prompt lookup vs plain
+    python bench.py prefix                        # kvcache.py: a shared prompt prefilled once and forked
+    python bench.py kv-bytes                      # kvcache.py: a real cache's bytes against the formula
+    python bench.py quantize [--eval]             # quantize.py: perplexity and bytes per format on the model
+    python bench.py quantize --weights int4 --out DIR   # write a quantized checkpoint
 
 decode: batch 1, greedy, a fixed 128-token prompt, 128 new tokens with EOS
 ignored, one warm-up run, the median of --reps runs. For each configuration:
@@ -35,17 +39,36 @@ runner's fastest configuration, which the verify passes cannot use.
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import checkpoint
-import model as M
+import drafting
+import engine
+import flash
+import kernels
 import quantize
-from kvcache import common_prefix, kv_bytes_per_token
+import speculative
+from kvcache import KVCache, common_prefix, kv_bytes_per_token
+from model import GenerationStats, Llama, LlamaConfig, build, generate_cached, load, save_random_checkpoint, unfuse
+from sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent
+HANDBOOK = (ROOT / "data" / "handbook.txt").read_text().strip()   # a document to ask questions about
+QUESTIONS = [
+    "How heavy is an empty cart?", "When does the harvest season start?",
+    "What happens if the green button is pressed twice quickly?", "How are the lidar domes cleaned?",
+    "What should the technician do when hail starts?", "How often is the crate latch greased?",
+    "What is the record number of crates in one day?", "When must the map be recorded again?",
+]
 
 RANDOM_TINYLLAMA = "tinyllama-random"
 
@@ -56,12 +79,12 @@ def model_dir(name: str):
         path = checkpoint.cache_root() / RANDOM_TINYLLAMA
         if not (path / "model.safetensors").is_file():
             print(f"writing {path} (2.2 GB of random weights, once)")
-            M.save_random_checkpoint(checkpoint.TINYLLAMA_CONFIG, path)
+            save_random_checkpoint(checkpoint.TINYLLAMA_CONFIG, path)
         return path
     return checkpoint.resolve(name)
 
 
-def bytes_per_token(model: M.Llama, context: int) -> int:
+def bytes_per_token(model: Llama, context: int) -> int:
     """What one decode step reads: every weight except the embedding table (one row
     is gathered) — unless the table doubles as the LM head — plus the KV cache.
     Quantized weights count as stored, scales included (quantize.weight_bytes)."""
@@ -73,7 +96,7 @@ def bytes_per_token(model: M.Llama, context: int) -> int:
     return weights + context * kv
 
 
-def gguf_bytes_per_token(path, c: M.LlamaConfig, context: int) -> int:
+def gguf_bytes_per_token(path, c: LlamaConfig, context: int) -> int:
     """bytes_per_token for llama.cpp: the GGUF's tensors as stored, plus its f16 KV cache (the default)."""
     import gguf
     tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
@@ -91,7 +114,7 @@ def llama_cpp_files(name: str, path) -> dict[str, Path]:
         out = checkpoint.cache_root() / "bench" / f"{path.name}-{fmt}.gguf"
         if not out.is_file():
             print(f"writing {out} (once)", flush=True)
-            checkpoint.export_gguf(path, out, M.LlamaConfig.from_hf(checkpoint.read_config(path)), fmt)
+            checkpoint.export_gguf(path, out, LlamaConfig.from_hf(checkpoint.read_config(path)), fmt)
         files[fmt.upper()] = out
     return files
 
@@ -120,10 +143,10 @@ def run_llama_cpp(llm, prompt, new_tokens):
 
 
 def run_ours(model, prompt, new_tokens, cache=None):
-    stats = M.GenerationStats()
+    stats = GenerationStats()
     if cache is not None:
         cache.crop(0)
-    out = list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=new_tokens), stats, cache))
+    out = list(generate_cached(model, prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), stats, cache))
     assert len(out) == new_tokens
     return stats.prefill_s, stats.decode_s
 
@@ -152,8 +175,7 @@ def bench_decode(args):
     for name in args.models:
         path = model_dir(name)
         for dtype in args.dtypes:
-            model = M.prepack(M.Llama.from_pretrained(path, "cpu", dtype))      # as model.load does
-            model.config.eos_ids = []     # always generate exactly --new-tokens
+            model = build(path, "cpu", dtype)        # as the runner builds it (run_ours ignores EOS)
             prompt = torch.randint(100, model.config.vocab_size - 100, (args.prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
             per_token = bytes_per_token(model, args.prompt_tokens + args.new_tokens // 2)
@@ -164,9 +186,7 @@ def bench_decode(args):
             for weights in ([] if args.no_compile else args.weights):
                 # More instances: compile_decode() switches every one-token step to the compiled graph;
                 # int8/int4 quantize every Linear first (quantize.py), activations stay in `dtype`.
-                fast = M.Llama.from_pretrained(path, "cpu", dtype)
-                fast.config.eos_ids = []
-                M.prepack(quantize.quantize_model(fast, weights))      # the prefill runs eagerly
+                fast = build(path, "cpu", dtype, weights)      # quantized, prepacked: the prefill runs eagerly
                 static = fast.new_cache("static", max_len=n_ctx)
                 t0 = time.perf_counter()
                 fast.compile_decode()
@@ -182,7 +202,7 @@ def bench_decode(args):
             if not args.no_peers:
                 try:
                     from transformers import LlamaForCausalLM
-                    hf = LlamaForCausalLM.from_pretrained(path, dtype=M.DTYPES[dtype]).eval()
+                    hf = LlamaForCausalLM.from_pretrained(path, dtype=kernels.DTYPES[dtype]).eval()
                     impls["transformers generate"] = (dtype, per_token, lambda warmup: run_transformers(
                         hf, prompt, 8 if warmup else args.new_tokens))
                 except ImportError:
@@ -224,8 +244,6 @@ def bench_decode(args):
 
 def long_system_prompt() -> str:
     """The handbook of kvcache.py's prefix demo, plus two weeks of reports: ~1,150 tokens."""
-    import random
-    from kvcache import HANDBOOK
     rng = random.Random(0)
     orchards = ["Beaulieu", "Les Vergers", "Montfort", "La Clairière", "Saint-Aubin"]
     log = "\n".join(f"Day {d} ({rng.choice(orchards)}): {rng.randint(300, 1800)} crates, {rng.randint(4, 12)} "
@@ -235,37 +253,122 @@ def long_system_prompt() -> str:
             f"{HANDBOOK}\n\nAppendix: the daily reports of last season.\n{log}")
 
 
+# ----------------------------------------------------------------------------
+# batching: static against continuous batching, on one workload.
+
+@dataclass
+class Job:
+    prompt: list[int]
+    output_len: int      # the answer's length: EOS is ignored, so every run produces exactly this
+
+
+def chat_workload(n: int, vocab_size: int, seed: int = 0, prompt_range=(20, 100),
+                  output_range=(8, 128)) -> list[Job]:
+    """n chat-like requests: prompt lengths uniform in prompt_range (random token ids),
+    answer lengths log-uniform in output_range, so short answers are common and long
+    ones rare (for 8-128: median 32, mean 43, one in four above 64)."""
+    rng = random.Random(seed)
+    lo, hi = output_range
+    return [Job([rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_range))],
+                min(hi, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+            for _ in range(n)]
+
+
+@dataclass
+class RunResult:
+    name: str
+    outputs: list[list[int]]   # each job's answer, in job order
+    wall_s: float
+    steps: int
+    rows: int                  # decode rows computed (padding included)
+    latencies: list[float]     # per job: from the start until its answer is complete
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def mean_latency(self) -> float:
+        return sum(self.latencies) / len(self.latencies)
+
+
+def run_continuous(model: Llama, jobs: list[Job], max_batch: int, **engine_kwargs) -> RunResult:
+    """Every job queued at t = 0; the engine keeps up to max_batch decoding."""
+    eng = engine.Engine(model, max_batch=max_batch, **engine_kwargs)
+    t0 = time.perf_counter()
+    reqs = [eng.add(j.prompt, SamplingParams(max_new_tokens=j.output_len, ignore_eos=True)) for j in jobs]
+    rows = eng.stats["decode_tokens"]
+    steps = eng.run()
+    wall = time.perf_counter() - t0
+    return RunResult(f"continuous (max batch {max_batch})", [r.sequences[0].output for r in reqs], wall, steps,
+                     eng.stats["decode_tokens"] - rows, [r.finish - t0 for r in reqs])
+
+
+def run_static(model: Llama, jobs: list[Job], batch: int, pad: bool = True, **engine_kwargs) -> RunResult:
+    """Batches of ``batch`` jobs in order; a batch starts when the previous one is done.
+    pad=True is a fixed-shape batch (what `generate` on a padded batch does): every row
+    decodes until the batch's longest answer is done, and the batch's answers are
+    returned together. pad=False lets finished rows drop out, but nothing refills them."""
+    eng = engine.Engine(model, max_batch=batch, **engine_kwargs)
+    outputs, latencies, steps, t0 = [], [], 0, time.perf_counter()
+    for i in range(0, len(jobs), batch):
+        group = jobs[i:i + batch]
+        longest = max(j.output_len for j in group)
+        reqs = [eng.add(j.prompt, SamplingParams(max_new_tokens=longest if pad else j.output_len, ignore_eos=True))
+                for j in group]
+        steps += eng.run()
+        end = time.perf_counter() - t0
+        for j, r in zip(group, reqs):
+            outputs.append(r.sequences[0].output[:j.output_len])
+            latencies.append(end if pad else r.finish - t0)
+    wall = time.perf_counter() - t0
+    name = "static, padded rows" if pad else "static, finished rows dropped"
+    return RunResult(f"{name} (batch {batch})", outputs, wall, steps, eng.stats["decode_tokens"], latencies)
+
+
+def batching_table(results: list[RunResult]) -> str:
+    base = results[0]
+    rows = ["| scheduling | steps | decode rows computed | output tokens | wall s | tokens/s | × first row "
+            "| mean latency s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        rows.append(f"| {r.name} | {r.steps} | {r.rows} | {r.tokens} | {r.wall_s:.1f} | {r.tok_s:.1f} "
+                    f"| {r.tok_s / base.tok_s:.2f} | {r.mean_latency:.1f} |")
+    return "\n".join(rows)
+
+
 def bench_batching(args):
     """Continuous against static batching on a chat-like workload, and time to first
     token with and without prefix caching; everything through engine.Engine, so the
     kernels are the same and only the scheduling (or the cache) differs."""
-    import engine as E
-    from kvcache import QUESTIONS
     if args.threads:
         torch.set_num_threads(args.threads)
-    if hint := E.busy_machine_hint():
+    if hint := kernels.busy_machine_hint():
         print(hint)
-    model, tok = M.load(args.model, dtype=args.dtype)
+    model, tok = load(args.model, dtype=args.dtype)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-    jobs = E.chat_workload(args.requests, model.config.vocab_size, seed=0)
+    jobs = chat_workload(args.requests, model.config.vocab_size, seed=0)
     outs = sorted(j.output_len for j in jobs)
     prompts = [len(j.prompt) for j in jobs]
     print(f"{args.model} ({dtype}), {torch.get_num_threads()} threads: {args.requests} requests, all queued at "
           f"t = 0; prompts uniform 20-100 tokens (mean {statistics.mean(prompts):.0f}); answers log-uniform "
           f"8-128 tokens, EOS ignored (median {statistics.median(outs):.0f}, mean {statistics.mean(outs):.0f}, "
           f"max {outs[-1]}); static batch = continuous max batch = {args.max_batch}", flush=True)
-    E.run_continuous(model, jobs[:4], 4)          # warm-up: first calls of every kernel
-    runs = [lambda: E.run_static(model, jobs, args.max_batch, pad=True)]
+    run_continuous(model, jobs[:4], 4)          # warm-up: first calls of every kernel
+    runs = [lambda: run_static(model, jobs, args.max_batch, pad=True)]
     if not args.skip_dropped:
-        runs.append(lambda: E.run_static(model, jobs, args.max_batch, pad=False))
-    runs.append(lambda: E.run_continuous(model, jobs, args.max_batch))
+        runs.append(lambda: run_static(model, jobs, args.max_batch, pad=False))
+    runs.append(lambda: run_continuous(model, jobs, args.max_batch))
     results = []
     for run in runs:
         results.append(run())
         r = results[-1]
         print(f"  {r.name}: {r.wall_s:.1f} s, {r.tok_s:.1f} tok/s", flush=True)
     same = all(r.outputs == results[0].outputs for r in results)
-    print(f"\n{E.batching_table(results)}\n\nsame tokens in every run (greedy): {same}; latency = from t = 0 "
+    print(f"\n{batching_table(results)}\n\nsame tokens in every run (greedy): {same}; latency = from t = 0 "
           f"until the request's answer is complete (a padded static batch returns its answers together)")
 
     system = long_system_prompt()
@@ -278,14 +381,13 @@ def bench_batching(args):
           f"TTFT = add_request to first token", flush=True)
     rows = []
     for caching in (False, True):
-        engine = E.Engine(model, max_batch=1, prefix_caching=caching)
+        eng = engine.Engine(model, max_batch=1, prefix_caching=caching)
         ttfts, computed, answers = [], [], []
         for ids in convs:
             t0 = time.perf_counter()
-            rid = engine.add_request(ids, M.SamplingParams(max_new_tokens=1))
-            req = engine.request(rid)
+            req = eng.add(ids, SamplingParams(max_new_tokens=1))
             while not req.finished:
-                engine.step()
+                eng.step()
             ttfts.append(req.first_token - t0)
             computed.append(req.prefill_tokens)
             answers.append(req.sequences[0].output)
@@ -299,6 +401,68 @@ def bench_batching(args):
         print(f"| {'on' if caching else 'off'} | {first * 1000:.0f} | {median * 1000:.0f} | {comp:.0f} "
               f"| {off / median:.1f} |")
     print(f"\nsame first tokens with and without the cache: {rows[0][4] == rows[1][4]}")
+
+
+# ----------------------------------------------------------------------------
+# speculative: plain decoding against each method on the same prompts.
+
+def compare(model: Llama, prompts: list[list[int]], methods: dict, new_tokens: int) -> list[dict]:
+    """methods: name -> zero-argument factory of a proposer, or of None (plain
+    decoding) or a cache (plain decoding on it: a static cache runs a compiled
+    step). The first method is the baseline. Greedy, EOS ignored; returns one
+    row per method with decode tok/s, speedup and the speculative stats.
+
+    The methods take turns prompt by prompt, so a slow spell of this shared
+    machine lands on all of them rather than on whichever ran then.
+
+    Every method's tokens are checked against the baseline's: "diverged" lists,
+    per prompt, the first new token that differs (None: identical). In fp32
+    every method must match. In bf16 a verify pass of T tokens rounds
+    differently from T one-token steps: its attention runs in SDPA's kernel, a
+    one-token step's in two matmuls around an fp32 softmax (model.attend), and
+    a few matrix products differ in the last bit. At a near-tie the argmax can
+    flip, and the two texts part there."""
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    runs = {name: dict(spec=speculative.SpecStats(), decode_s=0.0, tokens=0, outs=[]) for name in methods}
+    for ids in prompts:
+        for name, factory in methods.items():
+            r, stats, proposer = runs[name], GenerationStats(), factory()
+            if proposer is None or isinstance(proposer, KVCache):
+                if proposer is not None:
+                    proposer.crop(0)
+                run = generate_cached(model, ids, params, stats, proposer)
+            else:
+                run = speculative.generate(model, ids, params, proposer, stats, r["spec"])
+            r["outs"].append(list(run))
+            r["decode_s"] += stats.decode_s
+            r["tokens"] += stats.new_tokens - 1
+    rows, reference = [], next(iter(runs.values()))
+    for name, r in runs.items():
+        diverged = [None if o == ref else common_prefix(o, ref) for o, ref in zip(r["outs"], reference["outs"])]
+        rows.append({"method": name, "tok_s": r["tokens"] / r["decode_s"], "diverged": diverged,
+                     "spec": r["spec"] if r["spec"].steps else None})
+    for row in rows:
+        row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
+    return rows
+
+
+def same_tokens(diverged: list) -> str:
+    """"yes", or how many prompts' texts parted from plain decoding's and at which new token."""
+    parted = sorted(i for i in diverged if i is not None)
+    return "yes" if not parted else f"{len(diverged) - len(parted)}/{len(diverged)}; others from token " + \
+        ", ".join(map(str, parted))
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| method | decode tok/s | speedup | acceptance | tokens/forward | accepted lengths | same tokens |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        s = r["spec"]
+        hist = " ".join(f"{n}:{c}" for n, c in sorted(s.histogram.items())) if s else ""
+        lines.append(f"| {r['method']} | {r['tok_s']:.1f} | {r['speedup']:.2f}× | "
+                     f"{f'{100 * s.acceptance:.0f}%' if s else ''} | {f'{s.tokens_per_forward:.2f}' if s else '1'} "
+                     f"| {hist} | {same_tokens(r['diverged'])} |")
+    return "\n".join(lines)
 
 
 CHAT_PROMPTS = [
@@ -315,32 +479,30 @@ CHAT_PROMPTS = [
 
 def bench_speculative(args):
     """Greedy, EOS ignored: plain decoding against each speculative method, same prompts, same run."""
-    import speculative as S
-    from kvcache import HANDBOOK
-    model, tok = M.load(args.model, "cpu", args.dtype)
+    model, tok = load(args.model, "cpu", args.dtype)
 
     def chat(text):
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
 
     methods = {"plain": lambda: None}
     if args.draft:
-        draft = S.load_draft(args.draft, model, tok, "cpu", args.dtype)
-        methods[f"draft {args.draft}, k={args.spec_k}"] = lambda: S.draft_proposer(draft, model, args.spec_k,
+        draft = drafting.load_draft(args.draft, model, tok, "cpu", args.dtype)
+        methods[f"draft {args.draft}, k={args.spec_k}"] = lambda: drafting.draft_proposer(draft, model, args.spec_k,
                                                                                     compile=True)
         methods[f"draft {args.draft}, adaptive k"] = \
-            lambda: S.draft_proposer(draft, model, args.spec_k, adaptive=True, compile=True)
+            lambda: drafting.draft_proposer(draft, model, args.spec_k, adaptive=True, compile=True)
         if draft.config.eagle and args.spec_tree:
-            tree = S.parse_tree(args.spec_tree)
+            tree = speculative.parse_tree(args.spec_tree)
             methods[f"draft {args.draft}, tree of {tree[1]} (W={tree[0]}, depth {args.spec_k})"] = \
-                lambda: S.draft_proposer(draft, model, args.spec_k, tree=tree)
+                lambda: drafting.draft_proposer(draft, model, args.spec_k, tree=tree)
         methods[f"draft {args.draft}, k={args.spec_k} + lookup N={args.prompt_lookup}"] = \
-            lambda: S.LookupThenDraft(S.draft_proposer(draft, model, args.spec_k, compile=True), args.prompt_lookup)
+            lambda: drafting.LookupThenDraft(drafting.draft_proposer(draft, model, args.spec_k, compile=True), args.prompt_lookup)
         t0 = time.perf_counter()        # for every static-cache size the prompts use
-        S.draft_proposer(draft, model, args.spec_k, compile=True).warm_up(model)
+        drafting.draft_proposer(draft, model, args.spec_k, compile=True).warm_up(model)
         print(f"draft step compiled in {time.perf_counter() - t0:.0f} s (not timed below)", flush=True)
-    methods[f"lookahead {args.lookahead}"] = lambda: S.Lookahead(*S.parse_lookahead(args.lookahead))
+    methods[f"lookahead {args.lookahead}"] = lambda: speculative.Lookahead(*speculative.parse_lookahead(args.lookahead))
     methods[f"prompt lookup N={args.prompt_lookup}, k={args.lookup_k}"] = \
-        lambda: S.PromptLookup(args.prompt_lookup, args.lookup_k)
+        lambda: speculative.PromptLookup(args.prompt_lookup, args.lookup_k)
     if args.compiled:
         # The target runs eagerly in every method above; the runner's fastest plain
         # decoding is the compiled one-token step on a static cache, which a
@@ -348,16 +510,185 @@ def bench_speculative(args):
         t0 = time.perf_counter()
         model.compile_decode()
         static = model.new_cache("static", 2048)        # the runner's default context
-        list(M.generate_cached(model, [0], M.SamplingParams(max_new_tokens=2), cache=static))
+        list(generate_cached(model, [0], SamplingParams(max_new_tokens=2), cache=static))
         methods["plain, compiled (--cache static --compile)"] = lambda: static
         print(f"plain decode step compiled in {time.perf_counter() - t0:.0f} s (not timed below)", flush=True)
     groups = {f"{args.prompts} chat prompts": [chat(t) for t in CHAT_PROMPTS[:args.prompts]],
-              "summarise-this-text prompt": [chat(S.SUMMARISE + HANDBOOK)]}
+              "summarise-this-text prompt": [chat(speculative.SUMMARISE + HANDBOOK)]}
     threads = torch.get_num_threads()
     for name, prompts in groups.items():
         print(f"\n{name}: {args.model} {args.dtype}, greedy, {args.new_tokens} new tokens each (EOS ignored), "
               f"{threads} threads; speedup = decode tok/s over plain decoding in the same run\n", flush=True)
-        print(S.table(S.compare(model, prompts, methods, args.new_tokens)), flush=True)
+        print(table(compare(model, prompts, methods, args.new_tokens)), flush=True)
+
+
+# ----------------------------------------------------------------------------
+# prefix and kv-bytes: the KV cache lesson on the bundled model.
+
+def bench_prefix(model_name: str = checkpoint.DEFAULT_MODEL, n_answer: int = 24):
+    """Seed exercise 2: one prefill of a shared prompt, forked for many questions
+    (kvcache.KVCache.fork), against encoding the whole prompt for each."""
+    model, tok = load(model_name)
+    system = "You are a helpful assistant. Answer from the handbook below in one short sentence.\n\n" + HANDBOOK
+    convs = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                 {"role": "user", "content": q}]), add_bos=False)
+             for q in QUESTIONS]
+    shared = min(common_prefix(convs[0], ids) for ids in convs[1:])
+    params = SamplingParams(max_new_tokens=n_answer)
+    print(f"shared prefix: {shared} tokens (system prompt + handbook); {len(QUESTIONS)} questions")
+
+    def answer(ids, cache):
+        stats = GenerationStats()
+        out = list(generate_cached(model, ids, params, stats, cache))
+        return tok.decode([t for t in out if t not in model.config.eos_ids]), stats
+
+    results = {}
+    t0 = time.perf_counter()
+    plain = [answer(ids, model.new_cache()) for ids in convs]
+    results["re-encode the prefix"] = (plain, time.perf_counter() - t0, 0.0)
+    t0 = time.perf_counter()
+    base = model.new_cache()
+    with torch.inference_mode():
+        model(torch.tensor([convs[0][:shared]]), torch.arange(shared), base, last_only=True)
+    prefix_s = time.perf_counter() - t0
+    forked = [answer(ids[shared:], base.fork()) for ids in convs]
+    results["prefill once + fork()"] = (forked, time.perf_counter() - t0, prefix_s)
+
+    print(f"\n| strategy | prefill tokens computed | prefill wall time | total wall time |\n|---|---:|---:|---:|")
+    for name, (runs, total, once) in results.items():
+        tokens = sum(s.prompt_tokens for _, s in runs) + (shared if once else 0)
+        prefill = sum(s.prefill_s for _, s in runs) + once
+        print(f"| {name} | {tokens} | {prefill:.2f} s | {total:.2f} s |")
+    (a, ta, _), (b, tb, once) = results.values()
+    pa = sum(s.prompt_tokens for _, s in a)
+    pb = sum(s.prompt_tokens for _, s in b) + shared
+    fa, fb = sum(s.prefill_s for _, s in a), sum(s.prefill_s for _, s in b) + once
+    same = [x for x, _ in a] == [y for y, _ in b]
+    print(f"\nprefill tokens {pa / pb:.1f}x fewer, prefill time {fa / fb:.1f}x lower, "
+          f"total {ta / tb:.1f}x lower; identical answers: {same}")
+    for q, (text, _) in zip(QUESTIONS[:3], b):
+        print(f"  Q: {q}\n  A: {text.strip()}")
+
+
+def bench_kv_bytes(model_name: str = checkpoint.DEFAULT_MODEL, new_tokens: int = 64):
+    """The bytes a real cache holds after a generation, against kvcache's formula."""
+    model, tok = load(model_name)
+    c = model.config
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about caches."}]),
+                        add_bos=False)
+    n = len(prompt) + new_tokens
+    cache = model.new_cache("static", max_len=n)
+    out = list(generate_cached(model, prompt, SamplingParams(max_new_tokens=new_tokens), cache=cache))
+    size = model.embed_tokens.weight.element_size()
+    formula = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, size)
+    print(f"{model_name}: {c.n_layers} layers × 2 · {c.n_kv_heads} KV heads · {c.head_dim} · {size} B "
+          f"= {formula:.0f} B per token")
+    print(f"static cache for {n} tokens ({len(prompt)} prompt + {len(out)} generated): "
+          f"holds {cache.nbytes} B; formula × {n} = {formula * n:.0f} B; equal: {cache.nbytes == formula * n}")
+
+
+# ----------------------------------------------------------------------------
+# quantize: what each format costs a real model; writing a quantized checkpoint.
+
+EVAL_TEXT = "data/eval_text.txt"   # perplexity text for `bench.py quantize`
+EVAL_PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give me three tips for sleeping better.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarise the plot of a heist movie you invent, in one paragraph.",
+    "How do I boil an egg so the yolk stays soft?",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "List the planets of the solar system in order from the sun.",
+]
+CONFIGS = [  # label, weights, kv dtype
+    ("full", None, None), ("KV int8", None, "int8"), ("KV fp8", None, "fp8"),
+    ("KV fp8, plain cast", None, "fp8-plain"), ("weights int8", "int8", None),
+    ("weights int4 (g32)", "int4", None), ("weights int8 + KV int8", "int8", "int8")]
+
+
+def perplexity(model, ids: list[int], kv_dtype: str | None, chunk: int = 128) -> float:
+    """exp(mean negative log-likelihood) of ``ids``, fed through the cache ``chunk``
+    tokens at a time, so each chunk attends to the stored (quantized) past."""
+    cache, nll = model.new_cache("dynamic", kv_dtype=kv_dtype), 0.0
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, chunk):
+            piece = ids[start:min(start + chunk, len(ids) - 1)]
+            logits = model(torch.tensor([piece]), torch.arange(start, start + len(piece)), cache)[0]
+            target = torch.tensor(ids[start + 1:start + 1 + len(piece)])
+            nll += torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum").item()
+    return float(torch.exp(torch.tensor(nll / (len(ids) - 1))))
+
+
+def quantize_eval(name: str, dtype: str, new_tokens: int, n_prompts: int, speed_tokens: int = 64):
+    """The table of the README. Agreement is teacher-forced: the full model writes
+    ``new_tokens`` greedy tokens per prompt once; every configuration then reads
+    those same sequences in one forward, and we count the positions where its
+    top-1 token equals the full model's (read the same way). Free-running texts
+    are no measure: after the first differing token they are different texts."""
+    text = (ROOT / EVAL_TEXT).read_text()
+    print(f"model {name}, {dtype}; perplexity over {EVAL_TEXT}; top-1 agreement over {n_prompts} prompts × "
+          f"{new_tokens} tokens; decode tok/s: {speed_tokens} tokens, eager, dynamic cache, "
+          f"{torch.get_num_threads()} threads\n", flush=True)
+    rows, sequences, reference = [], None, None
+    for label, weights, kv in CONFIGS:
+        model, tok = load(name, "cpu", dtype, weights=weights)
+        if sequences is None:   # the full model, first in CONFIGS, writes the continuations
+            chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                     for p in EVAL_PROMPTS[:n_prompts]]
+            prompts = [tok.encode(c, add_bos=False) for c in chats]
+            sequences = [(len(p), p + list(generate_cached(model, p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))))
+                         for p in prompts]
+        ppl = perplexity(model, tok.encode(text), kv)
+        with torch.inference_mode():
+            top1 = [model(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1),
+                          model.new_cache("dynamic", kv_dtype=kv))[0, n - 1:].argmax(-1) for n, seq in sequences]
+        reference = reference or (ppl, top1)
+        agree = sum(int((a == b).sum()) for a, b in zip(top1, reference[1])) / sum(len(a) for a in top1)
+        stats, cache = GenerationStats(), model.new_cache("dynamic", kv_dtype=kv)
+        list(generate_cached(model, sequences[0][1][:sequences[0][0]], SamplingParams(
+            max_new_tokens=speed_tokens, ignore_eos=True), stats, cache))
+        rows.append((label, cache.nbytes / cache.capacity, quantize.weight_bytes(model), ppl,
+                     100 * (ppl / reference[0] - 1), 100 * agree, (stats.new_tokens - 1) / stats.decode_s))
+        print(f"  {label}: ppl {ppl:.3f}, agreement {100 * agree:.1f}%", flush=True)
+        del model
+    print("\n| configuration | KV bytes/token | weight MB | perplexity | Δ ppl | top-1 agreement | decode tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, kvb, wb, ppl, dppl, agr, tps in rows:
+        print(f"| {label} | {kvb:.0f} | {wb / 1e6:.0f} | {ppl:.3f} | {dppl:+.2f}% | {agr:.1f}% | {tps:.1f} |")
+
+
+def quantize_demo(name: str, dtype: str, n_tokens: int = 512):
+    """A short tour: the bytes each format holds and the perplexity it costs, on the
+    first ``n_tokens`` of the evaluation text (the full table: --eval)."""
+    text = (ROOT / EVAL_TEXT).read_text()
+    print(f"{name}, {dtype}; perplexity on the first {n_tokens} tokens of {EVAL_TEXT}\n")
+    print(f"{'configuration':24} {'weights MB':>10} {'KV B/token':>10} {'perplexity':>10}")
+    base = None
+    for label, weights, kv in [c for c in CONFIGS if "plain" not in c[0] and "+" not in c[0]]:
+        model, tok = load(name, "cpu", dtype, weights=weights)
+        ids = tok.encode(text)[:n_tokens]
+        ppl = perplexity(model, ids, kv)
+        base = base or ppl
+        cache = model.new_cache("static", max_len=1, kv_dtype=kv)
+        print(f"{label:24} {quantize.weight_bytes(model) / 1e6:>10.0f} {cache.nbytes:>10} {ppl:>10.3f}"
+              f"  ({100 * (ppl / base - 1):+.2f}%)", flush=True)
+
+
+def quantize_write(name: str, weights: str, group_size: int, dtype: str, out_dir) -> Path:
+    """A quantized checkpoint: the model read in full precision, every Linear
+    quantized in its portable layout, written by checkpoint.save with the scheme
+    in config.json; `serve_local.py --model DIR` then loads it as stored."""
+    quantize.check_scheme(weights, group_size)
+    if weights in (None, "auto"):
+        raise ValueError("--out needs --weights int8 or int4")
+    source = checkpoint.resolve(name)
+    model = build(source, "cpu", dtype, weights, group_size, prepacked=False, prepare=False)
+    config = checkpoint.read_config(source) | {quantize.CONFIG_KEY: model.quantization}
+    out = checkpoint.save(out_dir, unfuse(model), config, copy_files_from=source)
+    print(f"wrote {out}: {quantize.weight_bytes(model) / 1e6:.0f} MB of weights ({weights}); "
+          f"run it with: python serve_local.py --model {out}")
+    return out
 
 
 def main():
@@ -365,7 +696,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("decode", help="batch-1 decode speed against peers")
     d.add_argument("--models", nargs="+", default=[checkpoint.DEFAULT_MODEL, RANDOM_TINYLLAMA])
-    d.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(M.DTYPES))
+    d.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(kernels.DTYPES))
     d.add_argument("--prompt-tokens", type=int, default=128)
     d.add_argument("--new-tokens", type=int, default=128)
     d.add_argument("--reps", type=int, default=3)
@@ -378,7 +709,7 @@ def main():
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     b = sub.add_parser("batching", help="engine.py: static vs continuous batching, prefix caching TTFT")
     b.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
-    b.add_argument("--dtype", default="float32", choices=list(M.DTYPES))
+    b.add_argument("--dtype", default="float32", choices=list(kernels.DTYPES))
     b.add_argument("--requests", type=int, default=64)
     b.add_argument("--max-batch", type=int, default=16)
     b.add_argument("--questions", type=int, default=6, help="prefix caching: requests per configuration")
@@ -387,7 +718,7 @@ def main():
                    help="torch threads (default: torch's); on a busy shared machine 1 avoids OpenMP stalls")
     sp = sub.add_parser("speculative", help="speculative.py: draft model, lookahead, prompt lookup vs plain")
     sp.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
-    sp.add_argument("--dtype", default="float32", choices=list(M.DTYPES))
+    sp.add_argument("--dtype", default="float32", choices=list(kernels.DTYPES))
     sp.add_argument("--draft", default="bundled", help="draft model; '' to skip (default: train.py's draft)")
     sp.add_argument("--spec-k", type=int, default=3, help="draft tokens per step (bundled head, 4 chat prompts: k=3 1.39x, k=4 1.30x in one run)")
     sp.add_argument("--lookahead", default="4,3,4", metavar="W,N,G")
@@ -399,16 +730,43 @@ def main():
     sp.add_argument("--prompts", type=int, default=8, help="chat prompts (at most 8)")
     sp.add_argument("--no-compiled", dest="compiled", action="store_false",
                     help="skip the last row: plain decoding compiled on a static cache (1-2.5 min to compile once)")
+    pr = sub.add_parser("prefix", help="kvcache.py, seed exercise 2: prefill a shared prompt once, fork it per question")
+    pr.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    kb = sub.add_parser("kv-bytes", help="kvcache.py: the bytes a real cache holds after a generation vs the formula")
+    kb.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    q = sub.add_parser("quantize", help="quantize.py on a real model: perplexity and bytes per format (--eval: the "
+                                        "full table); --out DIR writes a quantized checkpoint")
+    q.add_argument("--model", default=checkpoint.DEFAULT_MODEL, help="alias, directory or .gguf")
+    q.add_argument("--weights", default="int8", help="int8 or int4 (with --out)")
+    q.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
+    q.add_argument("--out", default=None, help="write the quantized checkpoint to this directory")
+    q.add_argument("--eval", action="store_true", help="the accuracy/memory/speed table")
+    q.add_argument("--dtype", default="bfloat16", help="activations and unquantized weights")
+    q.add_argument("--new-tokens", type=int, default=256)
+    q.add_argument("--prompts", type=int, default=8)
     args = ap.parse_args()
-    if args.cmd == "speculative":
-        bench_speculative(args)
-    elif args.cmd == "batching":
-        bench_batching(args)
-    elif args.cmd == "decode":
-        bench_decode(args)
-    elif args.cmd == "attention":
-        import flash
-        flash.bench(args.quick, args.dtype)
+    try:
+        if args.cmd == "speculative":
+            bench_speculative(args)
+        elif args.cmd == "batching":
+            bench_batching(args)
+        elif args.cmd == "decode":
+            bench_decode(args)
+        elif args.cmd == "attention":
+            flash.bench(args.quick, args.dtype)
+        elif args.cmd == "prefix":
+            bench_prefix(args.model)
+        elif args.cmd == "kv-bytes":
+            bench_kv_bytes(args.model)
+        elif args.cmd == "quantize":
+            if args.out:
+                quantize_write(args.model, args.weights, args.group_size, args.dtype, args.out)
+            elif args.eval:
+                quantize_eval(args.model, args.dtype, args.new_tokens, args.prompts)
+            else:
+                quantize_demo(args.model, args.dtype)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import tokenizer as tok
+import tokenizer
 
 
 class CheckpointError(ValueError):
@@ -178,6 +178,95 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_llama_config(c: dict) -> tuple[float, dict, str]:
+    """Refuse, in one line, a config.json this project cannot run; returns RoPE's
+    (theta, scaling parameters, scaling kind) for model.LlamaConfig.from_hf."""
+    arch = c.get("model_type")
+    if arch not in ("llama", "mistral"):   # Mistral is a Llama with an optional sliding window
+        raise ValueError(f"unsupported architecture '{arch}' (config.json model_type): "
+                         f"nanoinfer runs Llama-family checkpoints (model_type \"llama\" or \"mistral\")")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise ValueError(f"unsupported config.json {key}=true: Llama projections here have no bias")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported config.json hidden_act '{c['hidden_act']}': expected silu")
+    # transformers ≥ 5 writes rope_parameters (theta inside); older files rope_theta + rope_scaling.
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope_scaling type '{kind}' (config.json rope_scaling.rope_type): "
+                         f"supported are linear and llama3")
+    return theta, rope, kind
+
+
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple], model_dir):
+    """The checkpoint's tensors (names without "model.") against the shapes the
+    config implies: each one present, known and of its shape, else a one-line
+    CheckpointError that says which."""
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensors "
+                              f"(first: {missing[0]}); it is incomplete or not a Llama")
+    for name, t in state.items():
+        if name not in expected:
+            raise CheckpointError(f"unexpected tensor '{name}' in {model_dir}: not a plain Llama")
+        if tuple(t.shape) != tuple(expected[name]):
+            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)} but config.json implies "
+                                  f"{tuple(expected[name])}: weights and config.json do not belong together")
+
+
+# ----------------------------------------------------------------------------
+# Fused projections. Checkpoints store W_q, W_k, W_v (and W_gate, W_up) apart; a
+# model may keep a group stacked by rows in one matrix. ``layout`` maps each
+# fused name to its parts, e.g. {"self_attn.qkv_proj": ("self_attn.q_proj", ...)}.
+
+def fuse(state: dict, layout: dict[str, tuple[str, ...]], n_layers: int) -> dict:
+    """Checkpoint tensors -> the model's: each group's parts stacked by rows, in every layer."""
+    for i in range(n_layers):
+        for fused, parts in layout.items():
+            first = f"layers.{i}.{parts[0]}."
+            for suffix in [k.removeprefix(first) for k in list(state) if k.startswith(first)]:
+                state[f"layers.{i}.{fused}.{suffix}"] = torch.cat(
+                    [state.pop(f"layers.{i}.{p}.{suffix}") for p in parts])
+    return state
+
+
+def split_fused(state: dict, layout: dict[str, tuple[str, ...]], rows: list[dict[str, list[int]]]) -> dict:
+    """fuse's inverse: rows[i][fused] lists the row count of each part in layer i."""
+    for i, layer_rows in enumerate(rows):
+        for fused, parts in layout.items():
+            prefix = f"layers.{i}.{fused}."
+            for key in [k for k in state if k.startswith(prefix)]:
+                for part, t in zip(parts, state.pop(key).split(layer_rows[fused])):
+                    state[f"layers.{i}.{part}.{key.removeprefix(prefix)}"] = t.contiguous()
+    return state
+
+
+# ----------------------------------------------------------------------------
+# Tensors -> an HF directory: the one writer (random test models, quantized
+# checkpoints, trained drafts all go through it).
+
+def save(out_dir, tensors: dict[str, torch.Tensor], config: dict, copy_files_from=None) -> Path:
+    """Write an HF Llama directory: ``tensors`` by checkpoint name without the
+    "model." prefix (model.unfuse gives them so), ``config`` as config.json, and
+    every other file of ``copy_files_from`` that is not weights (tokenizer,
+    generation config). The weights are written to a temporary file and renamed,
+    so an interrupted save never looks finished."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    named = {(k if k.startswith("lm_head.") else "model." + k): t.contiguous() for k, t in tensors.items()}
+    save_file(named, out / "model.safetensors.tmp", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if copy_files_from is not None:
+        for f in Path(copy_files_from).iterdir():
+            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".gguf") and f.name != "config.json" \
+                    and not f.name.endswith(".index.json"):
+                shutil.copy2(f, out / f.name)
+    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+    return out
+
+
 # ----------------------------------------------------------------------------
 # GGUF -> HF directory, once.
 
@@ -303,7 +392,7 @@ def convert_gguf(path: Path, out_root: Path | None = None) -> Path:
             state[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": path.name})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        tok.write_tokenizer_from_gguf(reader, tmp)
+        tokenizer.write_tokenizer_from_gguf(reader, tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -370,7 +459,7 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     spec = json.loads((model_dir / "tokenizer.json").read_text()) if (model_dir / "tokenizer.json").is_file() else {}
     bpe, added = spec.get("model") or {}, spec.get("added_tokens", [])
     if bpe.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
-        t = tok.Tokenizer.from_dir(model_dir)
+        t = tokenizer.Tokenizer.from_dir(model_dir)
         vocab = {**bpe["vocab"], **{a["content"]: a["id"] for a in added}}
         if max(vocab.values()) >= c.vocab_size:
             raise CheckpointError(f"{model_dir}/tokenizer.json has ids beyond vocab_size={c.vocab_size}")
@@ -384,7 +473,7 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
         pre = spec.get("pre_tokenizer") or {}
         splits = [p["pattern"].get("Regex") for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(next((n for n, rx in tok.PRE_TOKENIZER_SPLITS.items() if rx in splits), "gpt-2"))
+        w.add_tokenizer_pre(next((n for n, rx in tokenizer.PRE_TOKENIZER_SPLITS.items() if rx in splits), "gpt-2"))
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])])
@@ -450,7 +539,7 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
 
 
 # ----------------------------------------------------------------------------
-# Demo: what a name resolves to, and what each storage format costs.
+# Demo: what a name resolves to, what each storage format costs, and the tokenizer that comes with it.
 
 if __name__ == "__main__":
     import argparse
@@ -475,3 +564,5 @@ if __name__ == "__main__":
     if isinstance(target, tuple):
         print(f"  the GGUF stores the same {n / 1e6:.1f}M numbers in {8 * gguf_file.stat().st_size / n:.1f} bits "
               f"each (Q4_1: 4-bit codes + a scale and minimum per 32); we keep them dequantized, exact, in fp32")
+    print("\nits tokenizer (tokenizer.py):")
+    tokenizer.demo(tokenizer.Tokenizer.from_dir(model_dir))

@@ -2,11 +2,11 @@
 engine.py — continuous batching: many requests decoding together in one paged KV pool.
 
 One decode step reads every weight once whatever the batch size, so a step of
-16 sequences costs little more than a step of one: on this 2-core CPU,
-SmolLM2-135M in fp32 with ~100-token contexts, one paged decode step takes
-59 ms for 1 row, 94 ms for 4, 104 ms for 16 and 129 ms for 32 (an idle
-machine, 2 threads): 16 rows give 9x the tokens per second of one. Serving
-many requests therefore means decoding them together. The question is which.
+16 sequences costs little more than a step of one: the weights (540 MB for
+SmolLM2-135M in fp32) are read once for all rows, and each row adds only its
+own activations and KV reads. Measured on a 2-core CPU with ~100-token
+contexts, 16 rows gave 9x the tokens per second of one. Serving many requests
+therefore means decoding them together. The question is which.
 
 Static batching takes B requests, runs them until the longest is done, then
 takes the next B. Chat answers vary in length (3 tokens or 300), so most rows
@@ -26,7 +26,7 @@ row waits for another. That needs a KV cache whose sequences come and go and
 grow independently: paged.py's blocks. Rows of different lengths decode in one
 forward pass: tokens (B, 1) at positions (B, 1), each row reading its keys
 through its own block table, padded to the longest and masked
-(paged.PagedKVCache).
+(kvcache.PagedKVCache).
 
 The parts, bottom up:
 
@@ -70,13 +70,10 @@ Decisions, and what they cost:
   only on a near-tie; the tests compare tokens and find none.
 * Everything runs eagerly (no torch.compile: the batch shape changes every step).
 
-`python engine.py` shows what continuous batching buys on the bundled model;
-`python bench.py batching` measures it on 64 chat-like requests (answers of
-8-128 tokens) with batch 16: 225 steps instead of 426, 1.74x the tokens/s of
-static batching with padded rows, 1.19x of static batches whose finished rows
-drop out (2.35x and 1.8x before model.prepack made wide steps cheaper); and
-prefix caching on a 1,171-token shared system prompt: 18 tokens computed
-instead of 1,186, time to first token 104 ms instead of 4.0 s (38x).
+`python engine.py` shows requests joining and leaving the batch step by step;
+`python bench.py batching` measures continuous against static batching on 64
+chat-like requests, and prefix caching on a long shared system prompt (the
+README's batching section has the tables).
 """
 
 from __future__ import annotations
@@ -84,7 +81,6 @@ from __future__ import annotations
 import argparse
 import math
 import operator
-import random
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -94,10 +90,12 @@ from typing import Iterator, NamedTuple
 import torch
 
 import checkpoint
-import model as M
+import kernels
 import quantize
-from kvcache import kv_bytes_per_token
-from paged import BLOCK_SIZE, BlockAllocator, BlockTable, PagedKVCache
+from kvcache import PagedKVCache, kv_bytes_per_token
+from model import Llama, load
+from paged import BLOCK_SIZE, BlockAllocator, BlockTable
+from sampling import SamplingParams, finish_reason, sample, seeded_generator
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -110,7 +108,7 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 class Request:
     id: int
     prompt: list[int]
-    params: M.SamplingParams
+    params: SamplingParams
     n: int = 1
     session: object = None          # a key: keep the finished table for the next turn (n = 1)
     sequences: list["Sequence"] = field(default_factory=list)
@@ -163,9 +161,9 @@ class Scheduler:
     holds no blocks; admitting it computes all its tokens (the prompt, plus its
     output so far if it was preempted) and samples its next token."""
 
-    def __init__(self, allocator: BlockAllocator, max_batch: int, max_len: int, watermark: float = 0.01):
+    def __init__(self, allocator: BlockAllocator, max_batch: int, watermark: float = 0.01):
         self.alloc = allocator
-        self.max_batch, self.max_len = max_batch, max_len
+        self.max_batch = max_batch
         self.watermark = max(1, round(watermark * allocator.num_blocks))   # free blocks admission leaves
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []           # admission order: the last is the newest
@@ -229,7 +227,7 @@ class Scheduler:
             self.alloc.free(self.parked.popitem(last=False)[1])   # idle conversations go first
 
     def _fits(self, need: int, available: int, width: int) -> bool:
-        if not self.running:      # alone it always fits: max_len keeps a sequence within the pool
+        if not self.running:      # alone it always fits: the engine's max_len keeps a sequence within the pool
             return need <= available
         return need + width + self.watermark <= available
 
@@ -312,7 +310,7 @@ class Engine:
     pool if that is smaller. ``kv_dtype`` is the pool's storage type: a torch dtype, or
     "int8"/"fp8"/"fp8-plain" for quantized rows (quantize.py)."""
 
-    def __init__(self, model: M.Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
+    def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES, prefix_caching: bool = True,
                  max_len: int | None = None, kv_dtype: torch.dtype | str | None = None,
                  watermark: float = 0.01):
@@ -334,7 +332,7 @@ class Engine:
                                   w.device, c.sliding_window, codec)
         self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit)
         self.watermark = watermark
-        self.scheduler = Scheduler(self.allocator, max_batch, self.max_len, watermark)
+        self.scheduler = Scheduler(self.allocator, max_batch, watermark)
         self.requests: dict[int, Request] = {}     # unfinished ones
         self._ids = 0
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "recomputed_tokens": 0,
@@ -349,9 +347,9 @@ class Engine:
 
     # --- requests -----------------------------------------------------------
 
-    def check_request(self, prompt_ids, params: M.SamplingParams, n: int = 1) -> list[int]:
+    def check_request(self, prompt_ids, params: SamplingParams, n: int = 1) -> list[int]:
         """Validate a request without adding it: ValueError says what is wrong."""
-        if not isinstance(params, M.SamplingParams):
+        if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         vocab = self.model.config.vocab_size
         try:
@@ -374,15 +372,16 @@ class Engine:
                              f"or give the engine more blocks")
         return ids
 
-    def add_request(self, prompt_ids, params: M.SamplingParams | None = None, n: int = 1,
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, n: int = 1,
                     session=None) -> int:
         """Queue a request; returns its id. Raises (and queues nothing) on a bad
         request: the engine goes on serving the others. ``session``: keep this
         conversation's blocks after it finishes so its next turn (a request with the
         same session whose prompt extends this one) computes only its new tokens."""
-        return self._add(prompt_ids, params or M.SamplingParams(), n, session).id
+        return self.add(prompt_ids, params or SamplingParams(), n, session).id
 
-    def _add(self, prompt_ids, params, n=1, session=None) -> Request:
+    def add(self, prompt_ids, params: SamplingParams, n: int = 1, session=None) -> Request:
+        """add_request, returning the Request itself (its sequences carry the outputs)."""
         ids = self.check_request(prompt_ids, params, n)
         if session is not None and n != 1:
             raise ValueError("a session continues one conversation: n must be 1")
@@ -415,10 +414,9 @@ class Engine:
         self._ids += 1
         return self._ids
 
-    def _generator(self, params: M.SamplingParams, branch: int):
-        if params.seed is None:
-            return None
-        return torch.Generator(self.device).manual_seed(params.seed + branch)
+    def _generator(self, params: SamplingParams, branch: int):
+        """Branch i of a request samples with seed + i: each is an independent run with that seed."""
+        return seeded_generator(None if params.seed is None else params.seed + branch, self.device)
 
     # --- one step -----------------------------------------------------------
 
@@ -481,18 +479,15 @@ class Engine:
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
         req, p = seq.request, seq.request.params
-        token = M.sample(logits, p, seq.generator)
+        token = sample(logits, p, seq.generator)
         seq.output.append(token)
         if p.logprobs:
             seq.logprobs.append(torch.log_softmax(logits.float(), dim=-1).topk(p.logprobs))
         now = time.perf_counter()
         if req.first_token is None:
             req.first_token = now
-        reason = None
-        if token in self.model.config.eos_ids:
-            reason = "stop"
-        elif len(seq.output) >= p.max_new_tokens or len(req.prompt) + len(seq.output) >= self.max_len:
-            reason = "length"
+        reason = finish_reason(token, len(seq.output), len(req.prompt) + len(seq.output), p,
+                               self.model.config.eos_ids, self.max_len)
         if reason:
             self.scheduler.finish(seq, reason)
             if req.finished:
@@ -507,7 +502,7 @@ class Engine:
         self.requests.clear()
         a = self.allocator
         self.allocator = BlockAllocator(a.num_blocks, a.block_size, a.prefix_caching)
-        self.scheduler = Scheduler(self.allocator, self.scheduler.max_batch, self.max_len, self.watermark)
+        self.scheduler = Scheduler(self.allocator, self.scheduler.max_batch, self.watermark)
 
     # --- driving it ---------------------------------------------------------
 
@@ -578,9 +573,9 @@ class LLM:
     goes to ``Engine``. Prompts are text (encoded as is, no chat template) or
     token id lists."""
 
-    def __init__(self, model: str | Path | M.Llama, tokenizer=None, dtype=None, **engine_kwargs):
-        if not isinstance(model, M.Llama):
-            model, tokenizer = M.load(str(model), dtype=dtype)
+    def __init__(self, model: str | Path | Llama, tokenizer=None, dtype=None, **engine_kwargs):
+        if not isinstance(model, Llama):
+            model, tokenizer = load(str(model), dtype=dtype)
         self.model, self.tokenizer = model, tokenizer
         self.engine = Engine(model, **engine_kwargs)
 
@@ -591,18 +586,18 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def generate(self, prompts, sampling_params: M.SamplingParams | list | None = None, n: int = 1,
+    def generate(self, prompts, sampling_params: SamplingParams | list | None = None, n: int = 1,
                  use_tqdm: bool = True) -> list[Output]:
         """Run every prompt to completion, continuously batched; outputs in input order.
         Every prompt is checked before any runs: one bad prompt raises, none is queued."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
-        params = sampling_params if sampling_params is not None else M.SamplingParams()
+        params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
         encoded = [self.engine.check_request(self.encode(p), sp, n) for p, sp in zip(prompts, params)]
-        reqs = [self.engine._add(ids, sp, n) for ids, sp in zip(encoded, params)]
+        reqs = [self.engine.add(ids, sp, n) for ids, sp in zip(encoded, params)]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -638,147 +633,47 @@ class LLM:
 
 
 # ----------------------------------------------------------------------------
-# Static against continuous batching, on one workload (the demo below and
-# `bench.py batching` use these).
+# Demo: requests joining and leaving the batch, step by step, on the bundled model.
 
-@dataclass
-class Job:
-    prompt: list[int]
-    output_len: int      # the answer's length: EOS is ignored, so every run produces exactly this
-
-
-def chat_workload(n: int, vocab_size: int, seed: int = 0, prompt_range=(20, 100),
-                  output_range=(8, 128)) -> list[Job]:
-    """n chat-like requests: prompt lengths uniform in prompt_range (random token ids),
-    answer lengths log-uniform in output_range, so short answers are common and long
-    ones rare (for 8-128: median 32, mean 43, one in four above 64)."""
-    rng = random.Random(seed)
-    lo, hi = output_range
-    return [Job([rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_range))],
-                min(hi, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
-            for _ in range(n)]
-
-
-@dataclass
-class RunResult:
-    name: str
-    outputs: list[list[int]]   # each job's answer, in job order
-    wall_s: float
-    steps: int
-    rows: int                  # decode rows computed (padding included)
-    latencies: list[float]     # per job: from the start until its answer is complete
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(o) for o in self.outputs)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.wall_s
-
-    @property
-    def mean_latency(self) -> float:
-        return sum(self.latencies) / len(self.latencies)
-
-
-def run_continuous(model: M.Llama, jobs: list[Job], max_batch: int, **engine_kwargs) -> RunResult:
-    """Every job queued at t = 0; the engine keeps up to max_batch decoding."""
-    with M.ignore_eos(model):
-        engine = Engine(model, max_batch=max_batch, **engine_kwargs)
-        t0 = time.perf_counter()
-        reqs = [engine._add(j.prompt, M.SamplingParams(max_new_tokens=j.output_len)) for j in jobs]
-        rows = engine.stats["decode_tokens"]
-        steps = engine.run()
-        wall = time.perf_counter() - t0
-    return RunResult(f"continuous (max batch {max_batch})", [r.sequences[0].output for r in reqs], wall, steps,
-                     engine.stats["decode_tokens"] - rows, [r.finish - t0 for r in reqs])
-
-
-def run_static(model: M.Llama, jobs: list[Job], batch: int, pad: bool = True, **engine_kwargs) -> RunResult:
-    """Batches of ``batch`` jobs in order; a batch starts when the previous one is done.
-    pad=True is a fixed-shape batch (what `generate` on a padded batch does): every row
-    decodes until the batch's longest answer is done, and the batch's answers are
-    returned together. pad=False lets finished rows drop out, but nothing refills them."""
-    with M.ignore_eos(model):
-        engine = Engine(model, max_batch=batch, **engine_kwargs)
-        outputs, latencies, steps, t0 = [], [], 0, time.perf_counter()
-        for i in range(0, len(jobs), batch):
-            group = jobs[i:i + batch]
-            longest = max(j.output_len for j in group)
-            reqs = [engine._add(j.prompt, M.SamplingParams(max_new_tokens=longest if pad else j.output_len))
-                    for j in group]
-            steps += engine.run()
-            end = time.perf_counter() - t0
-            for j, r in zip(group, reqs):
-                outputs.append(r.sequences[0].output[:j.output_len])
-                latencies.append(end if pad else r.finish - t0)
-        wall = time.perf_counter() - t0
-    name = "static, padded rows" if pad else "static, finished rows dropped"
-    return RunResult(f"{name} (batch {batch})", outputs, wall, steps, engine.stats["decode_tokens"], latencies)
-
-
-def batching_table(results: list[RunResult]) -> str:
-    base = results[0]
-    rows = ["| scheduling | steps | decode rows computed | output tokens | wall s | tokens/s | × first row "
-            "| mean latency s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        rows.append(f"| {r.name} | {r.steps} | {r.rows} | {r.tokens} | {r.wall_s:.1f} | {r.tok_s:.1f} "
-                    f"| {r.tok_s / base.tok_s:.2f} | {r.mean_latency:.1f} |")
-    return "\n".join(rows)
-
-
-# ----------------------------------------------------------------------------
-# Demo: what continuous batching buys, with numbers, on the bundled model.
-
-def busy_machine_hint() -> str | None:
-    """On a machine whose other processes keep every core busy, OpenMP threads wait for
-    each other whenever one is descheduled: a decode step measured here took 81 ms with
-    one thread and 0.3-3 s with two. Returns a hint, or None when it does not apply."""
-    import os
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if torch.get_num_threads() > 1 and load > cores:
-        return (f"note: this machine is busy (load {load:.1f} on {cores} cores); with {torch.get_num_threads()} "
-                f"threads every step may stall, --threads 1 runs steadier")
-    return None
-
-
-def demo(model_name: str, n: int, max_batch: int, seed: int = 0):
-    if hint := busy_machine_hint():
+def demo(model_name: str, n: int, max_batch: int, threads: int | None = None):
+    if threads:
+        torch.set_num_threads(threads)
+    if hint := kernels.busy_machine_hint():
         print(hint)
-    model, tok = M.load(model_name)
-    jobs = chat_workload(n, model.config.vocab_size, seed, prompt_range=(10, 40), output_range=(4, 64))
-    lengths = sorted(j.output_len for j in jobs)
-    print(f"{n} requests on {model_name} ({str(model.embed_tokens.weight.dtype).removeprefix('torch.')}), "
-          f"all queued at once; prompts 10-40 tokens; answers log-uniform 4-64 tokens, EOS ignored: "
-          f"{lengths}")
-    # Static first, then continuous: the second run of a process is never the cold one.
-    results = [run_static(model, jobs, max_batch), run_continuous(model, jobs, max_batch)]
-    static, cont = results
-    print()
-    print(batching_table(results))
-    useful = static.tokens - n     # the first token of each answer comes from its prefill
-    print(f"\nstatic: {static.rows} decode rows computed for {useful} useful ones "
-          f"({100 * useful / static.rows:.0f}%): each batch runs until its longest answer is done")
-    print(f"continuous: a finished row is refilled at the next step, so {cont.rows} rows for the same "
-          f"{cont.tokens - n} tokens; {static.steps / cont.steps:.1f}x fewer steps, "
-          f"{cont.tok_s / static.tok_s:.1f}x the tokens/s, mean latency {static.mean_latency:.1f} s -> "
-          f"{cont.mean_latency:.1f} s")
-    print(f"identical answers (greedy): {static.outputs == cont.outputs}")
-    text = tok.decode(cont.outputs[0][:24])
-    print(f"first answer begins: {text!r}")
+    model, tok = load(model_name)
+    system = "You are a helpful assistant. Answer in one short sentence."
+    questions = ["What is 2+2?", "Name a colour.", "What is the capital of France?", "Say hello.",
+                 "What do bees make?", "Name a fruit.", "How many legs has a cat?", "What is ice?"]
+    engine = Engine(model, max_batch=max_batch)
+    reqs = {}
+    for i in range(n):   # the same system prompt: later requests find its blocks in the prefix cache
+        ids = tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                  {"role": "user", "content": questions[i % len(questions)]}]),
+                         add_bos=False)
+        reqs[engine.add_request(ids, SamplingParams(max_new_tokens=8 + 6 * i))] = questions[i % len(questions)]
+    print(f"{n} requests queued, max batch {max_batch}, {engine.allocator.num_blocks} blocks of "
+          f"{engine.allocator.block_size} tokens\n\nstep | running requests | blocks used | finished")
+    step = 0
+    while engine.has_work():
+        events = engine.step()
+        step += 1
+        done = [e.request_id for e in events if e.finished]
+        used = engine.allocator.num_blocks - engine.num_free_blocks
+        print(f"{step:4} | {' '.join(str(e.request_id) for e in events):24} | {used:11} | "
+              f"{' '.join(map(str, done))}")
+    s = engine.stats
+    print(f"\n{step} steps; prefill computed {s['prefill_tokens']} tokens, found {s['cached_tokens']} in the "
+          f"prefix cache; {s['decode_tokens']} decode rows; every block back: {engine.num_free_blocks} free")
 
 
 def _main():
-    ap = argparse.ArgumentParser(description="continuous against static batching, on the bundled model")
+    ap = argparse.ArgumentParser(description="continuous batching on the bundled model, step by step")
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-batch", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    demo(args.model, args.requests, args.max_batch, args.seed)
+    demo(args.model, args.requests, args.max_batch, args.threads)
 
 
 if __name__ == "__main__":

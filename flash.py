@@ -30,7 +30,7 @@ The cost model:
   the output's 32 MiB plus a few MiB, against ~3.3 GiB for the naive version
   run one head at a time (it would be 8× that with all 8 heads at once).
 * Bandwidth: S never travels to memory and back. On a GPU that is the whole
-  point (HBM is the bottleneck); on a CPU a 4 MiB tile stays in L2/L3 cache.
+  point (HBM is the bottleneck); on a CPU the 2 MiB working set stays in L2/L3.
 
 The same running-(max, sum) algebra gives the other pieces built here:
 
@@ -82,6 +82,8 @@ import functools
 import math
 
 import torch
+
+from kvcache import attention_mask
 
 NEG_INF = float("-inf")
 
@@ -278,12 +280,8 @@ def attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start:
         for ka, needs_mask in visits:
             allowed = None
             if needs_mask:
-                qp, kp = (q_start + qa + rows)[:, None], (k_start + ka + cols)[None, :]
-                allowed = (ka + cols < L)[None, :].repeat(tq, 1)        # padding keys are never visible
-                if causal:
-                    allowed = allowed & (kp <= qp)
-                if window is not None:
-                    allowed = allowed & (kp > qp - window)
+                allowed = attention_mask(q_start + qa + rows, k_start + ka + cols, window, causal)
+                allowed = allowed & (ka + cols < L)                     # padding keys are never visible
                 if mask is not None:   # (B or 1, 1, 1, tq, tk): broadcast over heads and the group
                     allowed = allowed & mask[:, :, None, qa:qa + tq, ka:ka + tk].contiguous()
             m, s, acc = step(qt, _rows(k, ka, tk), _rows(v, ka, tk), m, s, acc, scale, allowed)
@@ -315,15 +313,8 @@ def naive(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int
 
 
 def visible(q_pos, k_pos, causal: bool, window: int | None):
-    """(T, L) bool from positions, or None when everything is visible."""
-    if not causal and window is None:
-        return None
-    ok = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
-    if causal:
-        ok &= k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        ok &= k_pos[None, :] > q_pos[:, None] - window
-    return ok
+    """(T, L) bool from positions (kvcache.attention_mask), or None when everything is visible."""
+    return attention_mask(q_pos, k_pos, window, causal) if causal or window is not None else None
 
 
 # ----------------------------------------------------------------------------

@@ -18,8 +18,8 @@ per KV head:
 
 `python kvcache.py --config llama2-7b --seq 32768` prints these for any config.
 
-Three contiguous caches share one interface (paged, quantized and speculative
-code build on it):
+Three contiguous caches and a paged one share one interface (quantized and
+speculative code build on it):
 
 * ``DynamicCache`` grows as tokens arrive, doubling its capacity, so appending
   is an amortised O(1) copy rather than a ``torch.cat`` of the whole history.
@@ -29,6 +29,9 @@ code build on it):
 * ``SlidingWindowCache`` (Mistral-style ``sliding_window`` configs) is a ring
   buffer of the last W positions (plus a little slack so speculative decoding
   can roll back): memory O(W) however long the conversation.
+* ``PagedKVCache`` is one pool of fixed-size blocks that many sequences share,
+  each reading its rows through a block table (paged.py keeps the books;
+  engine.py batches sequences on it).
 
 The interface. A cache has ``layers``; per forward pass the model calls
 ``cache.begin(positions)`` once (host-side bookkeeping: grow, copy-on-write,
@@ -46,24 +49,28 @@ half of bf16's, decoded one layer at a time when attention reads them.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
-
-from quantize import KVCodec
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_size: float) -> float:
     return n_layers * 2 * n_kv_heads * head_dim * dtype_size
 
 
-def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """(T, L) bool: query at q_pos[i] may read key at k_pos[j]. Causal, and with a
-    sliding window only the last ``window`` positions. Key slots that hold no
-    token carry position -1 (ring) or a position beyond every query (static)."""
-    q, k = q_pos[:, None], k_pos[None, :]
-    ok = (k <= q) & (k >= 0)
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
+                   causal: bool = True) -> torch.Tensor:
+    """The one mask rule (the caches, paged.py, flash.py and speculative.py use it):
+    q_pos (..., T) and k_pos (L,) -> (..., T, L) bool, True where the query at
+    q_pos[i] may read the key at k_pos[j]: causal (a key at or before the query),
+    and with a sliding window only the last ``window`` positions. Key slots that
+    hold no token carry position -1 (ring) or a position beyond every query
+    (static, paged), so they are never visible."""
+    q, k = q_pos[..., None], k_pos
+    ok = (k >= 0) & ((k <= q) if causal else torch.ones_like(q, dtype=torch.bool))
     if window is not None:
-        ok &= k > q - window
+        ok = ok & (k > q - window)
     return ok
 
 
@@ -87,7 +94,7 @@ class KVCache:
     """What every contiguous cache has in common; subclasses say how storage grows."""
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype, device, capacity, window=None,
-                 codec: KVCodec | None = None):
+                 codec=None):
         self.spec = (batch, n_kv_heads, head_dim, dtype, torch.device(device))
         self.window = window   # a model with sliding-window attention masks beyond it in any cache
         self.codec = codec     # quantized storage (quantize.py): rows of bytes, decoded when read
@@ -118,6 +125,15 @@ class KVCache:
 
     def crop(self, n: int):
         self.length = min(self.length, n)
+
+    def move(self, src: list[int], dst: int):
+        """Copy the rows src (a list, in order) to rows dst, dst+1, ... in every layer,
+        in their stored form (quantized or not): speculative decoding brings the
+        accepted guesses of a token tree right behind the last accepted token."""
+        idx = torch.tensor(src, device=self.k[0].device)
+        for store in (self.k, self.v):
+            for t in store:
+                t[:, :, dst:dst + len(src)] = t[:, :, idx]
 
     def fork(self) -> "KVCache":
         """A branch with the same contents. No data is copied now: both point at
@@ -273,6 +289,126 @@ class SlidingWindowCache(KVCache):
 
 
 # ----------------------------------------------------------------------------
+# Paged storage: the tensors behind paged.py's bookkeeping.
+#
+# One pool per layer for K and one for V,
+# each [num_blocks, block_size, n_kv_heads, d_head], allocated once. A forward
+# pass runs a batch of sequences, one per row, each with its own block table:
+#
+#   scatter  the new K/V rows go to their slots, table.slot(p) for each new
+#            position p, viewing the pool as [num_blocks * block_size, ...];
+#   gather   each row's keys are read through its table, block by block:
+#            pool[block_ids] is [n_blocks, block_size, ...] = the sequence's
+#            tokens in order; rows are padded to the longest table;
+#   mask     key j is visible to a query at position p iff j <= p, so a
+#            shorter row's padding (j beyond its length) and the unwritten
+#            tail of its last block are hidden; positions say it all.
+#
+# The model does not change: the cache keeps the interface above
+# (``begin(positions)`` returns the mask once per pass, each layer's
+# ``update(k, v, positions)`` returns (B, n_kv, L, d) keys and values), and
+# attend() takes a (B, 1, T, L) mask as it takes a (T, L) one.
+#
+# What the gather costs. It copies every row's K and V once per layer per
+# step: B · L · 2 · n_kv · d · dtype bytes, L the longest table in tokens. For
+# SmolLM2 in fp32 that is 1.5 KiB per token per layer: a decode step of 16
+# sequences of ~200 tokens copies 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141
+# MiB over 30 layers, against 540 MB of weights the step reads anyway.
+# Measured in such a step (one thread): the gathers take 17 ms of 291, 6%. A
+# paged-attention kernel (vLLM's, or torch.compile fusing the indexed load
+# into the attention loop; not tried here, the batch shape changes every step)
+# reads the blocks in place instead; flash.py's ``merge`` combines per-block
+# partial results (out, lse) exactly, which is how such a kernel splits the work.
+
+
+class PagedKVCache:
+    """The K/V pool of every layer, and the batch of block tables a forward pass reads.
+
+        cache = PagedKVCache(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype)
+        logits = model(tokens, positions, cache.bind(tables))   # tokens, positions (B, T)
+
+    Row b of the batch is ``tables[b]`` (a paged.BlockTable), which already holds the
+    row's T new tokens as its last T (``allocate_sequence`` / ``append_slot`` put them there), so
+    positions[b] = num_tokens - T ... num_tokens - 1. Sequences are not owned
+    here: forks, crops and frees are the allocator's; the pool only holds data.
+    ``dtype`` is the storage type; a ``codec`` (quantize.py's int8/fp8 KV rows, each
+    with its scale) stores rows of bytes instead, encoded on the way in and decoded
+    after the gather, so a block carries its scales wherever it is copied."""
+
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype=None, device="cpu", window: int | None = None, codec=None):
+        self.block_size, self.window, self.codec = block_size, window, codec
+        if codec is not None:
+            dtype, head_dim = torch.uint8, codec.row_bytes(head_dim)
+        # [layer, K|V, block, slot in block, KV head, d_head]; zeros, not empty: a masked key
+        # still meets a zero probability in probs @ V, and 0 · NaN garbage would be NaN.
+        self.pool = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim,
+                                dtype=dtype or torch.float32, device=device)
+        self.layers = [_PagedLayer(self, i) for i in range(n_layers)]
+        self.tables: list = []         # paged.BlockTable, one per batch row
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.shape[2]
+
+    @property
+    def limit(self) -> int:
+        """The most tokens one sequence can hold: the whole pool."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def copy_block(self, src: int, dst: int):
+        """Copy-on-write: block ``src``'s K and V, all layers, into block ``dst``."""
+        self.pool[:, :, dst] = self.pool[:, :, src]
+
+    def bind(self, tables: list) -> "PagedKVCache":
+        """The sequences of the next forward pass, one per batch row."""
+        self.tables = list(tables)
+        return self
+
+    def begin(self, positions) -> torch.Tensor:
+        """positions (B, T), or (T,) for one sequence -> mask (B, 1, T, L), L = the
+        longest table's blocks × block_size. Builds the slot and block indices that
+        every layer's update uses (host-side lists, one small copy to the device)."""
+        if positions.dim() == 1:
+            positions = positions[None]
+        B, T = positions.shape
+        if B != len(self.tables):
+            raise ValueError(f"{B} batch rows but {len(self.tables)} block tables bound; call bind(tables)")
+        dev, n = self.pool.device, max(len(t.block_ids) for t in self.tables)
+        self._write = torch.tensor([t.slot(p) for t in self.tables for p in range(t.num_tokens - T, t.num_tokens)],
+                                   device=dev)
+        # Short tables are padded with block 0: its keys sit past the row's last position, so masked.
+        self._read = torch.tensor([t.block_ids + [0] * (n - len(t.block_ids)) for t in self.tables], device=dev)
+        # key j of a row is its token at position j: the mask is the plain positional one
+        return attention_mask(positions, torch.arange(n * self.block_size, device=dev), self.window)[:, None]
+
+    def _update(self, layer: int, k, v):
+        B, H, T, d = k.shape
+        pool = self.pool[layer]                                       # [2, blocks, block_size, H, d]
+        new = torch.stack([k, v]).transpose(2, 3).reshape(2, B * T, H, d)
+        new = new.to(pool.dtype) if self.codec is None else self.codec.encode(new)
+        row = new.shape[-1]                                           # d, or d + the scale's bytes
+        pool.view(2, -1, H, row).index_copy_(1, self._write, new)    # scatter to the slots
+        kv = pool.index_select(1, self._read.flatten())               # gather whole blocks, table order
+        kv = kv.view(2, B, -1, H, row).transpose(2, 3)                # (2, B, H, L, row)
+        kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
+        return kv[0], kv[1]
+
+
+class _PagedLayer:
+    def __init__(self, cache: PagedKVCache, index: int):
+        self.cache, self.index = cache, index
+
+    def update(self, k, v, positions):
+        """k, v (B, n_kv, T, d) -> K, V (B, n_kv, L, d) through the bound block tables."""
+        return self.cache._update(self.index, k, v)
+
+
+# ----------------------------------------------------------------------------
 # The memory calculator: what a cache costs before you allocate it.
 
 PRESETS = {  # name: (layers, KV heads, d_head)
@@ -295,8 +431,6 @@ def human(n: float) -> str:
 def shape_of(config: str) -> tuple[int, int, int]:
     if config in PRESETS:
         return PRESETS[config]
-    import json
-    from pathlib import Path
     path = Path(config)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
@@ -326,130 +460,15 @@ def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | N
 
 
 def _main():
-    ap = argparse.ArgumentParser(description="KV cache memory calculator and demos")
+    ap = argparse.ArgumentParser(description="KV cache memory calculator: bytes per token, per sequence, per batch")
     ap.add_argument("--config", default="smollm2-135m", help=f"config.json path or preset: {', '.join(PRESETS)}")
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="fp16", choices=list(DTYPE_BYTES))
     ap.add_argument("--gpu-gib", type=float, default=None)
-    ap.add_argument("--demo", choices=["prefix", "measure"], default=None,
-                    help="prefix: shared-prefix reuse with fork(); measure: bytes held after a real generation")
     args = ap.parse_args()
-    if args.demo == "prefix":
-        demo_prefix()
-    elif args.demo == "measure":
-        demo_measure()
-    else:
-        print(calculator(args.config, args.seq, args.batch, args.dtype, args.gpu_gib))
+    print(calculator(args.config, args.seq, args.batch, args.dtype, args.gpu_gib))
 
-
-
-# ----------------------------------------------------------------------------
-# Demos on the bundled model. They need model.py, which sits above this module,
-# so they import it when run, never at import time.
-
-HANDBOOK = """Northwind Robotics — field handbook, chapter 3: the harvest season.
-Northwind builds small autonomous carts that carry crates of fruit from the rows of an orchard to the
-packing shed. Each cart weighs 140 kilograms empty, carries up to 300 kilograms, and drives at a walking
-pace of 1.2 metres per second so that pickers can work beside it safely. A cart runs for nine hours on
-one battery; the batteries are swapped, not charged in place, and a swap takes about four minutes.
-The season starts in the first week of August with early plums, moves to pears at the end of August,
-and ends with late apples in the middle of October. During the season every orchard has one Northwind
-technician on site from six in the morning until four in the afternoon. The technician's first task
-each day is the walk-around: tyres, bumpers, the emergency stop button, the two lidar domes and the
-crate latch. A cart that fails any check is tagged with a red card and parked by the shed.
-The carts find their way with a map that the technician records at the start of the season by driving
-the cart once along every row with the handheld controller. The map must be recorded again if rows
-are added, if a fence is moved, or if the cart reports more than three localisation warnings in one
-hour. Carts stop for anything taller than twenty centimetres in their path and wait ten seconds; if
-the obstacle is still there they reverse one metre and ask the technician for help over the radio.
-Pickers signal a full crate by pressing the green button on the cart's side. The cart then drives to
-the shed, where a conveyor unloads the crate, and returns to the same row. If the green button is
-pressed twice within five seconds, the cart treats it as a mistake and ignores both presses.
-Safety rules: nobody rides on a cart; nobody walks in front of a moving cart; the emergency stop may
-be pressed by anyone at any time and must be reset by the technician, who writes the reason in the
-logbook. Rain is not a problem for the carts, but hail is: at the first sign of hail the technician
-sends all carts to the shed with the "home" command on the controller.
-Maintenance: the lidar domes are cleaned every morning with a dry cloth, never with water. The crate
-latch is greased every Friday. Tyres are replaced every 2,000 kilometres or when the tread is thinner
-than three millimetres, whichever comes first. Spare parts are ordered through the regional office in
-Lyon, which promises delivery within two working days during the season.
-Reporting: at the end of each day the technician sends a short report with the number of crates moved,
-the distance driven by each cart, any red cards, and any emergency stops. The record for a single day
-is 1,874 crates, set at the Beaulieu orchard in September of last year by a fleet of twelve carts."""
-
-QUESTIONS = [
-    "How heavy is an empty cart?", "When does the harvest season start?",
-    "What happens if the green button is pressed twice quickly?", "How are the lidar domes cleaned?",
-    "What should the technician do when hail starts?", "How often is the crate latch greased?",
-    "What is the record number of crates in one day?", "When must the map be recorded again?",
-]
-
-
-def demo_prefix(model_name: str = "smollm2-135m", n_answer: int = 24):
-    """Seed exercise 2: one prefill of a shared prompt, forked for many questions."""
-    import time
-    import model as M
-    model, tok = M.load(model_name)
-    system = "You are a helpful assistant. Answer from the handbook below in one short sentence.\n\n" + HANDBOOK
-    convs = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
-                                                 {"role": "user", "content": q}]), add_bos=False)
-             for q in QUESTIONS]
-    shared = len(convs[0])
-    for ids in convs[1:]:
-        shared = min(shared, next((i for i, (a, b) in enumerate(zip(convs[0], ids)) if a != b), len(ids)))
-    params = M.SamplingParams(max_new_tokens=n_answer)
-    print(f"shared prefix: {shared} tokens (system prompt + handbook); {len(QUESTIONS)} questions")
-
-    def answer(ids, cache):
-        stats = M.GenerationStats()
-        out = list(M.generate_cached(model, ids, params, stats, cache))
-        return tok.decode([t for t in out if t not in model.config.eos_ids]), stats
-
-    results = {}
-    t0 = time.perf_counter()
-    plain = [answer(ids, model.new_cache()) for ids in convs]
-    results["re-encode the prefix"] = (plain, time.perf_counter() - t0, 0.0)
-    t0 = time.perf_counter()
-    base = model.new_cache()
-    with torch.inference_mode():
-        model(torch.tensor([convs[0][:shared]]), torch.arange(shared), base, last_only=True)
-    prefix_s = time.perf_counter() - t0
-    forked = [answer(ids[shared:], base.fork()) for ids in convs]
-    results["prefill once + fork()"] = (forked, time.perf_counter() - t0, prefix_s)
-
-    print(f"\n| strategy | prefill tokens computed | prefill wall time | total wall time |\n|---|---:|---:|---:|")
-    for name, (runs, total, once) in results.items():
-        tokens = sum(s.prompt_tokens for _, s in runs) + (shared if once else 0)
-        prefill = sum(s.prefill_s for _, s in runs) + once
-        print(f"| {name} | {tokens} | {prefill:.2f} s | {total:.2f} s |")
-    (a, ta, _), (b, tb, once) = results.values()
-    pa = sum(s.prompt_tokens for _, s in a)
-    pb = sum(s.prompt_tokens for _, s in b) + shared
-    fa, fb = sum(s.prefill_s for _, s in a), sum(s.prefill_s for _, s in b) + once
-    same = [x for x, _ in a] == [y for y, _ in b]
-    print(f"\nprefill tokens {pa / pb:.1f}x fewer, prefill time {fa / fb:.1f}x lower, "
-          f"total {ta / tb:.1f}x lower; identical answers: {same}")
-    for q, (text, _) in zip(QUESTIONS[:3], b):
-        print(f"  Q: {q}\n  A: {text.strip()}")
-
-
-def demo_measure(model_name: str = "smollm2-135m", new_tokens: int = 64):
-    """The bytes a real cache holds after a generation, against the formula."""
-    import model as M
-    model, tok = M.load(model_name)
-    c = model.config
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about caches."}]),
-                        add_bos=False)
-    n = len(prompt) + new_tokens
-    cache = model.new_cache("static", max_len=n)
-    out = list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=new_tokens), cache=cache))
-    size = model.embed_tokens.weight.element_size()
-    formula = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, size)
-    print(f"{model_name}: {c.n_layers} layers × 2 · {c.n_kv_heads} KV heads · {c.head_dim} · {size} B "
-          f"= {formula:.0f} B per token")
-    print(f"static cache for {n} tokens ({len(prompt)} prompt + {len(out)} generated): "
-          f"holds {cache.nbytes} B; formula × {n} = {formula * n:.0f} B; equal: {cache.nbytes == formula * n}")
 
 
 if __name__ == "__main__":

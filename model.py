@@ -30,12 +30,9 @@ tops out near 40 tokens/s; halving the bytes (bf16, int8) raises that ceiling.
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -44,8 +41,10 @@ import torch.nn.functional as F
 
 import checkpoint
 import flash
+import kernels
 import quantize
 from kvcache import DynamicCache, KVCache, SlidingWindowCache, StaticCache, attention_mask
+from sampling import SamplingParams, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
 
 
@@ -75,22 +74,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
-        arch = c.get("model_type")
-        if arch not in ("llama", "mistral"):   # Mistral is a Llama with an optional sliding window
-            raise ValueError(f"unsupported architecture '{arch}' (config.json model_type): "
-                             f"nanoinfer runs Llama-family checkpoints (model_type \"llama\" or \"mistral\")")
-        for key in ("attention_bias", "mlp_bias"):
-            if c.get(key):
-                raise ValueError(f"unsupported config.json {key}=true: Llama projections here have no bias")
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported config.json hidden_act '{c['hidden_act']}': expected silu")
-        # transformers ≥ 5 writes rope_parameters (theta inside); older files rope_theta + rope_scaling.
-        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_scaling type '{kind}' (config.json rope_scaling.rope_type): "
-                             f"supported are linear and llama3")
+        theta, rope, kind = checkpoint.check_llama_config(c)
         eos = c.get("eos_token_id")
         n_heads = c["num_attention_heads"]
         try:
@@ -151,94 +135,6 @@ def apply_rope(x, cos, sin):
 # ----------------------------------------------------------------------------
 # The blocks.
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x·Wᵀ. Batch-1 decode is a chain of matrix-vector products that must read
-    every weight at full memory speed. Inside a compiled one-token step on a CPU
-    we spell it as multiply-and-sum (`quantize.matvec_sum`): inductor then emits one
-    vectorized loop over W that widens bf16 to fp32 on the fly and accumulates
-    in fp32, reading 21 GB/s here against 16 GB/s for oneDNN's kernel behind
-    F.linear (8 matrices 5632×2048, same run); the whole SmolLM2 step drops from
-    25 to 15 ms. Eager inference on a CPU goes to oneDNN, on the weight in its
-    own blocked layout where the model has one (`prepack`); everywhere else
-    (training, GPUs) F.linear is the right kernel. A quantized layer
-    (quantize.py) brings its own."""
-    if not isinstance(layer, nn.Linear):
-        return layer(x)
-    if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-        return quantize.matvec_sum(x, layer.weight)
-    cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
-    packed = packed_weight(layer)
-    if packed is not None and packed.dtype == x.dtype and cpu_inference and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    if x.dtype == layer.weight.dtype == torch.float32 and cpu_inference and _ONEDNN and \
-            layer.weight.numel() >= _ONEDNN_MIN:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
-    return F.linear(x, layer.weight)
-
-
-# Eager fp32 on a CPU: F.linear calls MKL's sgemm, which on this AMD CPU takes
-# 61 ms for a one-token SmolLM2 step and 1.75-2.2x that for 2 or 3 tokens (the
-# sizes speculative decoding verifies); oneDNN's kernel, the one torch uses for
-# bf16 and inductor for its fused linears, takes 43 ms and 1.3x. (Inference
-# only: the op has no gradient, so training keeps F.linear.)
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# oneDNN's call costs ~15 µs before any work, so below 512×512 F.linear is
-# faster (64×32: 2 against 17 µs); from there up oneDNN wins or ties (SmolLM2's
-# smallest matrix is 576×576). The tests' tiny models gain most: a speculative
-# sampling test on a 2-layer, 32-wide model went from 53 to 32 s.
-_ONEDNN_MIN = 512 * 512
-
-
-def prepack(model: nn.Module) -> nn.Module:
-    """Give every big Linear on the CPU a copy of its weight in oneDNN's blocked
-    layout, which `linear` then uses in eager inference.
-
-    Handed a plain row-major W, oneDNN reorders it into its blocked layout on
-    every call that computes more than one position: a 3072×576 product takes
-    66 µs for one row, 206 µs for 4 rows, but 88 µs for 4 rows on a weight
-    reordered once (fp32). So a pass over 2 to 11 positions, the sizes
-    speculative decoding verifies, cost far more than a one-token step.
-    SmolLM2-135M, eager, context 300, one run:
-
-        positions        1        2        4       11     (ms per forward)
-        fp32 plain    37.1     44.9     49.7     63.6
-        fp32 packed   32.6     37.8     30.4     40.9
-        bf16 plain    34.5     32.6     34.3     41.4
-        bf16 packed   27.4     26.6     24.7     30.1
-
-    Checking 4 guesses now costs less than one plain step. The values are
-    oneDNN's either way (bitwise equal here). The price is a second copy of
-    those weights (+540 MB for SmolLM2 in fp32), kept because the compiled
-    step, quantization and checkpoints read the plain one. A layer keeps its
-    packed copy only while its weight is the same tensor (tie_head and
-    share_target swap it; call prepack again); weights changed in place (an
-    optimizer step) are not noticed, so train with F.linear (grad enabled) or
-    not prepacked."""
-    if not _ONEDNN:
-        return model
-    bf16_ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.numel() < _ONEDNN_MIN or \
-                not (w.dtype == torch.float32 or w.dtype == torch.bfloat16 and bf16_ok):
-            continue
-        if packed_weight(m) is None:
-            # the size hint (16 rows) picks the blocking; any number of rows can use it
-            m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
-    return model
-
-
-def packed_weight(layer: nn.Module) -> torch.Tensor | None:
-    """The layer's oneDNN copy from prepack, if it is a copy of its current weight."""
-    packed = getattr(layer, "onednn", None)
-    return packed[1] if packed is not None and packed[0] is layer.weight else None
-
-
-def prepacked_bytes(model: nn.Module) -> int:
-    """The memory prepack's copies take (the runner prints it next to the weights')."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if packed_weight(m) is not None)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -256,14 +152,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        # W_q, W_k, W_v stacked into one matrix: one matmul call instead of three (see PACKED)
+        # W_q, W_k, W_v stacked into one matrix: one matmul call instead of three (see FUSED)
         self.split = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache_layer=None, positions=None, attn="sdpa"):
         B, T, _ = x.shape
-        q, k, v = linear(x, self.qkv_proj).split(self.split, dim=-1)
+        q, k, v = kernels.linear(x, self.qkv_proj).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -271,7 +167,7 @@ class Attention(nn.Module):
         if cache_layer is not None:
             k, v = cache_layer.update(k, v, positions)   # all K/V so far: (B, n_kv, L, d)
         y = attend(q, k, v, mask, attn)
-        return linear(y.transpose(1, 2).reshape(B, T, -1), self.o_proj)
+        return kernels.linear(y.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 
 ATTN = ("sdpa", "flash", "naive")   # attend()'s implementations: --attn
@@ -319,8 +215,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        gate, up = kernels.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return kernels.linear(F.silu(gate) * up, self.down_proj)
 
 
 class Block(nn.Module):
@@ -337,60 +233,31 @@ class Block(nn.Module):
 
 
 # Checkpoints store W_q, W_k, W_v and W_gate, W_up as separate matrices; the model
-# keeps each group stacked, so a decode step makes 4 matmul calls per layer, not 7.
-# Batch-1 decode is a chain of small matrix-vector products whose fixed cost per
-# call dominates: SmolLM2's 210 of them take 25.8 ms separate, 18.5 ms stacked (bf16).
-PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# keeps each group stacked ("fused"), so a decode step makes 4 matmul calls per layer,
+# not 7: batch-1 decode is a chain of small matrix-vector products whose fixed cost
+# per call counts (kernels.py's cost model).
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-def packed_rows(model: "Llama", layer: "Block") -> dict[str, list[int]]:
-    """How many rows each stacked matrix's parts have, in PACKED's order."""
-    return {"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+def unfuse(model: "Llama") -> dict:
+    """The model's tensors by checkpoint names (without "model."): each fused matrix
+    split back into its parts (a quantized layer's scales too)."""
+    rows = [{"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+            for layer in model.layers]
+    return checkpoint.split_fused(dict(model.state_dict()), FUSED, rows)
 
 
 def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
-    """The tensors a checkpoint must hold for this model, by their checkpoint names
-    (without the "model." prefix), each with its shape. A quantized model's
-    layers hold a weight and its scales (quantize.py), each split by rows too."""
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    """The tensors a checkpoint must hold for this model (a model on the meta device
+    will do), by checkpoint name, each with its shape."""
+    shapes = {k: tuple(v.shape) for k, v in unfuse(model).items()}
     if model.config.eagle:           # an EAGLE head uses the target's embedding and head (Llama.share_target)
         shapes.pop("embed_tokens.weight")
         shapes.pop("lm_head.weight")
     elif model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         shapes.pop("lm_head.weight")
-    for i, layer in enumerate(model.layers):
-        rows = packed_rows(model, layer)
-        for packed, parts in PACKED.items():
-            prefix = f"layers.{i}.{packed}."
-            for key in [k for k in shapes if k.startswith(prefix)]:
-                cols = shapes.pop(key)[1:]
-                for part, n in zip(parts, rows[packed]):
-                    shapes[f"layers.{i}.{part}.{key.removeprefix(prefix)}"] = (n, *cols)
     return shapes
-
-
-def pack(state: dict, n_layers: int) -> dict:
-    for i in range(n_layers):
-        for packed, parts in PACKED.items():
-            first = f"layers.{i}.{parts[0]}."
-            for suffix in [k.removeprefix(first) for k in list(state) if k.startswith(first)]:
-                state[f"layers.{i}.{packed}.{suffix}"] = torch.cat(
-                    [state.pop(f"layers.{i}.{p}.{suffix}") for p in parts])
-    return state
-
-
-def unpack(model: "Llama") -> dict:
-    """The model's tensors by checkpoint names: pack's inverse (the stacked rows split again)."""
-    state = dict(model.state_dict())
-    for i, layer in enumerate(model.layers):
-        rows = packed_rows(model, layer)
-        for packed, parts in PACKED.items():
-            prefix = f"layers.{i}.{packed}."
-            for key in [k for k in state if k.startswith(prefix)]:
-                for part, t in zip(parts, state.pop(key).split(rows[packed])):
-                    state[f"layers.{i}.{part}.{key.removeprefix(prefix)}"] = t.contiguous()
-    return state
 
 
 class Llama(nn.Module):
@@ -415,7 +282,7 @@ class Llama(nn.Module):
         else:
             self.head_ids = None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.head_vocab or cfg.vocab_size, bias=False)
-        # An EAGLE draft head (Li et al. 2024; speculative.EagleDraft) is a Llama of
+        # An EAGLE draft head (Li et al. 2024; drafting.EagleDraft) is a Llama of
         # one block whose input at position j is fc([embed(x_j+1); f_j]): the next
         # token together with the *target's* feature at j (its final normalised
         # hidden state, what the target's LM head reads). Its own output there,
@@ -437,16 +304,13 @@ class Llama(nn.Module):
         Without a cache the T tokens are the whole sequence (causal attention).
         With one, they follow the cache's contents and each attends to every
         cached key plus the new keys up to its own position. ``last_only`` skips
-        the LM head for all but the last position: a 500-token prefill would
-        otherwise spend 500 × vocab × hidden multiply-adds (14 GFLOP for
-        SmolLM2) on logits nobody reads. ``mask`` (T, L) bool, when given, replaces
-        the causal mask of the new tokens over all L keys (with a dynamic cache:
-        the cached rows, then the new ones in order): speculative.py's lookahead
-        packs several branches at overlapping positions into one pass.
-        ``hidden`` returns (logits, features), the features (B, T, hidden_size)
-        being the final normalised states the LM head reads (EAGLE's input; for
-        every position even with last_only, which then limits only the logits);
-        ``features`` (B, T, hidden_size) is that input, for an EAGLE head."""
+        the LM head for all but the last position (a 500-token prefill would
+        spend 14 GFLOP of SmolLM2's on logits nobody reads). ``mask`` (T, L)
+        bool replaces the causal mask of the new tokens over all L keys
+        (speculative.py packs token trees at overlapping positions into one pass).
+        ``hidden`` also returns the features (B, T, hidden_size), the final
+        normalised states the LM head reads, at every position; ``features`` is
+        that input, for an EAGLE head."""
         if self.config.eagle and (features is None or features.shape[:2] != tokens.shape):
             raise ValueError(f"an EAGLE head needs the target's features for each of its {tuple(tokens.shape)} "
                              f"tokens, got {None if features is None else tuple(features.shape)}")
@@ -468,14 +332,14 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)
         if self.fc is not None:
             dtype = self.norm.weight.dtype      # the head's own; its embedding is the target's
-            x = linear(torch.cat([x.to(dtype), features.to(dtype)], dim=-1), self.fc)
+            x = kernels.linear(torch.cat([x.to(dtype), features.to(dtype)], dim=-1), self.fc)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions, self.attn)
         if last_only and not hidden:
             x = x[:, -1:]
         h = self.norm(x)
-        logits = linear(h[:, -1:] if last_only else h, self.lm_head).float()
+        logits = kernels.linear(h[:, -1:] if last_only else h, self.lm_head).float()
         if self.head_ids is not None:
             full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), -math.inf)
             logits = full.index_copy_(-1, self.head_ids, logits)
@@ -491,7 +355,7 @@ class Llama(nn.Module):
     def share_target(self, target: "Llama"):
         """An EAGLE head reads tokens with the target's embedding and scores with
         the target's LM head (its head_ids rows, copied once, in the head's own
-        dtype: speculative.narrow_draft runs a bf16 head under an fp32 target),
+        dtype: drafting.narrow_draft runs a bf16 head under an fp32 target),
         so its features mean what the target's mean and it stores neither
         (~113 MB for SmolLM2)."""
         self.embed_tokens = target.embed_tokens
@@ -519,28 +383,10 @@ class Llama(nn.Module):
 
     def compile_decode(self):
         """Compile the one-token step (use it with a StaticCache, whose shapes never
-        change, so it compiles once). On a CPU inductor emits C++ loops that fuse
-        the elementwise work between matmuls (RMSNorm, RoPE, SiLU·up, residual
-        adds, the softmax) and removes the per-op dispatch that dominates a small
-        model's eager step; `cpp_wrapper` calls the kernels from C++ instead of
-        Python. The matrix-vector products become inductor's own fused loops (see
-        `linear`). Measured on SmolLM2-135M bf16, one step: eager 37 ms,
-        compiled with F.linear 34; with inductor's `freezing` (oneDNN prepacked
-        weights) 24, + cpp_wrapper 20; with `linear`'s multiply-and-sum and
-        cpp_wrapper 15 (not frozen: freezing would fold W.float() into an fp32
-        copy of every weight, doubling the bytes read); with the realization
-        setting below 12.2 (README, Speed). Also tried, no better: max_autotune, and
-        FBGEMM's fp16 matrix-vector kernel called from the compiled step through
-        a custom op (TinyLlama shape 85 vs 87 ms a step, SmolLM2 slower: the
-        Python call per matrix costs more than it saves).
-        The first compile takes 1-2.5 minutes on 2 cores; inductor caches it on
-        disk (TORCHINDUCTOR_CACHE_DIR), and later runs start in ~20 s."""
-        # realize_opcount_threshold 0: store every reused elementwise result (a
-        # few KB per token) instead of recomputing it where it is read. Otherwise
-        # inductor inlines RMSNorm into the next matrix-vector loop, redoing the
-        # normalisation for every weight it reads: 2.8x slower on that matrix.
-        self.compiled_step = torch.compile(self.step, dynamic=False, fullgraph=True,
-                                           options={"cpp_wrapper": True, "realize_opcount_threshold": 0})
+        change, so it compiles once): the elementwise work between the matrix
+        products fuses into a few loops and the per-op dispatch of the eager step
+        goes away (kernels.compile_step says how, and what each setting buys)."""
+        self.compiled_step = kernels.compile_step(self.step)
         return self
 
     @classmethod
@@ -550,31 +396,20 @@ class Llama(nn.Module):
         mmap-backed tensors with assign=True: no random init, no second copy.
         A checkpoint written by quantize.py loads as it is stored (int8/int4)."""
         cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
-        device = pick_device(device)
-        dtype = pick_dtype(dtype, device)
+        device = kernels.pick_device(device)
+        dtype = kernels.pick_dtype(dtype, device)
         with torch.device("meta"):
             model = cls(cfg, attn)
             if cfg.quantization:
                 quantize.empty_quantized(model, cfg.quantization)
-        expected = checkpoint_shapes(model)
         state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(model_dir).items()
                  if not k.endswith("rotary_emb.inv_freq")}
         if cfg.tie_embeddings and not cfg.quantization:
             state.pop("lm_head.weight", None)
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise checkpoint.CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensors "
-                                             f"(first: {missing[0]}); it is incomplete or not a Llama")
-        for name, t in state.items():
-            if name not in expected:
-                raise checkpoint.CheckpointError(f"unexpected tensor '{name}' in {model_dir}: not a plain Llama")
-            if tuple(t.shape) != tuple(expected[name]):
-                raise checkpoint.CheckpointError(
-                    f"tensor {name} has shape {tuple(t.shape)} but config.json implies "
-                    f"{tuple(expected[name])}: weights and config.json do not belong together")
+        checkpoint.check_tensors(state, checkpoint_shapes(model), model_dir)
         # Quantized tensors and their scales keep their dtypes; the layers prepare them below.
-        state = pack({k: v.to(device=device, dtype=dtype if quantize.is_plain(k, v) else None)
-                      for k, v in state.items()}, cfg.n_layers)
+        state = checkpoint.fuse({k: v.to(device=device, dtype=dtype if quantize.is_plain(k, v) else None)
+                                 for k, v in state.items()}, FUSED, cfg.n_layers)
         if cfg.quantization:
             quantize.check_quantized_tensors(state)
         model.load_state_dict(state, strict=False, assign=True)
@@ -590,131 +425,49 @@ class Llama(nn.Module):
 def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed: int = 0):
     """Write an HF directory with random weights for ``hf_config`` (tests and
     benchmarks of real model shapes without downloading the real weights)."""
-    from safetensors.torch import save_file
     cfg = LlamaConfig.from_hf(hf_config)
     with torch.device("meta"):
         shapes = checkpoint_shapes(Llama(cfg))
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in shapes.items():
-        t = torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else \
+        state[name] = torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else \
             torch.randperm(cfg.vocab_size, generator=gen)[:shape[0]].sort().values if name == "head_ids" else \
             torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=gen)
-        state[name if name == "lm_head.weight" else "model." + name] = t
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-    return out
+    return checkpoint.save(out_dir, state, hf_config)
 
 
-def pick_device(name: str | None = None) -> torch.device:
-    if name:
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def pick_dtype(name, device: torch.device) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name is None or name == "auto":
-        # GPUs have bf16 tensor cores; on a CPU fp32 is the exact reference (issue: kvcache tunes speed).
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype '{name}': use float32, bfloat16 or float16 (fp32/bf16/fp16)")
-    return DTYPES[name]
+def build(model_dir, device=None, dtype=None, weights: str | None = None, group_size: int = quantize.GROUP,
+          attn: str = "sdpa", prepacked: bool = True, prepare: bool = True, cfg: LlamaConfig | None = None) -> Llama:
+    """The one way a model is assembled from a checkpoint directory: read it, quantize
+    every Linear if ``weights`` (int8/int4) asks, give the CPU's eager passes their
+    prepacked weights (``prepacked=False`` keeps one copy: half the memory, slower
+    several-position passes; kernels.prepack). ``prepare=False`` keeps quantized layers
+    in their portable layout only, for writing a checkpoint."""
+    quantize.check_scheme(weights, group_size)
+    cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
+    if cfg.quantization and weights not in (None, "auto"):
+        raise ValueError(f"{model_dir} is already quantized ({cfg.quantization['weights']}); "
+                         f"drop --weights or load the full-precision checkpoint")
+    model = Llama.from_pretrained(model_dir, device, dtype, cfg, attn)
+    quantize.quantize_model(model, weights, group_size, prepare)
+    if prepacked:           # a no-op off the CPU and for quantized layers
+        kernels.prepack(model)
+    return model
 
 
 def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None,
          group_size: int = quantize.GROUP, attn: str = "sdpa", prepacked: bool = True) -> tuple[Llama, Tokenizer]:
-    """Alias, directory or .gguf -> (model, tokenizer). ``weights`` int8/int4
-    quantizes every Linear at load (quantize.py); ``attn``: sdpa, flash or naive
-    (attend()); ``prepacked=False`` keeps one copy of the weights (half the
-    memory of a CPU model, slower eager passes: see prepack)."""
+    """Alias, directory or .gguf -> (model, tokenizer): `build` on the resolved
+    directory, its tokenizer, and every EOS id either file knows."""
     quantize.check_scheme(weights, group_size)
     model_dir = checkpoint.resolve(name)
     # Cheap checks first: a bad config or missing tokenizer should not wait for gigabytes of weights.
     cfg = LlamaConfig.from_hf(checkpoint.read_config(model_dir))
-    if cfg.quantization and weights not in (None, "auto"):
-        raise ValueError(f"{model_dir} is already quantized ({cfg.quantization['weights']}); "
-                         f"drop --weights or load the full-precision checkpoint")
     tok = Tokenizer.from_dir(model_dir)
-    model = Llama.from_pretrained(model_dir, device, dtype, cfg, attn)
-    quantize.quantize_model(model, weights, group_size)
-    if prepacked:           # the CPU's eager passes; a no-op elsewhere and for quantized layers
-        prepack(model)
-    eos = set(tok.eos_ids) | set(model.config.eos_ids)   # generation_config may add ids
-    model.config.eos_ids = sorted(eos)
+    model = build(model_dir, device, dtype, weights, group_size, attn, prepacked, cfg=cfg)
+    model.config.eos_ids = sorted(set(tok.eos_ids) | set(model.config.eos_ids))   # generation_config may add ids
     return model, tok
-
-
-# ----------------------------------------------------------------------------
-# Sampling: turn the last position's logits into one token id.
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0     # 0 = greedy (argmax)
-    top_k: int = 0               # 0 = off; else keep the k most likely tokens
-    top_p: float = 1.0           # keep the smallest set whose probability reaches top_p
-    seed: int | None = None
-    max_new_tokens: int = 256
-    logprobs: int = 0            # the engine also returns the N most likely tokens' log-probabilities at
-                                 # every output position, from the raw distribution (before temperature)
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 (0 returns none), got {self.logprobs}")
-
-
-def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits (..., vocab) -> the probabilities a token is drawn from, row by row:
-    temperature, then top-k, then top-p. Greedy: a point mass on the argmax.
-    (speculative.py applies the same to the draft's and the target's logits.)"""
-    logits = logits.float()
-    if p.temperature == 0:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / p.temperature
-    if p.top_k:
-        kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1:
-        # The nucleus is usually a few dozen tokens: rank only the 256 likeliest
-        # (1.3 ms a row here, against 7.2 ms to sort all 49,152), and sort the rest
-        # only for a row whose 256 fall short of top_p.
-        sorted_p, order = probs.topk(min(256, probs.shape[-1]), dim=-1)
-        cum = sorted_p.cumsum(-1)
-        if not bool((cum[..., -1] >= p.top_p).all()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            cum = sorted_p.cumsum(-1)
-        # drop a token when the tokens ranked above it already reach top_p
-        drop = cum - sorted_p >= p.top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """logits (vocab,) fp32 -> token id."""
-    if p.temperature == 0:
-        return int(logits.argmax())
-    return int(torch.multinomial(sampling_probs(logits, p), 1, generator=generator))
 
 
 # ----------------------------------------------------------------------------
@@ -731,7 +484,17 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_s: float = 0.0      # wall time to the first new token (TTFT)
     decode_s: float = 0.0       # wall time of the rest
-    positions_computed: int = 0  # query positions pushed through attention, all steps
+    positions_computed: int = 0  # query positions pushed through the model, all steps
+
+    def clock(self, i: int, t0: float) -> float:
+        """Token i is out: the first ends the prefill (TTFT), later ones extend the decode time."""
+        t1 = time.perf_counter()
+        if i == 0:
+            self.prefill_s, t0 = t1 - t0, t1
+        else:
+            self.decode_s = t1 - t0
+        self.new_tokens += 1
+        return t0
 
 
 def context_limit(model: Llama, cache: KVCache | None = None) -> int:
@@ -748,40 +511,24 @@ def check_context(model: Llama, n_tokens: int, cache: KVCache | None = None):
                               f"shorten it (in chat: /reset)")
 
 
-def _generator(model, p: SamplingParams):
-    if p.seed is None:
-        return None
-    return torch.Generator(model.embed_tokens.weight.device).manual_seed(p.seed)
-
-
-def _clock(stats: GenerationStats, i: int, t0: float) -> float:
-    """Token i is out: the first ends the prefill (TTFT), later ones extend the decode time."""
-    t1 = time.perf_counter()
-    if i == 0:
-        stats.prefill_s, t0 = t1 - t0, t1
-    else:
-        stats.decode_s = t1 - t0
-    stats.new_tokens += 1
-    return t0
-
-
 @torch.inference_mode()
 def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
                    stats: GenerationStats | None = None) -> Iterator[int]:
     """O(N²): every step runs the whole sequence so far through the model."""
     stats = stats if stats is not None else GenerationStats()
     check_context(model, len(prompt))
-    dev, gen, tokens = model.embed_tokens.weight.device, _generator(model, p), list(prompt)
+    dev, tokens = model.embed_tokens.weight.device, list(prompt)
+    gen = seeded_generator(p.seed, dev)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     for i in range(p.max_new_tokens):
         ids = torch.tensor([tokens], device=dev)
         logits = model(ids, torch.arange(len(tokens), device=dev), last_only=True)
         stats.positions_computed += len(tokens)
         nxt = sample(logits[0, -1], p, gen)
-        t0 = _clock(stats, i, t0)
+        t0 = stats.clock(i, t0)
         yield nxt
         tokens.append(nxt)
-        if nxt in model.config.eos_ids or len(tokens) >= context_limit(model):
+        if finish_reason(nxt, i + 1, len(tokens), p, model.config.eos_ids, context_limit(model)):
             return
 
 
@@ -797,7 +544,8 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
     cache = cache if cache is not None else model.new_cache()
     start, limit = cache.length, context_limit(model, cache)
     check_context(model, start + len(prompt), cache)
-    dev, gen = model.embed_tokens.weight.device, _generator(model, p)
+    dev = model.embed_tokens.weight.device
+    gen = seeded_generator(p.seed, dev)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     ids = torch.tensor([prompt], device=dev)
     pos = torch.arange(start, start + len(prompt), device=dev)
@@ -805,26 +553,15 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
         logits = model(ids, pos, cache, last_only=True)
         stats.positions_computed += ids.shape[1]
         nxt = sample(logits[0, -1], p, gen)
-        t0 = _clock(stats, i, t0)
+        t0 = stats.clock(i, t0)
         yield nxt
-        if nxt in model.config.eos_ids or cache.length + 1 >= limit:
+        if finish_reason(nxt, i + 1, cache.length + 1, p, model.config.eos_ids, limit):
             return
         ids = torch.tensor([[nxt]], device=dev)
         pos = torch.tensor([cache.length], device=dev)
 
 
 DECODERS = {"naive": generate_naive, "cached": generate_cached}
-
-
-@contextmanager
-def ignore_eos(model: Llama):
-    """Within the block the model never stops on EOS: benchmarks and training
-    data need answers of an exact length. The model's own EOS ids come back after."""
-    saved, model.config.eos_ids = model.config.eos_ids, []
-    try:
-        yield
-    finally:
-        model.config.eos_ids = saved
 
 
 # ----------------------------------------------------------------------------
@@ -839,8 +576,7 @@ if __name__ == "__main__":
     model, tok = load(args.model)
     # Start from the BOS token alone: the naive decoder's steps run 1, 2, ..., N positions.
     prompt = [tok.bos_id if tok.bos_id is not None else 0]
-    params = SamplingParams(max_new_tokens=args.tokens)
-    model.config.eos_ids = []   # generate exactly N tokens
+    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)   # exactly N tokens
     results = {}
     for name, decode in DECODERS.items():
         stats = GenerationStats()
@@ -853,5 +589,5 @@ if __name__ == "__main__":
     print(f"{'decoder':8} {'positions computed':>19} {'time':>8} {'tok/s':>7}")
     for name, (out, s, t) in results.items():
         print(f"{name:8} {s.positions_computed:>19} {t:>7.2f}s {len(out) / t:>7.1f}")
-    print(f"the cache does {sa.positions_computed / sb.positions_computed:.1f}x less attention work "
-          f"and runs {ta / tb:.1f}x faster here")
+    print(f"the cache pushes {sa.positions_computed / sb.positions_computed:.1f}x fewer positions through "
+          f"the model and runs {ta / tb:.1f}x faster here")

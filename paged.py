@@ -50,7 +50,7 @@ may point at (a reference count says how many):
   copy of that one block. The bookkeeping returns the (src, dst) pair and the
   storage layer copies the block, since the tensors live elsewhere.
 
-Everything above the storage section is pure Python, testable without torch:
+Everything here is plain Python that never touches a tensor:
 ``BlockAllocator`` (free list, reference counts, hash → block map, LRU of
 evictable cached blocks) and ``BlockTable`` (one per sequence). The engine
 drives it like this:
@@ -61,9 +61,9 @@ drives it like this:
     branch = allocator.fork(table)                              # n > 1: shares every block
     allocator.free(table)                                       # finished, cancelled or preempted
 
-The storage section at the end holds the tensors: ``PagedKVCache``, one pool of
-blocks per layer that a batch of sequences writes and reads through their block
-tables in one forward pass (engine.py runs it).
+The tensors live in kvcache.py's ``PagedKVCache``: one pool of blocks per layer
+that a batch of sequences writes and reads through their block tables in one
+forward pass (engine.py runs it).
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ import random
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvcache import PRESETS, kv_bytes_per_token
 
 BLOCK_SIZE = 16
 
@@ -155,10 +157,6 @@ class BlockAllocator:
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
-
-    def can_allocate(self, n_tokens: int) -> bool:
-        """Whether ``n_tokens`` fit without counting on prefix-cache hits."""
-        return self.blocks_for(n_tokens) <= self.num_free
 
     def admission_cost(self, token_ids) -> tuple[int, int]:
         """(blocks ``allocate_sequence(token_ids)`` would take, blocks it may take from),
@@ -375,137 +373,9 @@ class BlockAllocator:
 
 
 # ----------------------------------------------------------------------------
-# Paged KV storage and attention (torch).
-#
-# The tensors behind the bookkeeping: one pool per layer for K and one for V,
-# each [num_blocks, block_size, n_kv_heads, d_head], allocated once. A forward
-# pass runs a batch of sequences, one per row, each with its own block table:
-#
-#   scatter  the new K/V rows go to their slots, table.slot(p) for each new
-#            position p, viewing the pool as [num_blocks * block_size, ...];
-#   gather   each row's keys are read through its table, block by block:
-#            pool[block_ids] is [n_blocks, block_size, ...] = the sequence's
-#            tokens in order; rows are padded to the longest table;
-#   mask     key j is visible to a query at position p iff j <= p, so a
-#            shorter row's padding (j beyond its length) and the unwritten
-#            tail of its last block are hidden; positions say it all.
-#
-# The model does not change: the cache keeps the interface of kvcache.py
-# (``begin(positions)`` returns the mask once per pass, each layer's
-# ``update(k, v, positions)`` returns (B, n_kv, L, d) keys and values), and
-# attend() takes a (B, 1, T, L) mask as it takes a (T, L) one.
-#
-# What the gather costs. It copies every row's K and V once per layer per
-# step: B · L · 2 · n_kv · d · dtype bytes, L the longest table in tokens. For
-# SmolLM2 in fp32 that is 1.5 KiB per token per layer: a decode step of 16
-# sequences of ~200 tokens copies 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141
-# MiB over 30 layers, against 540 MB of weights the step reads anyway.
-# Measured in such a step (one thread): the gathers take 17 ms of 291, 6%. A
-# paged-attention kernel (vLLM's, or torch.compile fusing the indexed load
-# into the attention loop; not tried here, the batch shape changes every step)
-# reads the blocks in place instead; flash.py's ``merge`` combines per-block
-# partial results (out, lse) exactly, which is how such a kernel splits the work.
-#
-# torch is imported when the first PagedKVCache is built, never at the top of
-# this file, so the bookkeeping above runs (and is tested) without it.
-
-
-class PagedKVCache:
-    """The K/V pool of every layer, and the batch of block tables a forward pass reads.
-
-        cache = PagedKVCache(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype)
-        logits = model(tokens, positions, cache.bind(tables))   # tokens, positions (B, T)
-
-    Row b of the batch is ``tables[b]``, which already holds the row's T new tokens
-    as its last T (``allocate_sequence`` / ``append_slot`` put them there), so
-    positions[b] = num_tokens - T ... num_tokens - 1. Sequences are not owned
-    here: forks, crops and frees are the allocator's; the pool only holds data.
-    ``dtype`` is the storage type; a ``codec`` (quantize.py's int8/fp8 KV rows, each
-    with its scale) stores rows of bytes instead, encoded on the way in and decoded
-    after the gather, so a block carries its scales wherever it is copied."""
-
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=None, device="cpu", window: int | None = None, codec=None):
-        global torch
-        import torch   # here, not at the top: the bookkeeping above stays torch-free
-        self.block_size, self.window, self.codec = block_size, window, codec
-        if codec is not None:
-            dtype, head_dim = torch.uint8, codec.row_bytes(head_dim)
-        # [layer, K|V, block, slot in block, KV head, d_head]; zeros, not empty: a masked key
-        # still meets a zero probability in probs @ V, and 0 · NaN garbage would be NaN.
-        self.pool = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim,
-                                dtype=dtype or torch.float32, device=device)
-        self.layers = [_PagedLayer(self, i) for i in range(n_layers)]
-        self.tables: list[BlockTable] = []
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.shape[2]
-
-    @property
-    def limit(self) -> int:
-        """The most tokens one sequence can hold: the whole pool."""
-        return self.num_blocks * self.block_size
-
-    @property
-    def nbytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
-
-    def copy_block(self, src: int, dst: int):
-        """Copy-on-write: block ``src``'s K and V, all layers, into block ``dst``."""
-        self.pool[:, :, dst] = self.pool[:, :, src]
-
-    def bind(self, tables: list[BlockTable]) -> "PagedKVCache":
-        """The sequences of the next forward pass, one per batch row."""
-        self.tables = list(tables)
-        return self
-
-    def begin(self, positions) -> "torch.Tensor":
-        """positions (B, T), or (T,) for one sequence -> mask (B, 1, T, L), L = the
-        longest table's blocks × block_size. Builds the slot and block indices that
-        every layer's update uses (host-side lists, one small copy to the device)."""
-        if positions.dim() == 1:
-            positions = positions[None]
-        B, T = positions.shape
-        if B != len(self.tables):
-            raise ValueError(f"{B} batch rows but {len(self.tables)} block tables bound; call bind(tables)")
-        dev, n = self.pool.device, max(len(t.block_ids) for t in self.tables)
-        self._write = torch.tensor([t.slot(p) for t in self.tables for p in range(t.num_tokens - T, t.num_tokens)],
-                                   device=dev)
-        # Short tables are padded with block 0: its keys sit past the row's last position, so masked.
-        self._read = torch.tensor([t.block_ids + [0] * (n - len(t.block_ids)) for t in self.tables], device=dev)
-        keys, q = torch.arange(n * self.block_size, device=dev), positions[..., None]
-        mask = keys <= q
-        if self.window is not None:
-            mask &= keys > q - self.window
-        return mask[:, None]
-
-    def _update(self, layer: int, k, v):
-        B, H, T, d = k.shape
-        pool = self.pool[layer]                                       # [2, blocks, block_size, H, d]
-        new = torch.stack([k, v]).transpose(2, 3).reshape(2, B * T, H, d)
-        new = new.to(pool.dtype) if self.codec is None else self.codec.encode(new)
-        row = new.shape[-1]                                           # d, or d + the scale's bytes
-        pool.view(2, -1, H, row).index_copy_(1, self._write, new)    # scatter to the slots
-        kv = pool.index_select(1, self._read.flatten())               # gather whole blocks, table order
-        kv = kv.view(2, B, -1, H, row).transpose(2, 3)                # (2, B, H, L, row)
-        kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
-        return kv[0], kv[1]
-
-
-class _PagedLayer:
-    def __init__(self, cache: PagedKVCache, index: int):
-        self.cache, self.index = cache, index
-
-    def update(self, k, v, positions):
-        """k, v (B, n_kv, T, d) -> K, V (B, n_kv, L, d) through the bound block tables."""
-        return self.cache._update(self.index, k, v)
-
-
-# ----------------------------------------------------------------------------
 # Demo: what paging buys, with numbers.
 
-SMOLLM2_BYTES_PER_TOKEN = 2 * 3 * 64 * 2 * 30   # 2 · n_kv_heads · d_head · bf16 · layers = 23040 B
+SMOLLM2_BYTES_PER_TOKEN = kv_bytes_per_token(*PRESETS["smollm2-135m"], 2)   # bf16: 23040 B
 
 
 def demo():

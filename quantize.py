@@ -27,15 +27,18 @@ row scales), 84 MB in int4 with groups of 32 (4 bits + two 16-bit numbers per
 Kernels. Weights are stored quantized and never expanded in memory: each
 quantized Linear calls the fastest matrix-vector kernel PyTorch has for the
 device. On a CPU those are ``aten._weight_int8pack_mm`` (int8 weights, one scale
-per output row, activations in the model's dtype; but inside a compiled one-token
-step Int8Linear is model.linear's multiply-and-sum, which inductor fuses into
-one loop that widens each int8 weight as it reads it: SmolLM2 decodes at 95 tok/s
-that way against 61 with the kernel, and 82 in bf16) and
-``aten._weight_int4pack_mm_for_cpu`` (int4 in a CPU-specific packed layout,
-a scale and a zero per group); on CUDA ``_weight_int4pack_mm`` with its own
-layout. Elsewhere we dequantize a layer's weights for one matmul (correct, not
-fast). The KV cache dequantizes one layer's rows when attention reads them
-(kvcache.py), so only one layer's keys are ever held in full precision.
+per output row, activations in the model's dtype; inside a compiled one-token
+step Int8Linear is kernels.matvec_sum instead, which inductor fuses into one
+loop that widens each int8 weight as it reads it, faster here: README, Speed)
+and ``aten._weight_int4pack_mm_for_cpu`` (int4 in a CPU-specific tiled layout,
+a scale and a zero per group). Elsewhere, a GPU included, a layer dequantizes
+its weights for one matmul (correct, not fast). The KV cache dequantizes one
+layer's rows when attention reads them (kvcache.py), so only one layer's keys
+are ever held in full precision.
+
+`python quantize.py` shows each round trip's error and bytes on random
+tensors; `python bench.py quantize` measures what each format costs a real
+model in perplexity and agreement, and writes quantized checkpoints (--out).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import kernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                   # the largest finite e4m3 number
@@ -99,14 +104,14 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtyp
     return (lo.float()[..., None] + g * scale.float()[..., None]).reshape(rows, cols).to(dtype)
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+def join_nibbles(q: torch.Tensor) -> torch.Tensor:
     """Two 4-bit values per byte (even column in the low nibble): the portable,
-    on-disk layout. Kernels repack it into their own layout at load time."""
+    on-disk layout. A kernel converts it into its own layout at load time."""
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
+def split_nibbles(b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
 
 
 # ----------------------------------------------------------------------------
@@ -173,32 +178,10 @@ GROUP = 32
 PREFILL_ROWS = 16
 
 
-def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) · w (N, K)ᵀ as multiply-and-sum, times ``scale`` (N,) if given:
-    the one-token product inside a compiled step (model.linear for float
-    weights, Int8Linear for int8 rows and their scales). Inductor fuses it into
-    one vectorized loop that widens each weight to fp32 as it reads it.
-    Inductor sums a float reduction longer than 4,096 terms through a cascade
-    helper that is 2x slower here (2048 x 4096: 25.8 GB/s, 2048 x 4112: 12.2).
-    So a longer row (TinyLlama's down projection has 5,632) is read as two rows
-    of K/2, each against its half of x, and each pair of partial sums is added:
-    1.85 -> 1.18 ms for that matrix in bf16."""
-    n, k = w.shape
-    if k <= 4096 or k % 2:
-        out = (x.float().unsqueeze(-2) * w.float()).sum(-1)
-    else:
-        half = k // 2
-        rows = x.reshape(-1, 2, half).float()[:, torch.arange(2 * n, device=w.device) % 2]   # (M, 2N, K/2)
-        partial = (rows * w.view(2 * n, half).float()).sum(-1)                                # (M, 2N)
-        out = partial.view(-1, n, 2).sum(-1).reshape(*x.shape[:-1], n)
-    return (out if scale is None else out * scale.float()).to(x.dtype)
-
-
 class Int8Linear(nn.Module):
     """y = x·Wᵀ with W stored as int8 rows and one scale per row:
     W[r] ≈ weight[r] · weight_scale[r]. The scale factors out of each row's dot
     product, so the kernel reads 1 byte per weight and multiplies once per row."""
-    scheme = "int8"
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -227,7 +210,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-            return matvec_sum(x, self.weight, self.weight_scale)
+            return kernels.matvec_sum(x, self.weight, self.weight_scale)
         if x.device.type == "cpu" and rows < PREFILL_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.weight_scale)
             return y.reshape(*x.shape[:-1], -1)
@@ -239,7 +222,6 @@ class Int4Linear(nn.Module):
     """W stored as 4-bit integers in groups of ``group`` along each row, with a
     scale and a minimum per group: W ≈ lo + q·s. Half a byte per weight plus
     the group's two numbers (fp32 on disk, the model's dtype in the kernel)."""
-    scheme = "int4"
 
     def __init__(self, in_features: int, out_features: int, group: int = GROUP):
         super().__init__()
@@ -248,35 +230,35 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.ones(out_features, in_features // group))
         self.register_buffer("weight_min", torch.zeros(out_features, in_features // group))
-        self.register_buffer("packed", None, persistent=False)            # the kernel's layout
+        self.register_buffer("tiled", None, persistent=False)             # the CPU kernel's layout
         self.register_buffer("scales_and_zeros", None, persistent=False)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group: int) -> "Int4Linear":
         layer = cls(w.shape[1], w.shape[0], group)
         q, s, lo = quantize_int4(w, group)
-        layer.weight, layer.weight_scale, layer.weight_min = pack_nibbles(q), s, lo
+        layer.weight, layer.weight_scale, layer.weight_min = join_nibbles(q), s, lo
         return layer
 
     def prepare(self, dtype: torch.dtype):
-        """On a CPU, repack for the kernel and drop the portable copy (it would
+        """On a CPU, convert to the kernel's layout and drop the portable copy (it would
         double the memory). The kernel computes W = (q - 8)·s + z per group, so
         z = lo + 8·s gives our lo + q·s."""
         self.dtype = dtype
         if self.weight.device.type != "cpu":
             return
-        q = unpack_nibbles(self.weight).to(torch.int32)
+        q = split_nibbles(self.weight).to(torch.int32)
         z = self.weight_min + 8 * self.weight_scale
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.scales_and_zeros = torch.stack([self.weight_scale, z], -1).transpose(0, 1).contiguous().to(dtype)
         self.weight = self.weight_scale = self.weight_min = None
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int4(unpack_nibbles(self.weight), self.weight_scale, self.weight_min, self.dtype)
+        return dequantize_int4(split_nibbles(self.weight), self.weight_scale, self.weight_min, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed,
+        if self.tiled is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.tiled,
                                                           self.group, self.scales_and_zeros)
             return y.reshape(*x.shape[:-1], -1)
         return x @ self.dequantized().to(x.dtype).t()
@@ -390,160 +372,25 @@ def is_plain(name: str, t: torch.Tensor) -> bool:
     return t.is_floating_point() and not name.endswith(("weight_scale", "weight_min"))
 
 
-def save_quantized(model: nn.Module, state: dict[str, torch.Tensor], source_dir, out_dir):
-    """Write ``state`` (checkpoint names, see model.unpack) as a quantized checkpoint
-    next to a copy of the source's config (plus the scheme) and tokenizer files."""
-    import json
-    import shutil
-    from pathlib import Path
-    from safetensors.torch import save_file
-    source_dir, out = Path(source_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {(k if k.startswith("lm_head.") else "model." + k): t.contiguous() for k, t in state.items()}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((source_dir / "config.json").read_text())
-    config[CONFIG_KEY] = model.quantization
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for f in source_dir.iterdir():
-        if f.is_file() and f.suffix not in (".safetensors", ".bin", ".gguf") and f.name != "config.json" \
-                and not f.name.endswith(".index.json"):
-            shutil.copy2(f, out / f.name)
-    return out
-
-
 # ----------------------------------------------------------------------------
-# 5. The command line: write a quantized checkpoint, or measure every trade.
-
-EVAL_TEXT = "data/eval_text.txt"
-EVAL_PROMPTS = [
-    "Explain in two sentences why the sky is blue.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Give me three tips for sleeping better.",
-    "What is the difference between a list and a tuple in Python?",
-    "Summarise the plot of a heist movie you invent, in one paragraph.",
-    "How do I boil an egg so the yolk stays soft?",
-    "Translate 'good morning, how are you?' into French and Spanish.",
-    "List the planets of the solar system in order from the sun.",
-]
-CONFIGS = [  # label, weights, kv dtype
-    ("full", None, None), ("KV int8", None, "int8"), ("KV fp8", None, "fp8"),
-    ("KV fp8, plain cast", None, "fp8-plain"), ("weights int8", "int8", None),
-    ("weights int4 (g32)", "int4", None), ("weights int8 + KV int8", "int8", "int8")]
-
-
-def perplexity(model, ids: list[int], kv_dtype: str | None, chunk: int = 128) -> float:
-    """exp(mean negative log-likelihood) of ``ids``, fed through the cache ``chunk``
-    tokens at a time, so each chunk attends to the stored (quantized) past."""
-    cache, nll = model.new_cache("dynamic", kv_dtype=kv_dtype), 0.0
-    with torch.inference_mode():
-        for start in range(0, len(ids) - 1, chunk):
-            piece = ids[start:min(start + chunk, len(ids) - 1)]
-            logits = model(torch.tensor([piece]), torch.arange(start, start + len(piece)), cache)[0]
-            target = torch.tensor(ids[start + 1:start + 1 + len(piece)])
-            nll += torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum").item()
-    return float(torch.exp(torch.tensor(nll / (len(ids) - 1))))
-
-
-def evaluate(name: str, dtype: str, new_tokens: int, n_prompts: int, speed_tokens: int = 64):
-    """The table of the README. Agreement is teacher-forced: the full model writes
-    ``new_tokens`` greedy tokens per prompt once; every configuration then reads
-    those same sequences in one forward, and we count the positions where its
-    top-1 token equals the full model's (read the same way). Free-running texts
-    are no measure: after the first differing token they are different texts."""
-    import time
-    from pathlib import Path
-    import model as M
-    text = (Path(__file__).resolve().parent / EVAL_TEXT).read_text()
-    print(f"model {name}, {dtype}; perplexity over {EVAL_TEXT}; top-1 agreement over {n_prompts} prompts × "
-          f"{new_tokens} tokens; decode tok/s: {speed_tokens} tokens, eager, dynamic cache, "
-          f"{torch.get_num_threads()} threads\n", flush=True)
-    rows, sequences, reference = [], None, None
-    for label, weights, kv in CONFIGS:
-        model, tok = M.load(name, "cpu", dtype, weights=weights)
-        model.config.eos_ids = []
-        if sequences is None:   # the full model, first in CONFIGS, writes the continuations
-            chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                     for p in EVAL_PROMPTS[:n_prompts]]
-            prompts = [tok.encode(c, add_bos=False) for c in chats]
-            sequences = [(len(p), p + list(M.generate_cached(model, p, M.SamplingParams(max_new_tokens=new_tokens))))
-                         for p in prompts]
-        ppl = perplexity(model, tok.encode(text), kv)
-        with torch.inference_mode():
-            top1 = [model(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1),
-                          model.new_cache("dynamic", kv_dtype=kv))[0, n - 1:].argmax(-1) for n, seq in sequences]
-        reference = reference or (ppl, top1)
-        agree = sum(int((a == b).sum()) for a, b in zip(top1, reference[1])) / sum(len(a) for a in top1)
-        stats, cache = M.GenerationStats(), model.new_cache("dynamic", kv_dtype=kv)
-        list(M.generate_cached(model, sequences[0][1][:sequences[0][0]], M.SamplingParams(
-            max_new_tokens=speed_tokens), stats, cache))
-        rows.append((label, cache.nbytes / cache.capacity, weight_bytes(model), ppl,
-                     100 * (ppl / reference[0] - 1), 100 * agree, (stats.new_tokens - 1) / stats.decode_s))
-        print(f"  {label}: ppl {ppl:.3f}, agreement {100 * agree:.1f}%", flush=True)
-        del model
-    print("\n| configuration | KV bytes/token | weight MB | perplexity | Δ ppl | top-1 agreement | decode tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for label, kvb, wb, ppl, dppl, agr, tps in rows:
-        print(f"| {label} | {kvb:.0f} | {wb / 1e6:.0f} | {ppl:.3f} | {dppl:+.2f}% | {agr:.1f}% | {tps:.1f} |")
-
-
-def demo(name: str, dtype: str, n_tokens: int = 512):
-    """A short tour: the bytes each format holds and the perplexity it costs, on the
-    first ``n_tokens`` of the evaluation text (the full table: --eval)."""
-    from pathlib import Path
-    import model as M
-    text = (Path(__file__).resolve().parent / EVAL_TEXT).read_text()
-    print(f"{name}, {dtype}; perplexity on the first {n_tokens} tokens of {EVAL_TEXT}\n")
-    print(f"{'configuration':24} {'weights MB':>10} {'KV B/token':>10} {'perplexity':>10}")
-    base = None
-    for label, weights, kv in [c for c in CONFIGS if "plain" not in c[0] and "+" not in c[0]]:
-        model, tok = M.load(name, "cpu", dtype, weights=weights)
-        ids = tok.encode(text)[:n_tokens]
-        ppl = perplexity(model, ids, kv)
-        base = base or ppl
-        cache = model.new_cache("static", max_len=1, kv_dtype=kv)
-        print(f"{label:24} {weight_bytes(model) / 1e6:>10.0f} {cache.nbytes:>10} {ppl:>10.3f}"
-              f"  ({100 * (ppl / base - 1):+.2f}%)", flush=True)
-
-
-def _main():
-    import argparse
-    ap = argparse.ArgumentParser(description="Quantize a checkpoint (--out), or measure what each "
-                                             "quantization buys and costs (--eval; no flag: a short demo)")
-    ap.add_argument("--model", default=None, help="alias, directory or .gguf (default: the bundled model)")
-    ap.add_argument("--weights", default="int8", help="int8 or int4 (with --out)")
-    ap.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
-    ap.add_argument("--out", default=None, help="write the quantized checkpoint to this directory")
-    ap.add_argument("--eval", action="store_true", help="print the accuracy/memory/speed table")
-    ap.add_argument("--dtype", default="bfloat16", help="activations and unquantized weights")
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--prompts", type=int, default=8)
-    args = ap.parse_args()
-    import sys
-    import checkpoint
-    import model as M
-    name = args.model or checkpoint.DEFAULT_MODEL
-    try:
-        if args.eval:
-            evaluate(name, args.dtype, args.new_tokens, args.prompts)
-        elif args.out:
-            check_scheme(args.weights, args.group_size)
-            if args.weights in (None, "auto"):
-                raise ValueError("--out needs --weights int8 or int4")
-            source = checkpoint.resolve(name)
-            cfg = M.LlamaConfig.from_hf(checkpoint.read_config(source))
-            if cfg.quantization:
-                raise ValueError(f"{source} is already quantized ({cfg.quantization['weights']}); "
-                                 f"quantize the full-precision checkpoint instead")
-            model = M.Llama.from_pretrained(source, "cpu", args.dtype, cfg)
-            quantize_model(model, args.weights, args.group_size, prepare=False)
-            out = save_quantized(model, M.unpack(model), source, args.out)
-            print(f"wrote {out}: {weight_bytes(model) / 1e6:.0f} MB of weights ({args.weights}); "
-                  f"run it with: python serve_local.py --model {out}")
-        else:
-            demo(name, args.dtype)
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
-
+# Demo: each round trip on random numbers, with its bytes and its error.
 
 if __name__ == "__main__":
-    _main()
+    torch.manual_seed(0)
+    w = torch.randn(2048, 2048) * 0.02          # a weight matrix, the scale of a trained model's
+    print(f"a {w.shape[0]}×{w.shape[1]} weight matrix (normal, σ 0.02); error relative to ‖W‖\n")
+    print(f"{'format':24} {'bytes per weight':>16} {'relative error':>15}")
+    rows = [("bf16", 2.0, w.bfloat16().float()),
+            ("int8, a scale per row", 1 + 2 / w.shape[1], dequantize_int8(*quantize_int8(w)))]
+    for g in GROUP_SIZES:
+        rows.append((f"int4, groups of {g}", 0.5 + 4 / g, dequantize_int4(*quantize_int4(w, g))))
+    for name, size, back in rows:
+        print(f"{name:24} {size:>16.3f} {float((back - w).norm() / w.norm()):>15.2e}")
+    k = torch.randn(1, 3, 512, 64)              # KV rows: batch 1, 3 KV heads, 512 tokens, d_head 64
+    k[..., 0] *= 20                              # real keys have a few large channels
+    print(f"\nKV rows (3 heads × 512 tokens, d_head 64, one channel 20× larger)\n")
+    print(f"{'format':24} {'bytes per row':>16} {'relative error':>15}")
+    print(f"{'bf16':24} {128:>16} {float((k.bfloat16().float() - k).norm() / k.norm()):>15.2e}")
+    for name, codec in KV_CODECS.items():
+        back = codec.decode(codec.encode(k), torch.float32)
+        print(f"{name:24} {codec.row_bytes(64):>16} {float((back - k).norm() / k.norm()):>15.2e}")

@@ -30,19 +30,24 @@ from dataclasses import dataclass, field
 import torch
 
 import checkpoint
-import model as M
+import drafting
+import engine
+import kernels
 import quantize
 import speculative
 from kvcache import common_prefix
+from model import (ATTN, DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
+                   generate_cached, generate_naive, load)
+from sampling import SamplingParams
 from tokenizer import Tokenizer
 
 
 @dataclass
 class Chat:
-    """A conversation and the KV cache that holds it."""
-    model: M.Llama
+    """A conversation and the contiguous KV cache that holds it."""
+    model: Llama
     tok: Tokenizer
-    params: M.SamplingParams
+    params: SamplingParams
     decoder: str = "cached"
     raw: bool = False
     system: str | None = None
@@ -51,33 +56,26 @@ class Chat:
     kv_dtype: str | None = None   # int8 / fp8: quantized KV storage (quantize.py)
     messages: list = field(default_factory=list)
     ids: list = field(default_factory=list)   # the conversation's tokens; the cache holds a prefix of them
-    kv: str = "contiguous"        # or "paged": the engine's block pool (engine.py), prefix-cached
-    block_size: int = 16          # paged: tokens per block
     proposer: object = None       # speculative decoding (speculative.py): --draft, --lookahead, --prompt-lookup
     spec: object = None           # the last turn's speculative stats
     plain_step_s: float = 0.0     # one plain decode step, measured at start: the speedup's baseline
 
     def __post_init__(self):
         self.cached_tokens = None     # paged: prompt tokens the last turn found in the cache
-        if self.kv == "paged":
-            import engine   # the runner sits on top: engine.py is only needed for --kv paged
-            ctx = self.ctx or self.model.config.max_seq_len
-            # One conversation's context; blocks it no longer holds stay in the prefix cache.
-            self.engine = engine.Engine(self.model, num_blocks=-(-ctx // self.block_size),
-                                        block_size=self.block_size, max_batch=1,
-                                        kv_dtype=self.kv_dtype)
-            self.cache, self.session_key = self.engine.cache, object()
-        else:
-            self.cache = self.model.new_cache(self.cache_kind, self.ctx, kv_dtype=self.kv_dtype)
+        self.cache = self.new_cache()
         self.reset()
+
+    def new_cache(self):
+        return self.model.new_cache(self.cache_kind, self.ctx, kv_dtype=self.kv_dtype)
 
     def reset(self):
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        if self.kv == "paged":
-            self.engine.end_session(self.session_key)   # its full blocks stay cached for the next one
-        else:
-            self.cache.crop(0)
+        self.forget()
         self.ids = []
+
+    def forget(self):
+        """Drop the conversation's K/V."""
+        self.cache.crop(0)
 
     def conversation_ids(self, user_text: str) -> list[int]:
         if self.raw:   # plain completion: the new text continues everything so far
@@ -86,26 +84,13 @@ class Chat:
         # The template writes BOS itself where the model wants one (as transformers does).
         return self.tok.encode(text, add_bos=False)
 
-    def turn(self, user_text: str, out=sys.stdout) -> M.GenerationStats:
+    def turn(self, user_text: str, out=sys.stdout) -> GenerationStats:
         """Run one turn, streaming the answer to ``out``. Raises ContextOverflow
         with the conversation unchanged if it no longer fits."""
         ids = self.conversation_ids(user_text)
-        M.check_context(self.model, len(ids), self.cache)
-        stats, answer, stream = M.GenerationStats(), [], self.tok.stream()
-        if self.decoder == "naive":
-            prefix, tokens = 0, M.generate_naive(self.model, ids, self.params, stats)
-        elif self.kv == "paged":
-            prefix, tokens = 0, self.paged_tokens(ids, stats)
-        else:
-            prefix = common_prefix(self.ids[:self.cache.length], ids)
-            prefix = min(prefix, len(ids) - 1)     # at least one token must run to get logits
-            self.cache.crop(prefix)
-            if self.proposer is not None:
-                self.spec = speculative.SpecStats()
-                tokens = speculative.generate(self.model, ids[prefix:], self.params, self.proposer, stats,
-                                              self.spec, self.cache, history=ids[:prefix])
-            else:
-                tokens = M.generate_cached(self.model, ids[prefix:], self.params, stats, self.cache)
+        check_context(self.model, len(ids), self.cache)
+        stats, answer, stream = GenerationStats(), [], self.tok.stream()
+        prefix, tokens = self.generate(ids, stats)
         try:
             for t in tokens:
                 answer.append(t)
@@ -120,20 +105,59 @@ class Chat:
             out.flush()
             # The cache holds the prompt and every answer token but the last; after an
             # interrupt some layers may hold one more, so crop all to the agreed length.
-            kept = len(ids) + len(answer) - 1 if answer else prefix
-            if self.kv != "paged":
-                self.cache.crop(kept)
+            self.keep(len(ids) + len(answer) - 1 if answer else prefix)
             self.ids = ids + answer
         text = self.tok.decode([t for t in answer if t not in self.model.config.eos_ids], skip_special=True)
         if not self.raw:
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
         return stats
 
-    def paged_tokens(self, ids: list[int], stats: M.GenerationStats):
-        """The turn as one engine request in this conversation's session: the engine
-        appends to the previous turn's blocks (or finds the conversation's full blocks
-        in the prefix cache) and computes only what is new. Ctrl-C is held until the
-        step in flight ends, so the pool never keeps a half-written step."""
+    def generate(self, ids: list[int], stats: GenerationStats):
+        """(tokens of ids already in the cache, the answer's token iterator)."""
+        if self.decoder == "naive":
+            return 0, generate_naive(self.model, ids, self.params, stats)
+        prefix = common_prefix(self.ids[:self.cache.length], ids)
+        prefix = min(prefix, len(ids) - 1)     # at least one token must run to get logits
+        self.cache.crop(prefix)
+        if self.proposer is not None:
+            self.spec = speculative.SpecStats()
+            return prefix, speculative.generate(self.model, ids[prefix:], self.params, self.proposer, stats,
+                                                self.spec, self.cache, history=ids[:prefix])
+        return prefix, generate_cached(self.model, ids[prefix:], self.params, stats, self.cache)
+
+    def keep(self, n: int):
+        """After a turn: the cache holds the conversation's first n tokens."""
+        self.cache.crop(n)
+
+
+@dataclass
+class PagedChat(Chat):
+    """The conversation in the engine's block pool (engine.py): each turn is one
+    request in this conversation's session, so the engine appends to the previous
+    turn's blocks (or finds the conversation's full blocks in the prefix cache)
+    and computes only what is new."""
+    block_size: int = 16          # tokens per block
+
+    def new_cache(self):
+        ctx = self.ctx or self.model.config.max_seq_len
+        # One conversation's context; blocks it no longer holds stay in the prefix cache.
+        self.engine = engine.Engine(self.model, num_blocks=-(-ctx // self.block_size), block_size=self.block_size,
+                                    max_batch=1, kv_dtype=self.kv_dtype)
+        self.session_key = object()
+        return self.engine.cache
+
+    def forget(self):
+        self.engine.end_session(self.session_key)   # its full blocks stay cached for the next one
+
+    def keep(self, n: int):
+        pass                                          # the engine keeps the session's blocks itself
+
+    def generate(self, ids: list[int], stats: GenerationStats):
+        return 0, self.paged_tokens(ids, stats)
+
+    def paged_tokens(self, ids: list[int], stats: GenerationStats):
+        """The turn as one engine request. Ctrl-C is held until the step in flight
+        ends, so the pool never keeps a half-written step."""
         t0 = time.perf_counter()
         rid = self.engine.add_request(ids, self.params, session=self.session_key)
         req, stream = self.engine.request(rid), self.engine.stream(rid)
@@ -170,7 +194,7 @@ def held_interrupts():
             signal.signal(signal.SIGINT, old)
 
 
-def stats_line(s: M.GenerationStats, context: int, max_ctx: int, cached: int | None = None) -> str:
+def stats_line(s: GenerationStats, context: int, max_ctx: int, cached: int | None = None) -> str:
     prefill = s.prompt_tokens / s.prefill_s if s.prefill_s else 0.0
     decode = (s.new_tokens - 1) / s.decode_s if s.decode_s else 0.0
     hit = "" if cached is None else f" (+{cached} cached)"
@@ -178,12 +202,68 @@ def stats_line(s: M.GenerationStats, context: int, max_ctx: int, cached: int | N
             f"{decode:.1f} tok/s | first token {s.prefill_s * 1000:.0f} ms | context {context}/{max_ctx}]")
 
 
+# ----------------------------------------------------------------------------
+# Speculative decoding as the runner sets it up and reports it.
+
+def make_proposer(target: Llama, tok, draft: str | None = None, k: int = 4, adaptive: bool = False,
+                  lookahead: str | None = None, prompt_lookup: int | None = None, device=None, dtype=None,
+                  compile: bool = False, tree: str | None = None):
+    """The runner's flags -> a proposer (or None for plain decoding). One at a time.
+    ``compile`` compiles a draft model's one-token step; ``tree`` "W,M" makes an
+    EAGLE head draft a tree (EagleDraft.propose_tree)."""
+    chosen = [name for name, v in (("--draft", draft), ("--lookahead", lookahead),
+                                   ("--prompt-lookup", prompt_lookup)) if v is not None]
+    if lookahead is not None and len(chosen) > 1:
+        raise ValueError(f"choose one speculative method, not {' and '.join(chosen)} "
+                         f"(only --draft and --prompt-lookup combine)")
+    speculative.check_k(k)
+    shape = speculative.parse_tree(tree) if tree is not None else None
+    if draft is not None:
+        model = drafting.load_draft(draft, target, tok, device, dtype)
+        if shape is not None and not model.config.eagle:
+            raise ValueError(f"--spec-tree needs an EAGLE head as the draft (train.py's `bundled`); {draft} is a "
+                             f"standalone draft model")
+        proposer = drafting.draft_proposer(model, target, k, adaptive, compile, shape)
+        return proposer if prompt_lookup is None else drafting.LookupThenDraft(proposer, prompt_lookup)
+    if shape is not None:
+        raise ValueError("--spec-tree needs --draft with an EAGLE head (e.g. --draft bundled)")
+    if lookahead is not None:
+        return speculative.Lookahead(*speculative.parse_lookahead(lookahead))
+    if prompt_lookup is not None:
+        return speculative.PromptLookup(prompt_lookup, k)
+    return None
+
+
+def plain_step_s(model: Llama, cache=None, context: int = 64, steps: int = 6) -> float:
+    """The time of one plain decode step (median), the runner's baseline for the
+    speedup. Pass the runner's own (empty) cache: with --compile a static cache's
+    one-token step is the compiled one (several times faster than the eager step),
+    and the baseline must be what decoding without a proposer would cost."""
+    dev = model.embed_tokens.weight.device
+    cache = model.new_cache() if cache is None else cache
+    times = []
+    with torch.inference_mode():
+        model(torch.zeros(1, context, dtype=torch.long, device=dev), torch.arange(context, device=dev), cache)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([cache.length], device=dev),
+                  cache, last_only=True)
+            times.append(time.perf_counter() - t0)
+    cache.crop(0)
+    return sorted(times)[len(times) // 2]
+
+
+def spec_stats_line(spec: speculative.SpecStats, stats: GenerationStats, plain_s: float) -> str:
+    speed = (stats.new_tokens - 1) / stats.decode_s if stats.decode_s else 0.0
+    return f"[speculative: {spec.summary()} | ~{speed * plain_s:.2f}x plain decoding ({1 / plain_s:.1f} tok/s)]"
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="Chat with a Llama-family model locally.")
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL,
                     help=f"alias ({', '.join(checkpoint.ALIASES)}), HF directory, .gguf file or hub id")
     ap.add_argument("--device", default=None, help="cuda, mps or cpu (default: best available)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *M.DTYPES])
+    ap.add_argument("--dtype", default="auto", choices=["auto", *kernels.DTYPES])
     ap.add_argument("--prompt", default=None, help="answer this once and exit (answer on stdout)")
     ap.add_argument("--system", default=None, help="system message for the chat template")
     ap.add_argument("--raw", action="store_true", help="plain completion, no chat template")
@@ -192,7 +272,7 @@ def parse_args(argv=None):
     ap.add_argument("--top-k", type=int, default=40, help="0 = off")
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--decoder", choices=list(M.DECODERS), default="cached")
+    ap.add_argument("--decoder", choices=list(DECODERS), default="cached")
     ap.add_argument("--cache", choices=["dynamic", "static", "sliding"], default="dynamic",
                     help="KV cache: grows (dynamic), preallocated (static), or a ring (sliding-window models)")
     ap.add_argument("--ctx", type=int, default=None,
@@ -203,14 +283,14 @@ def parse_args(argv=None):
                     help="paged: the continuous-batching engine's block pool (engine.py); the conversation "
                          "stays in its blocks between turns, and full blocks are shared by prefix caching")
     ap.add_argument("--block-size", type=int, default=16, help="--kv paged: tokens per block")
-    ap.add_argument("--attn", choices=list(M.ATTN), default="sdpa",
+    ap.add_argument("--attn", choices=list(ATTN), default="sdpa",
                     help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, or the naive "
                          "full score matrix")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the decode step (needs --cache static; warm-up is printed)")
     ap.add_argument("--no-prepack", action="store_true",
                     help="keep one copy of the model's weights: half the memory on a CPU, slower eager steps "
-                         "(model.prepack: SmolLM2 fp32 +540 MB, a 4-token verify pass ~30 ms instead of ~50)")
+                         "(kernels.prepack: +540 MB for SmolLM2 in fp32; several-position passes get slower)")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8-plain"],
                     help="KV cache storage: the model's dtype (auto), or int8/fp8 with a scale per token "
                          "and head (half the bytes); fp8-plain casts without a scale")
@@ -232,12 +312,12 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def report(chat: Chat, stats: M.GenerationStats):
+def report(chat: Chat, stats: GenerationStats):
     """The turn's stats line(s), on stderr: the answer alone goes to stdout."""
-    print(stats_line(stats, len(chat.ids), M.context_limit(chat.model, chat.cache), chat.cached_tokens),
+    print(stats_line(stats, len(chat.ids), context_limit(chat.model, chat.cache), chat.cached_tokens),
           file=sys.stderr)
     if chat.spec is not None:
-        print(speculative.stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
+        print(spec_stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
 
 
 def warm_up(chat: Chat):
@@ -245,7 +325,7 @@ def warm_up(chat: Chat):
     t0 = time.perf_counter()
     print("compiling the decode step ...", file=sys.stderr, flush=True)
     chat.model.compile_decode()
-    list(M.generate_cached(chat.model, [0], M.SamplingParams(max_new_tokens=2), cache=chat.cache))
+    list(generate_cached(chat.model, [0], SamplingParams(max_new_tokens=2), cache=chat.cache))
     if chat.proposer is not None and chat.proposer.needs_features:
         # An EAGLE head reads the target's features, so a one-token target step (a
         # turn's last token, where nothing is left to draft) asks for them: a second
@@ -256,7 +336,7 @@ def warm_up(chat: Chat):
                        chat.cache, last_only=True, hidden=True)
     chat.cache.crop(0)
     draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
-    if isinstance(draft, speculative.DraftModel) and draft.static:   # its step is compiled too (make_proposer)
+    if isinstance(draft, drafting.DraftModel) and draft.static:   # its step is compiled too (make_proposer)
         draft.warm_up(chat.model, sizes=(512, 1024))   # a chat's first turns, then longer ones
     print(f"compiled in {time.perf_counter() - t0:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
@@ -288,7 +368,7 @@ def interactive(chat: Chat):
                 continue
             try:
                 stats = chat.turn(line)
-            except M.ContextOverflow as e:
+            except ContextOverflow as e:
                 print(f"[context full: {e}]", file=sys.stderr)
                 continue
             report(chat, stats)
@@ -300,15 +380,15 @@ def interactive(chat: Chat):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        params = M.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   seed=args.seed, max_new_tokens=args.max_new_tokens)
         t0 = time.perf_counter()
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        model, tok = M.load(args.model, args.device, None if args.dtype == "auto" else args.dtype,
+        model, tok = load(args.model, args.device, None if args.dtype == "auto" else args.dtype,
                             args.weights, args.group_size, attn=args.attn, prepacked=not args.no_prepack)
         w = model.embed_tokens.weight
         quant = f", weights {model.quantization['weights']}" if model.quantization else ""
-        packed = M.prepacked_bytes(model)
+        packed = kernels.prepacked_bytes(model)
         packed = f" + {packed / 1e6:.0f} MB of oneDNN-prepacked copies" if packed else ""
         print(f"loaded in {time.perf_counter() - t0:.1f} s: {quantize.count_parameters(model) / 1e6:.0f}M "
               f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB{packed}, "
@@ -320,17 +400,21 @@ def main(argv=None) -> int:
         if args.kv == "paged" and (args.cache != "dynamic" or args.compile or args.decoder != "cached"):
             raise ValueError("--kv paged runs the engine's own cached decoder on its block pool: "
                              "drop --cache, --compile and --decoder")
-        proposer = speculative.make_proposer(model, tok, args.draft, args.spec_k, args.adaptive_k, args.lookahead,
+        proposer = make_proposer(model, tok, args.draft, args.spec_k, args.adaptive_k, args.lookahead,
                                              args.prompt_lookup, args.device, w.dtype, args.compile, args.spec_tree)
         if proposer is not None and (args.kv == "paged" or args.decoder != "cached"):
             raise ValueError("speculative decoding runs on the contiguous cached decoder: drop --kv paged "
                              "and --decoder naive")
-        chat = Chat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
-                    kv=args.kv, block_size=args.block_size, proposer=proposer)
+        if args.kv == "paged":
+            chat = PagedChat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
+                             block_size=args.block_size)
+        else:
+            chat = Chat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
+                        proposer=proposer)
         if args.compile:
             warm_up(chat)
         if proposer is not None:   # after compiling: the baseline is this configuration's own plain step
-            chat.plain_step_s = speculative.plain_step_s(model, chat.cache)
+            chat.plain_step_s = plain_step_s(model, chat.cache)
         if args.prompt is None:
             interactive(chat)
             return 0

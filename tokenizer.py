@@ -432,20 +432,33 @@ def write_tokenizer_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------- demo
 
-if __name__ == "__main__":
-    import sys
-    # The demo resolves the bundled model through checkpoint.py, which sits above this module.
-    import checkpoint
-    tok = Tokenizer.from_dir(checkpoint.resolve(sys.argv[1] if len(sys.argv) > 1 else checkpoint.DEFAULT_MODEL))
+def demo(tok: Tokenizer):
+    """Text -> ids -> text on a few hard cases, a chat template, and streaming."""
     print(f"vocabulary {tok.vocab_size}, bos {tok.bos_id}, eos {tok.eos_ids}, add_bos {tok.add_bos}")
     for text in ["Hello world", " Hello world", "12345", "naïve café 😀", "def f(x):\n    return x"]:
         ids = tok.encode(text)
         pieces = [tok.decode([i]) for i in ids]
         print(f"{text!r:28} -> {len(ids):2} tokens {ids} {pieces}")
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    print(f"chat template renders:\n{prompt}")
-    ids = tok.encode(prompt, add_bos=False)
-    print(f"= {len(ids)} tokens; special tokens stay single ids: {ids[:4]} ...")
+    if tok.chat_template is not None:
+        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        print(f"chat template renders:\n{prompt}")
+        ids = tok.encode(prompt, add_bos=False)
+        print(f"= {len(ids)} tokens; special tokens stay single ids: {ids[:4]} ...")
     stream = tok.stream()
     emoji = tok.encode("😀")
     print(f"'😀' is {len(emoji)} tokens; streaming them one at a time emits {[stream.push(i) for i in emoji]}")
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+    # A model directory, or a .gguf file whose vocabulary is rebuilt as a tokenizer.json first.
+    # (`python checkpoint.py` runs this demo on the bundled model.)
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tokenizer.py MODEL_DIR_OR_GGUF   (python checkpoint.py shows the bundled model's)")
+    path = Path(sys.argv[1])
+    if path.suffix == ".gguf":
+        out = Path(tempfile.mkdtemp(prefix="tokenizer-"))
+        write_tokenizer_from_gguf(gguf.GGUFReader(path), out)
+        path = out
+    demo(Tokenizer.from_dir(path))

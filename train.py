@@ -7,7 +7,7 @@ train.py — train an EAGLE draft head for the bundled SmolLM2-135M, for specula
 A draft is only useful if it is much cheaper than the target and agrees with it
 often (speculative.py). The target is SmolLM2-135M: 30 blocks of width 576 and
 a 49,152-token vocabulary. The draft is an EAGLE head (Li et al. 2024;
-speculative.EagleDraft): one block of the target's width whose input at
+drafting.EagleDraft): one block of the target's width whose input at
 position j is the next token together with the target's own feature there
 (its final normalised hidden state), and which predicts the target's next
 feature; the target's LM head, restricted to the 8,192 tokens the target is
@@ -33,23 +33,19 @@ Three phases, nanoGPT style, everything in this file:
 
 The result is an HF-style directory (config.json with "eagle": true and
 draft_vocab_size, model.safetensors in bf16; no tokenizer, embedding or LM
-head: speculative.load_draft takes the target's): `--draft bundled`.
+head: drafting.load_draft takes the target's): `--draft bundled`.
 
 What the committed head's run did (43.7 min): 1,024 conversations, 336k tokens
 of data in 20 min, their features in 6.4 min, then 731 steps of 8
 conversations (~1.3 s each). It agrees with the target's argmax on 54% of
 held-out positions from the target's features (47% from its own predicted
 ones, drafting step 2), and 67% / 62% on training text. On the target's
-128-token greedy answers to bench.py's 8 chat prompts: 46% / 39%. The 6-layer,
-192-wide standalone draft this replaced (24.6 MB, the same 45 minutes) agreed
-on 49% of held-out positions; side by side on 4 of bench.py's chat prompts
-the two made 1.73 and 1.76 tokens per target forward at k = 3.
+128-token greedy answers to bench.py's 8 chat prompts: 46% / 39%.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from contextlib import contextmanager
@@ -58,8 +54,11 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import model as M
-from speculative import BUNDLED_DRAFT, SUMMARISE
+from engine import LLM
+from model import Llama, LlamaConfig, load, unfuse
+from sampling import SamplingParams
+from drafting import BUNDLED_DRAFT
+from speculative import SUMMARISE
 
 # ----------------------------------------------------------------------------
 # The prompts: 12 kinds of request × 40 subjects, plus summaries (the draft must learn to copy).
@@ -114,25 +113,23 @@ def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8,
     EOS is ignored, as `bench.py speculative` ignores it: the draft must also
     follow the target past the end of its answer, at every position the
     benchmark reaches."""
-    from engine import LLM
     llm = LLM(target, tokenizer=tok, max_batch=chunk, kv_bytes=2 << 30)
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_bos=False) for t in prompts]
     jobs = [(r, i) for r in range(max_rounds) for i in range(len(ids))]
     seqs, t0 = [], time.perf_counter()
-    with M.ignore_eos(target):
-        for start in range(0, len(jobs), chunk):
-            part = jobs[start:start + chunk]
-            params = [M.SamplingParams(temperature=0.0 if r == 0 else 0.7, top_p=0.95, seed=1000 * r + i,
-                                       max_new_tokens=new_tokens, logprobs=top) for r, i in part]
-            t1 = time.perf_counter()
-            outs = llm.generate([ids[i] for _, i in part], params, use_tqdm=False)
-            for (_, i), o in zip(part, outs):
-                logp, idx = o.completions[0].logprobs
-                seqs.append((torch.tensor(ids[i] + o.token_ids), len(ids[i]), logp.exp(), idx))
-            print(f"data: {len(seqs)} conversations (round {part[-1][0] + 1}), "
-                  f"{sum(len(s) for s, *_ in seqs)} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
-            if time.perf_counter() + (time.perf_counter() - t1) > deadline:   # the next chunk would not fit
-                break
+    for start in range(0, len(jobs), chunk):
+        part = jobs[start:start + chunk]
+        params = [SamplingParams(temperature=0.0 if r == 0 else 0.7, top_p=0.95, seed=1000 * r + i,
+                                 max_new_tokens=new_tokens, logprobs=top, ignore_eos=True) for r, i in part]
+        t1 = time.perf_counter()
+        outs = llm.generate([ids[i] for _, i in part], params, use_tqdm=False)
+        for (_, i), o in zip(part, outs):
+            logp, idx = o.completions[0].logprobs
+            seqs.append((torch.tensor(ids[i] + o.token_ids), len(ids[i]), logp.exp(), idx))
+        print(f"data: {len(seqs)} conversations (round {part[-1][0] + 1}), "
+              f"{sum(len(s) for s, *_ in seqs)} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
+        if time.perf_counter() + (time.perf_counter() - t1) > deadline:   # the next chunk would not fit
+            break
     return seqs
 
 
@@ -174,11 +171,11 @@ def target_features(target, data, batch=8):
     return out
 
 
-def make_head(target: M.Llama, target_dir: Path, ids: torch.Tensor) -> tuple[M.Llama, dict]:
+def make_head(target: Llama, target_dir: Path, ids: torch.Tensor) -> tuple[Llama, dict]:
     hf = checkpoint.read_config(target_dir)
     hf.update(HEAD, eagle=True, torch_dtype="bfloat16", draft_vocab_size=len(ids))
     torch.manual_seed(0)
-    head = M.Llama(M.LlamaConfig.from_hf(hf))
+    head = Llama(LlamaConfig.from_hf(hf))
     head.head_ids.copy_(ids)
     for p in head.parameters():
         if p.dim() == 2:
@@ -278,14 +275,11 @@ def agreement(head, data, feats) -> list[float]:
     return (hits / max(len(data), 1)).tolist()
 
 
-def save(head: M.Llama, hf: dict, out: Path):
-    from safetensors.torch import save_file
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-             for k, v in M.unpack(head).items() if not k.startswith(("embed_tokens.", "lm_head."))}
-    save_file({"model." + k: v for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
-    # No tokenizer, embedding or LM head: the head uses the target's (speculative.load_draft).
+def save(head: Llama, hf: dict, out: Path):
+    # No tokenizer, embedding or LM head: the head uses the target's (drafting.load_draft).
+    state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v)
+             for k, v in unfuse(head).items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    checkpoint.save(out, state, hf)
     mb = (out / "model.safetensors").stat().st_size / 1e6
     print(f"wrote {out} ({mb:.1f} MB)", flush=True)
 
@@ -307,7 +301,7 @@ def main():
     end = start + 60 * args.max_minutes
     target_dir = checkpoint.resolve(checkpoint.DEFAULT_MODEL)
     # bf16: data and features run 2-4x faster than in fp32
-    target, tok = M.load(checkpoint.DEFAULT_MODEL, "cpu", "bfloat16")
+    target, tok = load(checkpoint.DEFAULT_MODEL, "cpu", "bfloat16")
     data = generate_data(target, tok, PROMPTS[:args.prompts], args.new_tokens, 8,
                          start + 60 * args.max_minutes * args.data_share)
     ids = head_tokens(data, target.config.vocab_size, args.head_vocab)

@@ -1,4 +1,4 @@
-"""engine.py and paged.PagedKVCache: paged decoding equals the contiguous cache, batched equals
+"""engine.py and kvcache.PagedKVCache: paged decoding equals the contiguous cache, batched equals
 solo, preemption and prefix caching change no token, forks are independent, bad input is refused
 while the engine keeps serving, every block comes back; the scheduler driven without a model;
 the chat runner's --kv paged."""
@@ -15,7 +15,8 @@ import model as M
 import serve_local
 from conftest import make_checkpoint
 from engine import LLM, Engine, Request, Scheduler, Sequence
-from paged import BlockAllocator, PagedKVCache
+from kvcache import PagedKVCache
+from paged import BlockAllocator
 
 GREEDY = M.SamplingParams
 
@@ -37,7 +38,7 @@ def contiguous(model, prompt, params):
 def run_engine(engine, prompts, params, n=1):
     """Queue everything, step until done; returns each request's outputs (one list per branch)."""
     params = params if isinstance(params, list) else [params] * len(prompts)
-    reqs = [engine._add(p, sp, n) for p, sp in zip(prompts, params)]
+    reqs = [engine.add(p, sp, n) for p, sp in zip(prompts, params)]
     engine.run()
     return [[s.output for s in sorted(r.sequences, key=lambda s: s.branch)] for r in reqs]
 
@@ -106,7 +107,7 @@ def test_prefix_cache_hits_produce_the_tokens_of_misses(llama):
     want = [contiguous(llama, p, GREEDY(max_new_tokens=24)) for p in prompts]
     for caching in (False, True):
         engine = Engine(llama, max_batch=2, prefix_caching=caching)
-        reqs = [engine._add(p, GREEDY(max_new_tokens=24)) for p in prompts]
+        reqs = [engine.add(p, GREEDY(max_new_tokens=24)) for p in prompts]
         engine.run()
         assert [r.sequences[0].output for r in reqs] == want
         assert [r.cached_tokens for r in reqs] == ([0, 32, 32, 32] if caching else [0] * 4)
@@ -190,7 +191,7 @@ def test_request_longer_than_the_pool_is_rejected_and_others_go_on(llama):
     prompts, params = random_jobs(3, seed=3, max_prompt=10, max_new=12)
     want = [contiguous(llama, p, sp) for p, sp in zip(prompts, params)]
     engine = Engine(llama, num_blocks=8, block_size=4, max_batch=4)          # 32 token slots
-    reqs = [engine._add(p, sp) for p, sp in zip(prompts, params)]
+    reqs = [engine.add(p, sp) for p, sp in zip(prompts, params)]
     engine.step()
     with pytest.raises(ValueError, match=r"prompt is 40 tokens but a sequence may hold at most 32.*KV pool"):
         engine.add_request(list(range(3, 43)), GREEDY())
@@ -365,7 +366,7 @@ def test_scheduler_bookkeeping_without_a_model():
     with copy-on-write and finishing must hand every sequence exactly its own tokens."""
     rng = random.Random(0)
     alloc = BlockAllocator(24, 4)
-    sched = Scheduler(alloc, max_batch=6, max_len=96)
+    sched = Scheduler(alloc, max_batch=6)
     storage, next_id = {}, 1000
     for i in range(12):
         prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 14))]
@@ -427,7 +428,7 @@ class InterruptAfter(io.StringIO):
 
 def test_chat_paged_ctrl_c_stops_the_answer_between_steps(tiny_ckpt):
     m, tok = M.load(str(tiny_ckpt))
-    chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=30), raw=True, ctx=200, kv="paged")
+    chat = serve_local.PagedChat(m, tok, M.SamplingParams(max_new_tokens=30), raw=True, ctx=200)
     m.config.eos_ids = []
     out = InterruptAfter(3)
     chat.turn("hello there", out=out)
@@ -446,7 +447,8 @@ def test_chat_paged_turns_reuse_blocks(bundled_dir):
     params = M.SamplingParams(max_new_tokens=8)
     runs = {}
     for kv in ("contiguous", "paged"):
-        chat = serve_local.Chat(m, tok, params, system="You are a concise geography assistant.", ctx=512, kv=kv)
+        kind = serve_local.PagedChat if kv == "paged" else serve_local.Chat
+        chat = kind(m, tok, params, system="You are a concise geography assistant.", ctx=512)
         turns = []
         for text in ["What is the capital of France?", "And of Italy?"]:
             out = io.StringIO()

@@ -1,12 +1,12 @@
 """model.py against transformers' LlamaForCausalLM, and the two decoders against each other."""
 
-import json
 
 import pytest
 import torch
 
 import model as M
-import quantize
+import sampling
+import kernels
 from conftest import make_checkpoint
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -92,24 +92,24 @@ def test_generation_stops_on_any_eos(tiny_ckpt):
 def test_sampling_controls():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
     greedy = M.SamplingParams()
-    assert M.sample(logits, greedy) == 0
+    assert sampling.sample(logits, greedy) == 0
     # top-k 1 and a tiny top-p both collapse to the argmax whatever the temperature
-    assert all(M.sample(logits, M.SamplingParams(temperature=5.0, top_k=1)) == 0 for _ in range(20))
-    assert all(M.sample(logits, M.SamplingParams(temperature=5.0, top_p=0.01)) == 0 for _ in range(20))
+    assert all(sampling.sample(logits, M.SamplingParams(temperature=5.0, top_k=1)) == 0 for _ in range(20))
+    assert all(sampling.sample(logits, M.SamplingParams(temperature=5.0, top_p=0.01)) == 0 for _ in range(20))
     # top-k 2 never emits a token outside the top two
     gen = torch.Generator().manual_seed(0)
-    ks = {M.sample(logits, M.SamplingParams(temperature=2.0, top_k=2), gen) for _ in range(300)}
+    ks = {sampling.sample(logits, M.SamplingParams(temperature=2.0, top_k=2), gen) for _ in range(300)}
     assert ks == {0, 1}
     # plain temperature sampling follows softmax(logits / T): frequencies within 3 sigma
     p = torch.softmax(logits / 1.5, -1)
     n = 4000
-    counts = torch.bincount(torch.tensor([M.sample(logits, M.SamplingParams(temperature=1.5), gen)
+    counts = torch.bincount(torch.tensor([sampling.sample(logits, M.SamplingParams(temperature=1.5), gen)
                                           for _ in range(n)]), minlength=5).float()
     sigma = (n * p * (1 - p)).sqrt()
     assert ((counts - n * p).abs() <= 3 * sigma + 1).all(), (counts, n * p)
     # top-p 0.8 keeps the smallest prefix of the sorted distribution reaching 0.8
     probs = torch.softmax(logits, -1)       # [0.61, 0.22, 0.14, 0.03, 0.004]
-    kept = {M.sample(logits, M.SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(300)}
+    kept = {sampling.sample(logits, M.SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(300)}
     assert kept == {0, 1} and probs[:2].sum() >= 0.8
 
 
@@ -119,7 +119,7 @@ def test_top_p_equals_a_full_sort_of_the_vocabulary():
     gen = torch.Generator().manual_seed(0)
     for scale, nucleus_inside in ((8.0, True), (0.1, False)):   # peaked, then nearly flat over 2,000 tokens
         logits = torch.randn(3, 2000, generator=gen) * scale
-        got = M.sampling_probs(logits, M.SamplingParams(temperature=1.0, top_p=0.9))
+        got = sampling.sampling_probs(logits, M.SamplingParams(temperature=1.0, top_p=0.9))
         probs = torch.softmax(logits, -1)
         sorted_p, order = probs.sort(-1, descending=True)
         want = torch.zeros_like(probs).scatter_(-1, order, sorted_p * (sorted_p.cumsum(-1) - sorted_p < 0.9))
@@ -154,7 +154,7 @@ def test_invalid_sampling_values(kwargs, message):
 def test_half_precision_close_to_fp32(tiny_ckpt, dtype):
     ref = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
     half = M.Llama.from_pretrained(tiny_ckpt, "cpu", dtype)
-    assert half.embed_tokens.weight.dtype == M.DTYPES[dtype]
+    assert half.embed_tokens.weight.dtype == kernels.DTYPES[dtype]
     ids = torch.randint(0, 320, (1, 30), generator=torch.Generator().manual_seed(3))
     a, b = ref(ids, torch.arange(30)), half(ids, torch.arange(30))
     assert (a - b).abs().max() < 0.05 * a.abs().max()
@@ -171,68 +171,3 @@ def test_config_errors_name_the_field():
         M.LlamaConfig.from_hf({k: v for k, v in base.items() if k != "vocab_size"})
     cfg = M.LlamaConfig.from_hf({**base, "eos_token_id": [5, 7]})
     assert cfg.eos_ids == [5, 7] and cfg.n_kv_heads == 2 and cfg.head_dim == 4
-
-
-def test_linear_uses_onednn_for_fp32_inference_and_keeps_gradients():
-    """model.linear: eager fp32 inference goes through oneDNN (MKL's small-batch
-    sgemm is slow on some CPUs); same values as F.linear, and training still gets
-    F.linear's gradients."""
-    assert M._ONEDNN                     # every CPU wheel of torch ships oneDNN
-    layer = torch.nn.Linear(64, 300, bias=False)
-    for t in (1, 3, 8):
-        x = torch.randn(2, t, 64)
-        with torch.inference_mode():
-            torch.testing.assert_close(M.linear(x, layer), torch.nn.functional.linear(x, layer.weight),
-                                       atol=1e-5, rtol=1e-5)
-    x = torch.randn(1, 3, 64, requires_grad=True)
-    M.linear(x, layer).sum().backward()
-    assert layer.weight.grad is not None and x.grad is not None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prepacked_linear(dtype):
-    """model.prepack: big Linears get oneDNN's blocked copy of their weight, used
-    by eager CPU inference for any number of rows, with F.linear's values; a
-    swapped weight is used as it is (the stale copy is not), and with
-    gradients on it is F.linear again."""
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("this CPU has no bf16 oneDNN kernels")
-    net = torch.nn.Sequential(torch.nn.Linear(512, 640, bias=False), torch.nn.Linear(64, 32, bias=False)).to(dtype)
-    M.prepack(net)
-    big, small = net
-    assert big.onednn[0] is big.weight and big.onednn[1].is_mkldnn and not hasattr(small, "onednn")
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
-    swapped = torch.nn.Parameter(torch.randn(640, 512, dtype=dtype))
-    with torch.inference_mode():
-        for rows in (1, 2, 4, 11):
-            x = torch.randn(2, rows, 512, dtype=dtype)
-            torch.testing.assert_close(M.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
-        twice = torch.ops.mkldnn._reorder_linear_weight(2 * big.weight, 16)     # proof the copy is what runs
-        big.onednn = (big.weight, twice)
-        torch.testing.assert_close(M.linear(x, big), 2 * torch.nn.functional.linear(x, big.weight), **tol)
-        big.weight = swapped
-        torch.testing.assert_close(M.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
-        M.prepack(net)
-        assert big.onednn[0] is big.weight
-        torch.testing.assert_close(M.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
-    x = torch.randn(1, 3, 512, dtype=dtype, requires_grad=True)
-    M.linear(x, big).sum().backward()
-    assert big.weight.grad is not None and x.grad is not None
-
-
-@pytest.mark.parametrize("k", [256, 4608])
-def test_compiled_matvec_equals_linear(k):
-    """Inside a compiled step `linear` is a multiply-and-sum; rows over 4,096 long
-    are summed as two halves (matvec_sum). Both equal F.linear."""
-    layer = torch.nn.Linear(k, 96, bias=False)
-    x = torch.randn(1, 1, k)
-    step = torch.compile(lambda x: M.linear(x, layer), dynamic=False, fullgraph=True)
-    with torch.inference_mode():
-        torch.testing.assert_close(step(x), torch.nn.functional.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(quantize.matvec_sum(x, layer.weight), torch.nn.functional.linear(x, layer.weight),
-                                   atol=1e-4, rtol=1e-4)
-        # int8 rows and their scales take the same path (quantize.Int8Linear)
-        q8 = quantize.Int8Linear.from_float(layer.weight)
-        q8.prepare(torch.float32)
-        step8 = torch.compile(lambda x: q8(x), dynamic=False, fullgraph=True)
-        torch.testing.assert_close(step8(x), torch.nn.functional.linear(x, q8.dequantized()), atol=1e-4, rtol=1e-4)

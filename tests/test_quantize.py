@@ -41,7 +41,7 @@ def test_int4_round_trip_and_nibble_packing(group):
     assert q.max() <= 15 and s.shape == (48, 256 // group)
     back = Q.dequantize_int4(q, s, lo)
     assert ((back - w).abs().reshape(48, -1, group) <= s[..., None] / 2 + 1e-6).all()
-    assert torch.equal(Q.unpack_nibbles(Q.pack_nibbles(q)), q)
+    assert torch.equal(Q.split_nibbles(Q.join_nibbles(q)), q)
 
 
 # --- the KV cache ---------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_compiled_int8_decode_equals_eager(tmp_path):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_saved_checkpoint_matches_on_the_fly(tmp_path, scheme):
     src = make_checkpoint(tmp_path / "src", tie_word_embeddings=True)
-    rc, out, err = run_cli("quantize.py", "--model", str(src), "--weights", scheme, "--group-size", "32",
+    rc, out, err = run_cli("bench.py", "quantize", "--model", str(src), "--weights", scheme, "--group-size", "32",
                            "--dtype", "float32", "--out", str(tmp_path / "q"))
     assert rc == 0, err
     assert json.loads((tmp_path / "q" / "config.json").read_text())[Q.CONFIG_KEY]["weights"] == scheme
@@ -174,8 +174,8 @@ def test_unknown_schemes_are_refused():
 def test_requantizing_and_corrupt_scales_are_one_line_errors(tmp_path):
     src = make_checkpoint(tmp_path / "src")
     q = tmp_path / "q"
-    assert run_cli("quantize.py", "--model", str(src), "--weights", "int8", "--out", str(q))[0] == 0
-    rc, out, err = run_cli("quantize.py", "--model", str(q), "--weights", "int8", "--out", str(tmp_path / "qq"))
+    assert run_cli("bench.py", "quantize", "--model", str(src), "--weights", "int8", "--out", str(q))[0] == 0
+    rc, out, err = run_cli("bench.py", "quantize", "--model", str(q), "--weights", "int8", "--out", str(tmp_path / "qq"))
     assert rc == 1 and err.strip().startswith("error: ") and "already quantized" in err and "Traceback" not in err
     rc, out, err = run_cli("serve_local.py", "--model", str(q), "--weights", "int4", "--prompt", "hi")
     assert rc == 1 and "already quantized (int8)" in err and "Traceback" not in err

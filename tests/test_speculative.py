@@ -11,6 +11,10 @@ import pytest
 import torch
 
 import model as M
+import sampling
+import bench
+import drafting as D
+import serve_local
 import speculative as S
 from conftest import make_checkpoint
 
@@ -88,7 +92,7 @@ def test_head_subset_logits(models, subset_draft, tmp_path):
     d = subset_draft
     assert d.head_ids.shape == (96,) and torch.equal(d.lm_head.weight, d.embed_tokens.weight[d.head_ids])
     with torch.inference_mode():
-        probs = M.sampling_probs(d(tokens, torch.arange(tokens.shape[1]))[0], M.SamplingParams(temperature=1.0))
+        probs = sampling.sampling_probs(d(tokens, torch.arange(tokens.shape[1]))[0], M.SamplingParams(temperature=1.0))
     outside = torch.ones(320, dtype=torch.bool)
     outside[d.head_ids] = False
     assert (probs[:, outside] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(len(probs)))
@@ -114,17 +118,17 @@ def check_cache_lengths(prompt, spec, draft: str | None):
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_identical_to_plain(models, subset_draft, eagle_head, k):
     target, draft = models
-    proposers = {"draft": lambda: S.DraftModel(draft, target, k),
-                 "eagle head": lambda: S.EagleDraft(eagle_head, target, k),
-                 "adaptive eagle head": lambda: S.EagleDraft(eagle_head, target, k, adaptive=True),
-                 "tree eagle head": lambda: S.EagleDraft(eagle_head, target, k, tree=(3, 2 * k)),
+    proposers = {"draft": lambda: D.DraftModel(draft, target, k),
+                 "eagle head": lambda: D.EagleDraft(eagle_head, target, k),
+                 "adaptive eagle head": lambda: D.EagleDraft(eagle_head, target, k, adaptive=True),
+                 "tree eagle head": lambda: D.EagleDraft(eagle_head, target, k, tree=(3, 2 * k)),
                  "lookup then tree eagle":
-                     lambda: S.LookupThenDraft(S.EagleDraft(eagle_head, target, k, tree=(2, 6)), 2),
-                 "lookup then draft": lambda: S.LookupThenDraft(S.DraftModel(draft, target, k, adaptive=True), 2),
-                 "lookup then eagle": lambda: S.LookupThenDraft(S.EagleDraft(eagle_head, target, k), 2),
-                 "subset-head draft": lambda: S.DraftModel(subset_draft, target, k),
-                 "adaptive draft": lambda: S.DraftModel(draft, target, k, adaptive=True),
-                 "self draft": lambda: S.DraftModel(target, target, k),
+                     lambda: D.LookupThenDraft(D.EagleDraft(eagle_head, target, k, tree=(2, 6)), 2),
+                 "lookup then draft": lambda: D.LookupThenDraft(D.DraftModel(draft, target, k, adaptive=True), 2),
+                 "lookup then eagle": lambda: D.LookupThenDraft(D.EagleDraft(eagle_head, target, k), 2),
+                 "subset-head draft": lambda: D.DraftModel(subset_draft, target, k),
+                 "adaptive draft": lambda: D.DraftModel(draft, target, k, adaptive=True),
+                 "self draft": lambda: D.DraftModel(target, target, k),
                  "prompt lookup": lambda: S.PromptLookup(3, k),
                  "lookahead": lambda: S.Lookahead(4, k + 1, 3)}
     greedy = M.SamplingParams(temperature=0, max_new_tokens=128)
@@ -157,7 +161,7 @@ def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
     if kind != "draft":
         draft.to(torch.bfloat16 if kind == "bf16 eagle" else torch.float32).share_target(target)
         assert draft.lm_head.weight.dtype == draft.fc.weight.dtype == draft.new_cache().spec[3]
-    proposer = S.draft_proposer(draft, target, 4, compile=True)
+    proposer = D.draft_proposer(draft, target, 4, compile=True)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     for prompt in PROMPTS[:2]:
         spec = S.SpecStats()
@@ -165,7 +169,7 @@ def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
         check_cache_lengths(prompt, spec, kind)
     assert draft.compiled_step is not None and proposer.cache.limit == 512     # the smallest size
     long = list(range(1, 300)) * 3
-    proposer = S.draft_proposer(draft, target, 4, compile=True)
+    proposer = D.draft_proposer(draft, target, 4, compile=True)
     assert list(S.generate(target, long, greedy, proposer)) == plain(target, long, 64)
     assert proposer.cache.limit == 1024          # the next power of two: the model's whole context here
 
@@ -176,7 +180,7 @@ def test_lookup_then_draft_chooses(models):
     guesses only."""
     target, draft = models
     greedy = M.SamplingParams(temperature=0)
-    hybrid = S.LookupThenDraft(S.DraftModel(draft, target, 3, adaptive=True), 3)
+    hybrid = D.LookupThenDraft(D.DraftModel(draft, target, 3, adaptive=True), 3)
     with torch.inference_mode():
         repeat = [0, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 7, 8, 9]
         assert hybrid.propose(repeat, 6, 100, greedy, None).candidates == [[10, 11, 12, 13, 14, 15]]
@@ -186,7 +190,7 @@ def test_lookup_then_draft_chooses(models):
         once = [0, 7, 8, 9, 10, 5, 6, 9]                 # only "9" repeats: a 1-token match, not 3
         prop = hybrid.propose(once, 6, 100, greedy, None)
         assert not hybrid.looked_up and len(prop.candidates[0]) == 3
-        assert prop.candidates == S.DraftModel(draft, target, 3).propose(once, 3, 100, greedy, None).candidates
+        assert prop.candidates == D.DraftModel(draft, target, 3).propose(once, 3, 100, greedy, None).candidates
 
 
 def test_eagle_reads_the_right_features(models, eagle_head):
@@ -195,7 +199,7 @@ def test_eagle_reads_the_right_features(models, eagle_head):
     the whole context with the target's features from one fresh forward: entry j
     reads (token j+1, feature j). Its next guess is that pass's argmax."""
     target, _ = models
-    proposer = S.EagleDraft(eagle_head, target, 4)
+    proposer = D.EagleDraft(eagle_head, target, 4)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=48)
     prompt = PROMPTS[1]
     context = prompt + list(S.generate(target, prompt, greedy, proposer))
@@ -278,10 +282,10 @@ def test_spec_k_and_context_limit(models):
     prompt = prompt[:limit - 20]
     want = plain(target, prompt, 64)
     got = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=64),
-                          S.DraftModel(draft, target, 8)))
+                          D.DraftModel(draft, target, 8)))
     assert got == want and len(got) == 20     # the context, not max_new_tokens, ends it
     for n in (1, 2, 3):
-        for proposer in (S.DraftModel(draft, target, 8), S.PromptLookup(1, 8), S.Lookahead(3, 4, 2)):
+        for proposer in (D.DraftModel(draft, target, 8), S.PromptLookup(1, 8), S.Lookahead(3, 4, 2)):
             got = list(S.generate(target, PROMPTS[1], M.SamplingParams(temperature=0, max_new_tokens=n), proposer))
             assert got == plain(target, PROMPTS[1], n)
 
@@ -350,8 +354,8 @@ def test_distribution_is_what_sample_draws():
     for params in [M.SamplingParams(temperature=0.8), M.SamplingParams(temperature=1.2, top_k=5),
                    M.SamplingParams(temperature=1.0, top_p=0.7), M.SamplingParams(temperature=0.5, top_k=6,
                                                                                    top_p=0.9)]:
-        probs = M.sampling_probs(logits[None], params)[0]
-        counts = torch.bincount(torch.tensor([M.sample(logits, params, gen) for _ in range(4000)]),
+        probs = sampling.sampling_probs(logits[None], params)[0]
+        counts = torch.bincount(torch.tensor([sampling.sample(logits, params, gen) for _ in range(4000)]),
                                 minlength=12).float()
         assert ((counts > 0) <= (probs > 0)).all()
         assert chi_square_p(counts, probs * 4000) > 1e-3
@@ -391,7 +395,7 @@ def sampled_counts(target, make_proposer, params, n_seqs, n_new):
         seq = prompt + out
         with torch.inference_mode():
             logits = target(torch.tensor([seq]), torch.arange(len(seq)))[0, len(prompt) - 1:-1]
-        expected += M.sampling_probs(logits, p).sum(0)
+        expected += sampling.sampling_probs(logits, p).sum(0)
         observed += torch.bincount(torch.tensor(out), minlength=16).float()
     return observed, expected, spec
 
@@ -402,11 +406,11 @@ def test_sampling_matches_target(small_vocab, method, monkeypatch):
     """≥ 20,000 emitted tokens (the draft) against the target's exact distributions;
     then the same with a rule that accepts every guess, which must fail."""
     target, draft, part, eagle = small_vocab
-    make = {"draft": lambda: S.DraftModel(draft, target, 3),
-            "subset-head draft": lambda: S.DraftModel(part, target, 3),
-            "eagle head": lambda: S.EagleDraft(eagle, target, 3),
-            "eagle tree head": lambda: S.EagleDraft(eagle, target, 2, tree=(3, 4)),
-            "lookup then draft": lambda: S.LookupThenDraft(S.DraftModel(draft, target, 3), 2),
+    make = {"draft": lambda: D.DraftModel(draft, target, 3),
+            "subset-head draft": lambda: D.DraftModel(part, target, 3),
+            "eagle head": lambda: D.EagleDraft(eagle, target, 3),
+            "eagle tree head": lambda: D.EagleDraft(eagle, target, 2, tree=(3, 4)),
+            "lookup then draft": lambda: D.LookupThenDraft(D.DraftModel(draft, target, 3), 2),
             "prompt lookup": lambda: S.PromptLookup(2, 4),
             "lookahead": lambda: S.Lookahead(3, 3, 3)}[method]
     params = M.SamplingParams(temperature=1.0, top_p=0.95)
@@ -428,7 +432,7 @@ def test_bad_input(models, eagle_head, tmp_path, monkeypatch):
     target, draft = models
     for k in (0, -1):
         with pytest.raises(ValueError, match="spec-k must be >= 1"):
-            S.DraftModel(draft, target, k)
+            D.DraftModel(draft, target, k)
         with pytest.raises(ValueError, match="spec-k must be >= 1"):
             S.PromptLookup(3, k)
     for text in ["5,1,5", "0,3,2", "5,3,0", "5,3", "a,b,c"]:
@@ -438,18 +442,18 @@ def test_bad_input(models, eagle_head, tmp_path, monkeypatch):
         S.PromptLookup(0)
     other = M.Llama.from_pretrained(make_checkpoint(tmp_path / "v", vocab_size=352, **SMALL), "cpu")
     with pytest.raises(ValueError, match="must use the target's tokenizer"):
-        S.DraftModel(other, target)
+        D.DraftModel(other, target)
     with pytest.raises(ValueError, match="EAGLE head"):
-        S.EagleDraft(draft, target)
+        D.EagleDraft(draft, target)
     narrow = M.Llama.from_pretrained(make_checkpoint(tmp_path / "n", hidden_size=32, **SMALL), "cpu")
     wide_cfg = json.loads((tmp_path / "n" / "config.json").read_text())
     wide_cfg.update(num_hidden_layers=1, eagle=True, draft_vocab_size=8)
     head = M.Llama.from_pretrained(M.save_random_checkpoint(wide_cfg, tmp_path / "e"), "cpu").share_target(narrow)
     with pytest.raises(ValueError, match="width is 32 but the target's is 64"):
-        S.EagleDraft(head, target)
+        D.EagleDraft(head, target)
     with pytest.raises(ValueError, match="needs the target's features"):
         head(torch.tensor([[1, 2]]), torch.arange(2))
-    for proposer in (S.Lookahead(3, 3, 3), S.EagleDraft(eagle_head, target, 3, tree=(2, 4))):
+    for proposer in (S.Lookahead(3, 3, 3), D.EagleDraft(eagle_head, target, 3, tree=(2, 4))):
         with pytest.raises(ValueError, match="need the dynamic cache"):
             next(S.generate(target, [0, 1], M.SamplingParams(), proposer,
                             cache=target.new_cache("static", max_len=64)))
@@ -457,7 +461,7 @@ def test_bad_input(models, eagle_head, tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="--spec-tree"):
             S.parse_tree(text)
     with pytest.raises(ValueError, match="--spec-tree W,M needs W >= 1"):
-        S.EagleDraft(eagle_head, target, 3, tree=(0, 4))
+        D.EagleDraft(eagle_head, target, 3, tree=(0, 4))
 
 
 def test_draft_vocabulary_checked_at_load(tmp_path):
@@ -465,21 +469,21 @@ def test_draft_vocabulary_checked_at_load(tmp_path):
     bad_dir = make_checkpoint(tmp_path / "d", vocab_size=352)
     target, tok = M.load(str(tgt_dir))
     with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
-        S.load_draft(str(bad_dir), target, tok)
-    assert S.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+        D.load_draft(str(bad_dir), target, tok)
+    assert D.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
     # train.py's drafts carry no tokenizer files: they load with the target's, vocabulary still checked
     for d in (tgt_dir, bad_dir):
         for f in ("tokenizer.json", "tokenizer_config.json"):
             (d / f).unlink(missing_ok=True)
-    assert S.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+    assert D.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
     with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
-        S.load_draft(str(bad_dir), target, tok)
+        D.load_draft(str(bad_dir), target, tok)
 
 
 def test_runner_flags(tmp_path, monkeypatch, capsys):
     import serve_local
     tgt = str(make_checkpoint(tmp_path / "t"))
-    monkeypatch.setattr(S, "BUNDLED_DRAFT", tmp_path / "no-draft")
+    monkeypatch.setattr(D, "BUNDLED_DRAFT", tmp_path / "no-draft")
     cases = [(["--draft", "bundled"], "python train.py"), (["--spec-k", "0", "--prompt-lookup", "3"], "spec-k"),
              (["--lookahead", "4,1,4"], "--lookahead"), (["--lookahead", "4,3,4", "--prompt-lookup", "2"],
                                                          "choose one speculative method"),
@@ -505,7 +509,7 @@ def test_static_cache_and_chat_turns(models, tmp_path):
     prompt = PROMPTS[1]
     want = plain(target, prompt, 64)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
-    for proposer in (S.DraftModel(draft, target, 4), S.PromptLookup(3, 4)):
+    for proposer in (D.DraftModel(draft, target, 4), S.PromptLookup(3, 4)):
         cache = target.new_cache("static", max_len=128)
         assert list(S.generate(target, prompt, greedy, proposer, cache=cache)) == want
         assert cache.length == len(prompt) + 64 - 1
@@ -537,11 +541,11 @@ def test_committed_draft(bundled_dir):
     budget, no tokenizer, embedding or LM head of its own (it uses the target's),
     a head over part of the vocabulary; speculative output with it is still the
     target's own, and it guesses well (a random head gives ~1.0 token per forward)."""
-    files = list(S.BUNDLED_DRAFT.iterdir())
+    files = list(D.BUNDLED_DRAFT.iterdir())
     assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
                                                                                           "model.safetensors"}
     target, tok = M.load(str(bundled_dir), "cpu", "float32")
-    head = S.load_draft("bundled", target, tok)
+    head = D.load_draft("bundled", target, tok)
     assert head.config.eagle and head.embed_tokens is target.embed_tokens
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()       # stored in bf16: run in bf16 where the CPU can
     assert head.fc.weight.dtype == head.lm_head.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
@@ -551,8 +555,8 @@ def test_committed_draft(bundled_dir):
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     want = list(M.generate_cached(target, prompt, greedy))
     per_forward = []
-    for proposer in (S.EagleDraft(head, target, 3), S.LookupThenDraft(S.EagleDraft(head, target, 3), 3),
-                     S.make_proposer(target, tok, "bundled", 3, tree="4,10")):
+    for proposer in (D.EagleDraft(head, target, 3), D.LookupThenDraft(D.EagleDraft(head, target, 3), 3),
+                     serve_local.make_proposer(target, tok, "bundled", 3, tree="4,10")):
         spec = S.SpecStats()
         assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == want
         per_forward.append(spec.tokens_per_forward)
@@ -563,10 +567,10 @@ def test_committed_draft(bundled_dir):
 def test_narrow_draft():
     """A bf16-stored draft runs in bf16 only under an fp32 target on a CPU that computes bf16."""
     cpu = torch.device("cpu")
-    assert S.narrow_draft("bfloat16", cpu, torch.float32) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert not S.narrow_draft("float32", cpu, torch.float32)
-    assert not S.narrow_draft(None, cpu, torch.float32)
-    assert not S.narrow_draft("bfloat16", torch.device("cuda"), torch.float32)
+    assert D.narrow_draft("bfloat16", cpu, torch.float32) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not D.narrow_draft("float32", cpu, torch.float32)
+    assert not D.narrow_draft(None, cpu, torch.float32)
+    assert not D.narrow_draft("bfloat16", torch.device("cuda"), torch.float32)
 
 
 def test_compare_reports_where_texts_part(models):
@@ -574,17 +578,17 @@ def test_compare_reports_where_texts_part(models):
     that parts from it is reported with the first new token that differs."""
     target, _ = models
     static = target.new_cache("static", 64)      # plain decoding on a given cache, reused prompt after prompt
-    rows = S.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3),
+    rows = bench.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3),
                                            "static": lambda: static}, 24)
     assert [r["diverged"] for r in rows] == [[None, None]] * 3
     assert rows[0]["speedup"] == 1.0 and rows[1]["spec"].steps > 0 and rows[2]["spec"] is None
-    assert S.same_tokens([None, None]) == "yes"
-    assert S.same_tokens([None, 7, 3]) == "1/3; others from token 3, 7"
+    assert bench.same_tokens([None, None]) == "yes"
+    assert bench.same_tokens([None, 7, 3]) == "1/3; others from token 3, 7"
 
 
 def test_plain_step_baseline_uses_the_given_cache(models):
     """The runner's baseline runs through its own cache (compiled with --compile) and leaves it empty."""
     target, _ = models
     cache = target.new_cache("static", 256)
-    assert S.plain_step_s(target, cache) > 0 and cache.length == 0
-    assert S.plain_step_s(target) > 0
+    assert serve_local.plain_step_s(target, cache) > 0 and cache.length == 0
+    assert serve_local.plain_step_s(target) > 0

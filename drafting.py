@@ -1,0 +1,354 @@
+"""
+drafting.py — proposers that are models, for speculative decoding (speculative.py).
+
+Speculative decoding is exact whatever proposes the guesses; how fast it goes
+depends on two numbers: the share of guesses the target accepts (α) and what a
+guess costs next to a target step. A proposer that is itself a language model
+trades one for the other:
+
+* a standalone draft (DraftModel): a small model with the same tokenizer,
+  run autoregressively from its own KV cache. It must rediscover from tokens
+  alone what the target has worked out, so a small one agrees less often.
+* an EAGLE head (EagleDraft; Li et al. 2024): one transformer block that reads
+  the target's own final hidden states ("features") next to the tokens and
+  predicts the next feature; the target's LM head turns it into a token. It
+  starts from the target's understanding, so one block agrees about as often
+  as a much larger standalone draft, and a guess costs ~9M multiply-adds
+  against SmolLM2's ~135M per token. It can also draft a tree of guesses.
+* LookupThenDraft: free prompt lookup where the text repeats itself, the
+  model elsewhere.
+
+Cost model per speculative step with k guesses:
+
+    time ≈ k · (draft step) + (target pass over k+1 positions)
+    tokens ≈ (1 − α^(k+1)) / (1 − α)
+
+so a draft pays when α is high and its step is a small fraction of the
+target's. Both drafts here run their one-token step compiled on a static cache
+(kernels.compile_step), since a tiny model's eager step is mostly per-op
+overhead. train.py trains the bundled EAGLE head (`--draft bundled`);
+`python bench.py speculative` measures every proposer against plain decoding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import kernels
+from kvcache import common_prefix
+from model import Llama, build, load
+from sampling import SamplingParams, sampling_probs
+from speculative import Proposal, PromptLookup, check_k, check_tree, generate
+
+ROOT = Path(__file__).resolve().parent
+BUNDLED_DRAFT = ROOT / "drafts" / "smollm2-135m-draft"   # written by train.py
+
+
+class DraftModel:
+    """A small model with the same tokenizer drafts k tokens autoregressively.
+
+    A drafted token must cost a small fraction of a target step. Run eagerly, a
+    tiny draft's step is mostly per-op overhead, so with ``compile=True`` its
+    one-token step is compiled (model.compile_decode) on a static cache, sized
+    in powers of two (≥ 512) so the compiled step sees few shapes (attention
+    reads the whole static cache, so it is not made larger than needed).
+    Greedy drafting takes the argmax of the logits and hands verify no
+    distributions."""
+    needs_dynamic_cache = False
+    needs_features = False
+
+    def __init__(self, draft: Llama, target: Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
+                 compile: bool = False):
+        check_k(k)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
+                             f"{target.config.vocab_size}: a draft must use the target's tokenizer")
+        self.model, self.k, self.adaptive, self.k_max = draft, k, adaptive, max(k, k_max)
+        if compile and draft.compiled_step is None:
+            draft.compile_decode()
+        self.static = compile
+        self.cache = None if compile else draft.new_cache()
+        self.ids: list[int] = []        # the tokens in self.cache
+
+    def reserve(self, n: int):
+        """A static cache that holds n tokens (a new, empty one if the current is too small)."""
+        if self.cache is None or self.cache.limit < n:
+            size = min(max(512, 1 << (n - 1).bit_length()), self.model.config.max_seq_len)
+            with torch.inference_mode():    # as in propose: the compiled step's guards tell the two apart
+                self.cache = self.model.new_cache("static", max_len=size)
+            self.ids = []
+
+    def warm_up(self, target: Llama, sizes=(512, 1024, 2048)):
+        """Compile the draft's step now for these static-cache sizes (~13 s the first
+        time, then from inductor's disk cache), so that no timed step waits for it."""
+        for n in sizes:
+            self.reserve(n)
+            list(generate(target, [1, 2, 3], SamplingParams(max_new_tokens=4), self))
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        dev = self.model.embed_tokens.weight.device
+        if self.static:
+            self.reserve(len(context) + k)
+        keep = min(common_prefix(self.ids, context), len(context) - 1)
+        self.cache.crop(keep)
+        feed, tokens, rows = context[keep:], [], []
+        for _ in range(k):
+            pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
+            logits = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True)[0, -1]
+            tokens.append(self.choose(logits, params, gen, rows))
+            feed = tokens[-1:]
+        self.ids = context + tokens[:-1]
+        return Proposal([tokens], torch.stack(rows) if rows else None)
+
+    @staticmethod
+    def choose(logits: torch.Tensor, params, gen, rows: list) -> int:
+        """The drafted token; sampling also keeps its distribution q in rows for verify."""
+        if params.temperature == 0:     # a point mass: verify needs only the token
+            return int(logits.argmax())
+        rows.append(sampling_probs(logits, params))
+        return int(torch.multinomial(rows[-1], 1, generator=gen))
+
+    def update(self, context, n, k, branch_logits):
+        self.sync(context)
+        self.adapt(n, k)
+
+    def sync(self, context: list[int]):
+        """Drop what the target rejected: the cache keeps the accepted tokens it holds."""
+        accepted = len(context) - 1           # what the target's cache holds now
+        self.ids = self.ids[:min(len(self.ids), accepted)]
+        self.cache.crop(len(self.ids))
+
+    def adapt(self, n: int, k: int):
+        if self.adaptive:                      # grow on full acceptance, shrink on early rejection
+            if n == k:
+                self.k = min(self.k + 1, self.k_max)
+            elif n < k // 2:
+                self.k = max(self.k - 1, 1)
+
+
+class EagleDraft(DraftModel):
+    """EAGLE (Li et al. 2024): a one-block head drafts from the target's own features.
+
+    A separate small model must rediscover, from tokens alone, what the target
+    has already worked out. EAGLE's head instead reads the target's feature f_j
+    (the final normalised hidden state, what the LM head reads) next to the
+    token x_j+1 that followed, and predicts f_j+1; the target's LM head turns
+    the prediction into a token (model.Llama.fc and share_target):
+
+        head input at position j:  fc([embed(x_j+1); f_j])   ->   f̂_j+1  ->  token x̂_j+2
+
+    The verify forward hands the features of the positions it computed to
+    observe(); only accepted ones are kept. Drafting step 1 then runs the head
+    over every position whose true feature is new (the last accepted tokens, one
+    forward), which yields d1; steps 2..k feed the head's own predicted feature
+    with the token it just drafted. Its cache holds entries for true features
+    only between steps: the entries built on predictions are dropped, as the
+    target's rows for rejected guesses are.
+    A drafted token costs fc, one block and a head over 8,192 tokens, ~9M
+    multiply-adds against the target's ~135M (load_draft may run it in bf16
+    under an fp32 target, see narrow_draft). Its cache and outputs are in its own dtype; the
+    target's features are cast on the way in, and the features it predicts
+    are kept in the target's dtype, so the compiled step sees one dtype.
+    With ``tree=(W, M)`` it drafts a tree instead of a chain (propose_tree)."""
+    needs_features = True
+
+    def __init__(self, head: Llama, target: Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
+                 compile: bool = False, tree: tuple[int, int] | None = None):
+        if not head.config.eagle:
+            raise ValueError("EagleDraft needs an EAGLE head (config.json \"eagle\": true); use DraftModel")
+        if head.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"the EAGLE head's width is {head.config.hidden_size} but the target's is "
+                             f"{target.config.hidden_size}: it reads the target's features, so it was trained "
+                             f"for another model")
+        if tree is not None:
+            check_tree(*tree)
+        # a tree grows level by level with several tokens per head pass: the eager step, a dynamic cache
+        super().__init__(head, target, k, adaptive, k_max, compile and tree is None)
+        self.tree = tree
+        self.needs_dynamic_cache = tree is not None      # the target's rows too: tree tokens share positions
+        w = target.embed_tokens.weight
+        self.features = torch.zeros(0, target.config.hidden_size, dtype=w.dtype, device=w.device)
+
+    def observe(self, start: int, features: torch.Tensor):
+        """The target's features (T, hidden) at positions start..start+T-1 of the context."""
+        end, have = start + len(features), len(self.features)
+        if have < end:
+            self.features = torch.cat([self.features, self.features.new_zeros(max(end, 2 * have) - have,
+                                                                              self.features.shape[1])])
+        self.features[start:end] = features
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        t = len(context) - 1      # x_t is the last token; the target has features for 0..t-1
+        if self.static:
+            self.reserve(len(context) + k)
+        if len(self.features) < t:   # positions computed without features (a resumed chat): zeros
+            self.observe(len(self.features), self.features.new_zeros(t - len(self.features), self.features.shape[1]))
+        # entry j reads token j+1: entries 0..keep-1 still hold true features of this context
+        keep = max(0, min(common_prefix(self.ids, context) - 1, t - 1))
+        self.cache.crop(keep)
+        feed, feats, tokens, rows = context[keep + 1:t + 1], self.features[keep:t], [], []
+        self.ids = context[:t + 1]            # the entries on predicted features are not kept
+        if self.tree is not None:
+            return self.propose_tree(feed, feats, t, k, room)
+        for _ in range(k):
+            logits, h = self.head_pass(feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
+            tokens.append(self.choose(logits[0, -1], params, gen, rows))
+            feed, feats = tokens[-1:], h[0, -1:].to(self.features.dtype)
+        return Proposal([tokens], torch.stack(rows) if rows else None)
+
+    def head_pass(self, tokens: list[int], positions: torch.Tensor, features: torch.Tensor, mask=None):
+        """The head over new entries (token, feature) -> (logits, predicted features);
+        without a mask only the last position's logits."""
+        dev = features.device
+        return self.model(torch.tensor([tokens], device=dev), positions.to(dev), self.cache,
+                          last_only=mask is None, mask=None if mask is None else mask.to(dev),
+                          features=features[None], hidden=True)
+
+    def propose_tree(self, feed: list[int], feats: torch.Tensor, t: int, k: int, room: int) -> Proposal:
+        """A tree of guesses, grown like EAGLE-2: level 1 is the head's top W
+        tokens for x_t+1; each next level expands the W most likely nodes of the
+        last (likely = the product of the head's probabilities along the path),
+        W children each, all in one head pass whose mask lets a node see its own
+        ancestors only. After k levels the M most likely nodes are verified (a
+        node is never likelier than its parent, so they form a tree). The guesses
+        are fixed functions of the head's scores, so verify treats them as point
+        masses, several per depth: exact for sampling as for greedy."""
+        W, budget = self.tree
+        logits, h = self.head_pass(feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
+        # per node: its token, parent (-1: x_t), log-probability of its path, the feature it reads
+        tokens, parents, scores, inputs = [], [], [], []
+        entry = {}                            # an expanded node -> its row in the head's cache
+
+        def lineage(i):                       # node i, its parent, ..., up to depth 1
+            while i >= 0:
+                yield i
+                i = parents[i]
+
+        def grow(logits_row, parent, feature):
+            top = torch.log_softmax(logits_row.float(), -1).topk(W)
+            base = scores[parent] if parent >= 0 else 0.0
+            for lp, token in zip(top.values.tolist(), top.indices.tolist()):
+                tokens.append(token)
+                parents.append(parent)
+                scores.append(base + lp)
+                inputs.append(feature)
+            return range(len(tokens) - W, len(tokens))
+
+        level = grow(logits[0, -1], -1, h[0, -1])
+        for depth in range(1, k):
+            expand = sorted(level, key=lambda i: -scores[i])[:W]
+            L = self.cache.length
+            mask = torch.zeros(len(expand), L + len(expand), dtype=torch.bool)
+            mask[:, :t] = True                                  # the true entries
+            for j, i in enumerate(expand):
+                entry[i] = L + j
+                mask[j, [entry[a] for a in lineage(i)]] = True
+            logits, h = self.head_pass([tokens[i] for i in expand], torch.full((len(expand),), t - 1 + depth),
+                                       torch.stack([inputs[i] for i in expand]), mask)
+            level = [n for j, i in enumerate(expand) for n in grow(logits[0, j], i, h[0, j])]
+        chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:max(1, min(budget, room))]
+        leaves = set(chosen) - {parents[i] for i in chosen}
+        return Proposal([[tokens[a] for a in lineage(leaf)][::-1]
+                         for leaf in sorted(leaves, key=lambda i: (-scores[i], i))])
+
+    def sync(self, context: list[int]):
+        self.cache.crop(max(0, len(self.ids) - 1))     # entries on predicted features go
+
+
+class LookupThenDraft:
+    """Prompt lookup where the text repeats itself, the draft model elsewhere.
+
+    The two are strong in different places. Chat answers repeat their own
+    phrases, lists and the prompt's words; there an exact match of the last N
+    tokens proposes a long continuation for free, often wholly accepted. Where
+    nothing repeats, the draft model guesses. Measured on bench.py's chat
+    prompts (see README): the hybrid beats either alone, because the lookup's
+    steps are long (up to 2k tokens here) and the draft fills the rest. Either
+    way each guess is verified by the same rule, so output stays exact."""
+
+    def __init__(self, draft: DraftModel, ngram: int = 3):
+        # an exact match of all N tokens only (a 1-token match is a weak guess: the
+        # draft does better there), and twice the draft's k: a lookup's guesses cost nothing
+        self.lookup, self.draft = PromptLookup(ngram, 2 * draft.k, min_ngram=ngram), draft
+        self.needs_features, self.needs_dynamic_cache = draft.needs_features, draft.needs_dynamic_cache
+        self.looked_up = False        # whether this step's guess came from the lookup
+
+    @property
+    def k(self) -> int:
+        return max(self.lookup.k, self.draft.k)
+
+    @property
+    def cache(self):
+        return self.draft.cache
+
+    def observe(self, start: int, features: torch.Tensor):
+        self.draft.observe(start, features)
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        prop = self.lookup.propose(context, min(k, self.lookup.k), room, params, gen)
+        self.looked_up = bool(prop.candidates and prop.candidates[0])
+        return prop if self.looked_up else self.draft.propose(context, min(k, self.draft.k), room, params, gen)
+
+    def update(self, context, n, k, branch_logits):
+        self.draft.sync(context)
+        if not self.looked_up:        # adaptive k follows the draft's own guesses only
+            self.draft.adapt(n, k)
+
+
+# ----------------------------------------------------------------------------
+# Loading a draft.
+
+def check_same_vocab(target_tok, draft_tok, target: Llama, draft: Llama):
+    """A draft's token ids must mean what the target's mean."""
+    sizes = (target.config.vocab_size, draft.config.vocab_size, target_tok.vocab_size, draft_tok.vocab_size)
+    if sizes[0] != sizes[1] or sizes[2] != sizes[3]:
+        raise ValueError(f"the draft's vocabulary ({sizes[1]} ids, tokenizer {sizes[3]}) differs from the "
+                         f"target's ({sizes[0]} ids, tokenizer {sizes[2]}): a draft must use the same tokenizer")
+    n = min(sizes[2], sizes[3])
+    probe = list(range(0, n, max(1, n // 64)))
+    if [target_tok.decode([i]) for i in probe] != [draft_tok.decode([i]) for i in probe]:
+        raise ValueError("the draft's tokenizer maps ids to different text than the target's: "
+                         "a draft must use the same tokenizer")
+
+
+def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Run a bf16-stored draft in bf16 under an fp32 target on a CPU that computes
+    bf16 (avx512_bf16/AMX): its weights hold nothing finer, and drafting is
+    memory-bound, so half the bytes is half the time. The bundled EAGLE head
+    drafting 3 tokens for fp32 SmolLM2: ~6 ms a step in fp32, ~4 ms in bf16, the
+    same tokens per forward. Verification, and so the output, is the target's."""
+    return stored == "bfloat16" and dtype == torch.float32 and device.type == "cpu" and kernels.bf16_supported(device)
+
+
+def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None) -> Llama:
+    """--draft MODEL: any model name model.load accepts, or `bundled` (train.py's draft).
+    A model directory without tokenizer files (what train.py writes: its drafts use
+    the target's tokenizer by construction) is checked against the target's."""
+    if name == "bundled":
+        if not (BUNDLED_DRAFT / "config.json").is_file():
+            raise ValueError(f"no trained draft in {BUNDLED_DRAFT}: run `python train.py` "
+                             f"(distils one from the bundled model, ~45 min on 2 CPU cores) or pass --draft MODEL")
+        name = str(BUNDLED_DRAFT)
+    path = Path(name)
+    if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        dev = kernels.pick_device(device)
+        if narrow_draft(checkpoint.read_config(path).get("torch_dtype"), dev, kernels.pick_dtype(dtype, dev)):
+            dtype = torch.bfloat16
+        draft, tok = build(path, dev, dtype), target_tok
+    else:
+        draft, tok = load(name, device, dtype)
+    check_same_vocab(target_tok, tok, target, draft)
+    if draft.config.eagle:      # its width is checked by EagleDraft, the one way to use it
+        draft.share_target(target)   # a new LM head weight: prepack it
+    return kernels.prepack(draft)
+
+
+def draft_proposer(draft: Llama, target: Llama, k: int = 4, adaptive: bool = False, compile: bool = False,
+                   tree: tuple[int, int] | None = None):
+    """The proposer for a loaded draft: an EAGLE head drafts from the target's features."""
+    if draft.config.eagle:
+        return EagleDraft(draft, target, k, adaptive, compile=compile, tree=tree)
+    return DraftModel(draft, target, k, adaptive, compile=compile)

@@ -1,0 +1,223 @@
+"""
+kernels.py — which kernel runs each product on this machine, and why.
+
+The lessons compute with plain PyTorch: a Linear layer is x·Wᵀ, a decode step
+is a function that `torch.compile` may fuse. This file is the one place that
+says *how* those run fast on a given device: which library kernel a matrix
+product goes to, in which weight layout, and with which compiler settings.
+Porting to another device, or tuning another CPU, touches this file alone
+(flash.py keeps its own attention kernels, quantize.py its int8/int4 ones).
+
+The cost model behind every choice. Batch-1 decoding is a chain of
+matrix-vector products that read every weight once per token and do two
+flops per weight read, so a step takes
+
+    time ≈ bytes of weights / memory bandwidth  +  calls × fixed cost per call
+
+A 135M-parameter model in bf16 is 270 MB: at 20 GB/s that is 13.5 ms a token
+before any overhead. The first term wants kernels that stream W at full
+bandwidth; the second wants few calls, because a small model's matrices are
+so small that a kernel's fixed cost (dispatch, thread fork/join, a weight
+reorder) is comparable to its work. Each choice below names which term it
+attacks and what it measured (`python bench.py decode` reruns the whole step).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------
+# Devices and dtypes.
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    """The best device present, unless one is named."""
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(name, device: torch.device) -> torch.dtype:
+    """A dtype by name; auto: bf16 on a GPU (its tensor cores), fp32 on a CPU (the exact reference)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype '{name}': use float32, bfloat16 or float16 (fp32/bf16/fp16)")
+    return DTYPES[name]
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether this device computes bf16 natively (a CPU: oneDNN's avx512_bf16/AMX kernels).
+    Elsewhere bf16 is converted to fp32 per element and gains little."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def busy_machine_hint() -> str | None:
+    """On a machine whose other processes keep every core busy, OpenMP threads wait for
+    each other whenever one is descheduled (a decode step measured here took 81 ms with
+    one thread and 0.3-3 s with two). Returns a hint, or None when it does not apply."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if torch.get_num_threads() > 1 and load > cores:
+        return (f"note: this machine is busy (load {load:.1f} on {cores} cores); with {torch.get_num_threads()} "
+                f"threads every step may stall, --threads 1 runs steadier")
+    return None
+
+
+# ----------------------------------------------------------------------------
+# The linear layer: x·Wᵀ on the fastest kernel for the case at hand.
+#
+# Eager fp32 on a CPU: F.linear calls MKL's sgemm, which on an AMD EPYC took
+# 61 ms for a one-token SmolLM2 step and 1.75-2.2x that for 2 or 3 tokens;
+# oneDNN's kernel (the one torch uses for bf16, and inductor for its fused
+# linears) took 43 ms and 1.3x. It has no gradient, so only inference uses it.
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN's call costs ~15 µs before any work, so below 512×512 F.linear is faster
+# (64×32: 2 against 17 µs); from there up oneDNN wins or ties.
+ONEDNN_MIN = 512 * 512
+
+
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """x·Wᵀ for a Linear layer (a quantized layer brings its own forward).
+
+    * Inside a compiled one-token step on a CPU: `matvec_sum`, which inductor
+      fuses into one vectorized loop over W (see there).
+    * Eager CPU inference: oneDNN, on the weight's prepacked copy when it has one.
+    * Everywhere else (training, GPUs): F.linear, the right kernel there."""
+    if not isinstance(layer, nn.Linear):
+        return layer(x)
+    if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+        return matvec_sum(x, layer.weight)
+    cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
+    packed = packed_weight(layer)
+    if packed is not None and packed.dtype == x.dtype and cpu_inference and not torch.compiler.is_compiling():
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if x.dtype == layer.weight.dtype == torch.float32 and cpu_inference and ONEDNN and \
+            layer.weight.numel() >= ONEDNN_MIN:
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
+    return F.linear(x, layer.weight)
+
+
+def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) · w (N, K)ᵀ as multiply-and-sum, times ``scale`` (N,) if given:
+    the one-token product inside a compiled step (`linear` for float weights,
+    quantize.Int8Linear for int8 rows and their scales). Inductor fuses it into
+    one vectorized loop that widens each weight to fp32 as it reads it and
+    accumulates in fp32: 21 GB/s against 16 GB/s for oneDNN's kernel behind
+    F.linear (8 matrices 5632×2048, bf16, same run).
+    Inductor sums a float reduction longer than 4,096 terms through a cascade
+    helper that is 2x slower here (2048 x 4096: 25.8 GB/s, 2048 x 4112: 12.2).
+    So a longer row (TinyLlama's down projection has 5,632) is read as two rows
+    of K/2, each against its half of x, and each pair of partial sums is added:
+    1.18 ms for that matrix in bf16, against 1.85 read as one row."""
+    n, k = w.shape
+    if k <= 4096 or k % 2:
+        out = (x.float().unsqueeze(-2) * w.float()).sum(-1)
+    else:
+        half = k // 2
+        rows = x.reshape(-1, 2, half).float()[:, torch.arange(2 * n, device=w.device) % 2]   # (M, 2N, K/2)
+        partial = (rows * w.view(2 * n, half).float()).sum(-1)                                # (M, 2N)
+        out = partial.view(-1, n, 2).sum(-1).reshape(*x.shape[:-1], n)
+    return (out if scale is None else out * scale.float()).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Prepacked weights: the layout oneDNN wants, made once.
+
+def prepack(model: nn.Module) -> nn.Module:
+    """Give every big Linear on the CPU a copy of its weight in oneDNN's blocked
+    layout, which `linear` then uses in eager inference.
+
+    Handed a plain row-major W, oneDNN reorders it into its blocked layout on
+    every call that computes more than one position: a 3072×576 fp32 product
+    took 66 µs for one row, 206 µs for 4 rows, and 88 µs for 4 rows on a weight
+    reordered once. So without the copy a pass over 2 to 11 positions (the
+    sizes speculative decoding verifies) cost far more than a one-token step;
+    with it, checking 4 guesses costs about one step. The values are oneDNN's
+    either way (bitwise equal). The price is a second copy of those weights
+    (+540 MB for SmolLM2 in fp32), kept because the compiled step, quantization
+    and checkpoints read the plain one. A layer keeps its copy only while its
+    weight is the same tensor (tying or sharing a weight swaps it: call prepack
+    again); weights changed in place (an optimizer step) are not noticed, so
+    train with F.linear (grad enabled) or not prepacked."""
+    if not ONEDNN:
+        return model
+    bf16_ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.numel() < ONEDNN_MIN or \
+                not (w.dtype == torch.float32 or w.dtype == torch.bfloat16 and bf16_ok):
+            continue
+        if packed_weight(m) is None:
+            # the size hint (16 rows) picks the blocking; any number of rows can use it
+            m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
+    return model
+
+
+def packed_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The layer's copy from prepack, if it is a copy of its current weight."""
+    packed = getattr(layer, "onednn", None)
+    return packed[1] if packed is not None and packed[0] is layer.weight else None
+
+
+def prepacked_bytes(model: nn.Module) -> int:
+    """The memory prepack's copies take (the runner prints it next to the weights')."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if packed_weight(m) is not None)
+
+
+# ----------------------------------------------------------------------------
+# Compiling a decode step.
+
+def compile_step(step):
+    """torch.compile a one-token decode step whose shapes never change (a static
+    cache), so it compiles once. On a CPU inductor emits C++ loops that fuse the
+    elementwise work between matmuls (RMSNorm, RoPE, SiLU·up, residual adds, the
+    softmax) and removes the per-op dispatch that dominates a small model's
+    eager step; the matrix-vector products become `matvec_sum`'s fused loops.
+
+    * cpp_wrapper: the kernels are called from C++, not Python (fewer µs per
+      kernel; ~20% of a SmolLM2 bf16 step).
+    * realize_opcount_threshold 0: store every reused elementwise result (a few
+      KB per token) instead of recomputing it where it is read; otherwise
+      inductor inlines RMSNorm into the next matrix-vector loop and redoes the
+      normalisation for every weight row it reads (2.8x slower on that matrix).
+    * not `freezing`: it would fold W.float() into an fp32 copy of every
+      weight, doubling the bytes each step reads.
+    * not max_autotune: measured no faster here.
+
+    The first compile takes 1-2.5 minutes on 2 cores; inductor caches it on disk
+    (TORCHINDUCTOR_CACHE_DIR), and later runs start in ~20 s."""
+    return torch.compile(step, dynamic=False, fullgraph=True,
+                         options={"cpp_wrapper": True, "realize_opcount_threshold": 0})
+
+
+if __name__ == "__main__":
+    import time
+    dev = pick_device("cpu")
+    print(f"device {dev}, {torch.get_num_threads()} threads; oneDNN: {ONEDNN}; computes bf16: "
+          f"{bf16_supported(dev)}")
+    layer = nn.Linear(2048, 5632, bias=False)
+    x = torch.randn(4, 2048)
+    with torch.inference_mode():
+        for name, fn in (("F.linear", lambda: F.linear(x, layer.weight)), ("kernels.linear", lambda: linear(x, layer)),
+                         ("prepacked", lambda: linear(x, prepack(layer)))):
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            print(f"  4 rows × 5632×2048 fp32, {name:14}: {(time.perf_counter() - t0) / 20 * 1e3:.2f} ms")

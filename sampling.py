@@ -1,0 +1,121 @@
+"""
+sampling.py — turn the model's logits into the next token, and decide when to stop.
+
+A forward pass ends in logits: one score per vocabulary entry for the next
+token. Decoding policy is separate from the model and shared by every decoder
+(model.py's naive and cached loops, speculative.py, the engine):
+
+* greedy: the argmax. Deterministic; what the tests and benchmarks use, since
+  it makes every optimisation checkable token for token.
+* temperature T: softmax(logits / T). T < 1 sharpens the distribution, T > 1
+  flattens it; T → 0 is greedy.
+* top-k: keep the k likeliest tokens; top-p (nucleus): keep the smallest set
+  whose probability reaches p. Both cut the long tail of unlikely tokens,
+  where a sampled answer goes off the rails.
+
+Speculative decoding needs the distribution itself, not just a token
+(`sampling_probs`): its acceptance rule compares the target's p with the
+draft's q, both shaped by the same temperature, top-k and top-p.
+
+Cost: a few vector operations over the vocabulary (49,152 entries for SmolLM2)
+per token; only top-p's sort is noticeable, so it ranks the 256 likeliest first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0     # 0 = greedy (argmax)
+    top_k: int = 0               # 0 = off; else keep the k most likely tokens
+    top_p: float = 1.0           # keep the smallest set whose probability reaches top_p
+    seed: int | None = None
+    max_new_tokens: int = 256
+    logprobs: int = 0            # the engine also returns the N most likely tokens' log-probabilities at
+                                 # every output position, from the raw distribution (before temperature)
+    ignore_eos: bool = False     # run to max_new_tokens: benchmarks and training data need exact lengths
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 (0 returns none), got {self.logprobs}")
+
+
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits (..., vocab) -> the probabilities a token is drawn from, row by row:
+    temperature, then top-k, then top-p. Greedy: a point mass on the argmax.
+    (speculative.py applies the same to the draft's and the target's logits.)"""
+    logits = logits.float()
+    if p.temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1:
+        # The nucleus is usually a few dozen tokens: rank only the 256 likeliest
+        # (1.3 ms a row here, against 7.2 ms to sort all 49,152), and sort the rest
+        # only for a row whose 256 fall short of top_p.
+        sorted_p, order = probs.topk(min(256, probs.shape[-1]), dim=-1)
+        cum = sorted_p.cumsum(-1)
+        if not bool((cum[..., -1] >= p.top_p).all()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            cum = sorted_p.cumsum(-1)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop = cum - sorted_p >= p.top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """logits (vocab,) fp32 -> token id."""
+    if p.temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(sampling_probs(logits, p), 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------
+# When to stop, and the random state.
+
+def finish_reason(token: int, generated: int, length: int, p: SamplingParams, eos_ids, limit: int) -> str | None:
+    """The stop rule, one for every decoder (model.py, speculative.py) and the
+    engine: after ``token``, the ``generated``-th new token, the sequence holds
+    ``length`` tokens. "stop" on an EOS id (unless p.ignore_eos), "length" at
+    max_new_tokens or the context limit, None to go on."""
+    if token in eos_ids and not p.ignore_eos:
+        return "stop"
+    if generated >= p.max_new_tokens or length >= limit:
+        return "length"
+    return None
+
+
+def seeded_generator(seed: int | None, device) -> torch.Generator | None:
+    """Sampling's random state: seeded for reproducible runs, None for torch's global one."""
+    return None if seed is None else torch.Generator(device).manual_seed(seed)
+
+
+if __name__ == "__main__":
+    # A toy vocabulary of 8 tokens: what each setting leaves to draw from.
+    logits = torch.tensor([4.0, 3.5, 3.0, 2.0, 1.0, 0.0, -1.0, -3.0])
+    print("logits      " + " ".join(f"{x:6.1f}" for x in logits.tolist()))
+    for name, p in [("greedy", SamplingParams()), ("T = 1", SamplingParams(temperature=1.0)),
+                    ("T = 0.5", SamplingParams(temperature=0.5)), ("T = 2", SamplingParams(temperature=2.0)),
+                    ("top-k 3", SamplingParams(temperature=1.0, top_k=3)),
+                    ("top-p 0.9", SamplingParams(temperature=1.0, top_p=0.9))]:
+        print(f"{name:11} " + " ".join(f"{x:6.3f}" for x in sampling_probs(logits, p).tolist()))
+    gen = seeded_generator(0, "cpu")
+    draws = [sample(logits, SamplingParams(temperature=1.0, top_p=0.9, seed=0), gen) for _ in range(20)]
+    print(f"20 draws at T = 1, top-p 0.9, seed 0: {draws}")

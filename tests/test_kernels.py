@@ -1,0 +1,72 @@
+"""kernels.py: the device-specific fast paths give the plain computation's values."""
+
+import pytest
+import torch
+
+import kernels
+import quantize
+
+
+def test_linear_uses_onednn_for_fp32_inference_and_keeps_gradients():
+    """kernels.linear: eager fp32 inference goes through oneDNN (MKL's small-batch
+    sgemm is slow on some CPUs); same values as F.linear, and training still gets
+    F.linear's gradients."""
+    assert kernels.ONEDNN                     # every CPU wheel of torch ships oneDNN
+    layer = torch.nn.Linear(64, 300, bias=False)
+    for t in (1, 3, 8):
+        x = torch.randn(2, t, 64)
+        with torch.inference_mode():
+            torch.testing.assert_close(kernels.linear(x, layer), torch.nn.functional.linear(x, layer.weight),
+                                       atol=1e-5, rtol=1e-5)
+    x = torch.randn(1, 3, 64, requires_grad=True)
+    kernels.linear(x, layer).sum().backward()
+    assert layer.weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_linear(dtype):
+    """kernels.prepack: big Linears get oneDNN's blocked copy of their weight, used
+    by eager CPU inference for any number of rows, with F.linear's values; a
+    swapped weight is used as it is (the stale copy is not), and with
+    gradients on it is F.linear again."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bf16 oneDNN kernels")
+    net = torch.nn.Sequential(torch.nn.Linear(512, 640, bias=False), torch.nn.Linear(64, 32, bias=False)).to(dtype)
+    kernels.prepack(net)
+    big, small = net
+    assert big.onednn[0] is big.weight and big.onednn[1].is_mkldnn and not hasattr(small, "onednn")
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    swapped = torch.nn.Parameter(torch.randn(640, 512, dtype=dtype))
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 11):
+            x = torch.randn(2, rows, 512, dtype=dtype)
+            torch.testing.assert_close(kernels.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
+        twice = torch.ops.mkldnn._reorder_linear_weight(2 * big.weight, 16)     # proof the copy is what runs
+        big.onednn = (big.weight, twice)
+        torch.testing.assert_close(kernels.linear(x, big), 2 * torch.nn.functional.linear(x, big.weight), **tol)
+        big.weight = swapped
+        torch.testing.assert_close(kernels.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
+        kernels.prepack(net)
+        assert big.onednn[0] is big.weight
+        torch.testing.assert_close(kernels.linear(x, big), torch.nn.functional.linear(x, big.weight), **tol)
+    x = torch.randn(1, 3, 512, dtype=dtype, requires_grad=True)
+    kernels.linear(x, big).sum().backward()
+    assert big.weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("k", [256, 4608])
+def test_compiled_matvec_equals_linear(k):
+    """Inside a compiled step `linear` is a multiply-and-sum; rows over 4,096 long
+    are summed as two halves (matvec_sum). Both equal F.linear."""
+    layer = torch.nn.Linear(k, 96, bias=False)
+    x = torch.randn(1, 1, k)
+    step = torch.compile(lambda x: kernels.linear(x, layer), dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(step(x), torch.nn.functional.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kernels.matvec_sum(x, layer.weight), torch.nn.functional.linear(x, layer.weight),
+                                   atol=1e-4, rtol=1e-4)
+        # int8 rows and their scales take the same path (quantize.Int8Linear)
+        q8 = quantize.Int8Linear.from_float(layer.weight)
+        q8.prepare(torch.float32)
+        step8 = torch.compile(lambda x: q8(x), dynamic=False, fullgraph=True)
+        torch.testing.assert_close(step8(x), torch.nn.functional.linear(x, q8.dequantized()), atol=1e-4, rtol=1e-4)
