@@ -216,6 +216,17 @@ def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple], mo
                                   f"{tuple(expected[name])}: weights and config.json do not belong together")
 
 
+def check_finite(state: dict[str, torch.Tensor], model_dir):
+    """One NaN or inf in a weight turns every logit into garbage, silently. One
+    reduction per tensor (no copy) finds it: the sum of finite weights is finite."""
+    for name, t in state.items():
+        if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float32)):
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise CheckpointError(f"tensor {name} in {model_dir} holds {bad} non-finite values (NaN or inf): "
+                                      f"the checkpoint is corrupt; re-download or re-convert it")
+
+
 # ----------------------------------------------------------------------------
 # Fused projections. Checkpoints store W_q, W_k, W_v (and W_gate, W_up) apart; a
 # model may keep a group stacked by rows in one matrix. ``layout`` maps each

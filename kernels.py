@@ -39,9 +39,20 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def pick_device(name: str | None = None) -> torch.device:
-    """The best device present, unless one is named."""
+    """The best device present, unless one is named (then it must be here)."""
     if name:
-        return torch.device(name)
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"unknown device '{name}': use cpu, cuda or mps") from None
+        build = "" if torch.backends.cuda.is_built() else " (this torch is a CPU-only build)"
+        if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+            raise ValueError(f"--device {name}: no such CUDA GPU on this machine{build}; use --device cpu")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"--device {name}: Apple's Metal (MPS) is not available here; use --device cpu")
+        if dev.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"--device {name}: nanoinfer runs on cpu, cuda or mps")
+        return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():

@@ -467,8 +467,11 @@ def _main():
     ap.add_argument("--dtype", default="fp16", choices=list(DTYPE_BYTES))
     ap.add_argument("--gpu-gib", type=float, default=None)
     args = ap.parse_args()
+    for name in ("seq", "batch", "gpu_gib"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     print(calculator(args.config, args.seq, args.batch, args.dtype, args.gpu_gib))
-
 
 
 if __name__ == "__main__":

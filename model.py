@@ -408,8 +408,9 @@ class Llama(nn.Module):
             state.pop("lm_head.weight", None)
         checkpoint.check_tensors(state, checkpoint_shapes(model), model_dir)
         # Quantized tensors and their scales keep their dtypes; the layers prepare them below.
-        state = checkpoint.fuse({k: v.to(device=device, dtype=dtype if quantize.is_plain(k, v) else None)
-                                 for k, v in state.items()}, FUSED, cfg.n_layers)
+        state = {k: v.to(device=device, dtype=dtype if quantize.is_plain(k, v) else None) for k, v in state.items()}
+        checkpoint.check_finite({k: v for k, v in state.items() if quantize.is_plain(k, v)}, model_dir)
+        state = checkpoint.fuse(state, FUSED, cfg.n_layers)
         if cfg.quantization:
             quantize.check_quantized_tensors(state)
         model.load_state_dict(state, strict=False, assign=True)
@@ -485,6 +486,7 @@ class GenerationStats:
     prefill_s: float = 0.0      # wall time to the first new token (TTFT)
     decode_s: float = 0.0       # wall time of the rest
     positions_computed: int = 0  # query positions pushed through the model, all steps
+    finish_reason: str | None = None   # why the answer ended: "stop" (EOS) or "length" (sampling.finish_reason)
 
     def clock(self, i: int, t0: float) -> float:
         """Token i is out: the first ends the prefill (TTFT), later ones extend the decode time."""
@@ -507,8 +509,7 @@ def context_limit(model: Llama, cache: KVCache | None = None) -> int:
 def check_context(model: Llama, n_tokens: int, cache: KVCache | None = None):
     limit = context_limit(model, cache)
     if n_tokens >= limit:
-        raise ContextOverflow(f"prompt is {n_tokens} tokens but the context holds {limit}; "
-                              f"shorten it (in chat: /reset)")
+        raise ContextOverflow(f"prompt is {n_tokens} tokens but the context holds {limit}")
 
 
 @torch.inference_mode()
@@ -528,7 +529,8 @@ def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
         t0 = stats.clock(i, t0)
         yield nxt
         tokens.append(nxt)
-        if finish_reason(nxt, i + 1, len(tokens), p, model.config.eos_ids, context_limit(model)):
+        stats.finish_reason = finish_reason(nxt, i + 1, len(tokens), p, model.config.eos_ids, context_limit(model))
+        if stats.finish_reason:
             return
 
 
@@ -555,7 +557,8 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
         nxt = sample(logits[0, -1], p, gen)
         t0 = stats.clock(i, t0)
         yield nxt
-        if finish_reason(nxt, i + 1, cache.length + 1, p, model.config.eos_ids, limit):
+        stats.finish_reason = finish_reason(nxt, i + 1, cache.length + 1, p, model.config.eos_ids, limit)
+        if stats.finish_reason:
             return
         ids = torch.tensor([[nxt]], device=dev)
         pos = torch.tensor([cache.length], device=dev)

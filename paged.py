@@ -609,7 +609,7 @@ def plot_simulation(results: list[SimResult], budget: int, path: Path) -> bool:
     return True
 
 
-def run_simulation(n: int, budget: int, ctx: int, block_size: int, seed: int):
+def run_simulation(n: int, budget: int, ctx: int, block_size: int, seed: int, plot: str | None = None):
     reqs, results = simulate(n, budget, ctx, block_size, seed)
     prompts, outputs = [r.prompt for r in reqs], [r.output for r in reqs]
     print(f"{n} chat requests (seed {seed}), all waiting at step 0; context {ctx}")
@@ -625,9 +625,10 @@ def run_simulation(n: int, budget: int, ctx: int, block_size: int, seed: int):
           f"at retirement but not written.\n{paged.name}: {paged.recomputed} tokens recomputed after "
           f"{paged.preemptions} preemptions; {paged.peak_running / results[0].peak_running:.1f}x the peak "
           f"concurrency and {results[0].steps / paged.steps:.1f}x the requests per step of max-length reservation")
-    path = Path(__file__).resolve().parent / "plots" / "paged_simulation.png"
-    if plot_simulation(results, budget, path):
-        print(f"plot: {path.relative_to(path.parents[1])}")
+    if plot is None:
+        print("(--plot plots/paged_simulation.png draws the runs)")
+    elif plot_simulation(results, budget, Path(plot)):
+        print(f"plot: {plot}")
     else:
         print("plot skipped: matplotlib is not installed (pip install matplotlib)")
 
@@ -640,9 +641,17 @@ def _main():
     ap.add_argument("--ctx", type=int, default=2048, help="context length, the max-length reservation")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", default=None, metavar="PNG", help="simulation: draw the runs into this file")
     args = ap.parse_args()
+    for name in ("simulate", "budget", "ctx", "block_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.simulate is not None:
-        run_simulation(args.simulate, args.budget, args.ctx, args.block_size, args.seed)
+        try:
+            run_simulation(args.simulate, args.budget, args.ctx, args.block_size, args.seed, args.plot)
+        except (ValueError, OutOfBlocks) as e:
+            ap.exit(1, f"error: {e}\n")
     else:
         demo()
 

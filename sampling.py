@@ -23,6 +23,7 @@ per token; only top-p's sort is noticeable, so it ranks the 256 likeliest first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,21 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+class NonFiniteLogits(ValueError):
+    """The model computed NaN or +inf scores: any token drawn from them would be garbage."""
+
+
+def check_logits(logits: torch.Tensor):
+    """Refuse NaN or +inf logits (−inf is fine: a token ruled out, as a draft head's
+    head_ids or top-k make it). One comparison over the vocabulary per token."""
+    if not bool((logits < math.inf).all()):
+        raise NonFiniteLogits("the model computed NaN or infinite scores, so no token can be trusted: its "
+                              "weights hold NaN/inf, or this dtype overflows (try --dtype float32)")
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> int:
     """logits (vocab,) fp32 -> token id."""
+    check_logits(logits)
     if p.temperature == 0:
         return int(logits.argmax())
     return int(torch.multinomial(sampling_probs(logits, p), 1, generator=generator))

@@ -77,18 +77,33 @@ class Chat:
         """Drop the conversation's K/V."""
         self.cache.crop(0)
 
-    def conversation_ids(self, user_text: str) -> list[int]:
+    def conversation_ids(self, user_text: str, history: bool = True) -> list[int]:
+        """The tokens of the conversation with ``user_text`` as its next message (without
+        the earlier turns: ``history=False``). Message text is data: it never becomes a
+        control token (Tokenizer.encode_chat); the template writes BOS where it belongs."""
         if self.raw:   # plain completion: the new text continues everything so far
-            return self.ids + self.tok.encode(user_text, add_bos=None if not self.ids else False)
-        text = self.tok.apply_chat_template(self.messages + [{"role": "user", "content": user_text}])
-        # The template writes BOS itself where the model wants one (as transformers does).
-        return self.tok.encode(text, add_bos=False)
+            before = self.ids if history else []
+            return before + self.tok.encode(user_text, add_bos=None if not before else False)
+        system = [m for m in self.messages if m["role"] == "system"]
+        return self.tok.encode_chat((self.messages if history else system) + [{"role": "user", "content": user_text}])
+
+    def limit(self) -> int:
+        return context_limit(self.model, self.cache)
 
     def turn(self, user_text: str, out=sys.stdout) -> GenerationStats:
         """Run one turn, streaming the answer to ``out``. Raises ContextOverflow
-        with the conversation unchanged if it no longer fits."""
+        with the conversation unchanged if it no longer fits, saying what would help."""
         ids = self.conversation_ids(user_text)
-        check_context(self.model, len(ids), self.cache)
+        if not ids:
+            raise ValueError("nothing to complete: give some text (--raw continues the text you give)")
+        try:
+            check_context(self.model, len(ids), self.cache)
+        except ContextOverflow as e:
+            alone = len(self.conversation_ids(user_text, history=False))
+            if alone < self.limit() and len(ids) > alone:
+                raise ContextOverflow(f"{e}; /reset starts a new conversation with room for it") from None
+            bigger = "" if self.cache.limit is None else ", or raise --ctx"
+            raise ContextOverflow(f"{e}; shorten the message{bigger}") from None
         stats, answer, stream = GenerationStats(), [], self.tok.stream()
         prefix, tokens = self.generate(ids, stats)
         try:
@@ -164,12 +179,15 @@ class PagedChat(Chat):
         with held_interrupts() as interrupted:
             try:
                 for i, t in enumerate(stream):
+                    # A new request's first step prefills and decodes: its two tokens arrive
+                    # together, so the first token's time is the engine's, not this loop's.
                     if i == 0:
                         stats.prompt_tokens, self.cached_tokens = req.prefill_tokens, req.cached_tokens
-                        stats.prefill_s = t1 = time.perf_counter() - t0
+                        stats.prefill_s = req.first_token - t0
                     else:
-                        stats.decode_s = time.perf_counter() - t0 - t1
+                        stats.decode_s = time.perf_counter() - req.first_token
                     stats.new_tokens += 1
+                    stats.finish_reason = req.sequences[0].finish_reason
                     stats.positions_computed += stats.prompt_tokens if i == 0 else 1
                     yield t
                     if interrupted:
@@ -241,6 +259,7 @@ def plain_step_s(model: Llama, cache=None, context: int = 64, steps: int = 6) ->
     and the baseline must be what decoding without a proposer would cost."""
     dev = model.embed_tokens.weight.device
     cache = model.new_cache() if cache is None else cache
+    context = max(1, min(context, context_limit(model, cache) - steps - 1))   # a small --ctx holds it too
     times = []
     with torch.inference_mode():
         model(torch.zeros(1, context, dtype=torch.long, device=dev), torch.arange(context, device=dev), cache)
@@ -267,22 +286,23 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", default=None, help="answer this once and exit (answer on stdout)")
     ap.add_argument("--system", default=None, help="system message for the chat template")
     ap.add_argument("--raw", action="store_true", help="plain completion, no chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=512)
-    ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=40, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="most tokens an answer may have (default: 512)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
+    ap.add_argument("--top-k", type=int, default=40, help="keep the k likeliest tokens; 0 = off (default: 40)")
+    ap.add_argument("--top-p", type=float, default=0.9, help="keep the likeliest tokens up to this probability "
+                    "(default: 0.9)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--decoder", choices=list(DECODERS), default="cached")
     ap.add_argument("--cache", choices=["dynamic", "static", "sliding"], default="dynamic",
                     help="KV cache: grows (dynamic), preallocated (static), or a ring (sliding-window models)")
     ap.add_argument("--ctx", type=int, default=None,
-                    help="static cache size in tokens (default: min(model context, 2048)); attention "
-                         "reads all of it every step, so size it to the conversation; with --kv paged, "
-                         "the block pool's size")
+                    help="the context in tokens of a preallocated cache: --cache static (attention reads all "
+                         "of it every step, so size it to the conversation) or --kv paged, the block pool "
+                         "(default: min(model context, 2048))")
     ap.add_argument("--kv", choices=["contiguous", "paged"], default="contiguous",
                     help="paged: the continuous-batching engine's block pool (engine.py); the conversation "
                          "stays in its blocks between turns, and full blocks are shared by prefix caching")
-    ap.add_argument("--block-size", type=int, default=16, help="--kv paged: tokens per block")
+    ap.add_argument("--block-size", type=int, default=None, help="--kv paged: tokens per block (default: 16)")
     ap.add_argument("--attn", choices=list(ATTN), default="sdpa",
                     help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, or the naive "
                          "full score matrix")
@@ -296,10 +316,12 @@ def parse_args(argv=None):
                          "and head (half the bytes); fp8-plain casts without a scale")
     ap.add_argument("--weights", default="auto", choices=["auto", "int8", "int4"],
                     help="quantize every Linear at load: int8 (per row) or int4 (grouped)")
-    ap.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128")
+    ap.add_argument("--group-size", type=int, default=None, help="--weights int4: 32, 64 or 128 weights share "
+                    "a scale (default: 32)")
     ap.add_argument("--draft", default=None, help="speculative decoding with a draft model of the same "
                     "tokenizer (alias, directory, .gguf; `bundled` = train.py's draft for SmolLM2)")
-    ap.add_argument("--spec-k", type=int, default=4, help="tokens proposed per step (--draft, --prompt-lookup)")
+    ap.add_argument("--spec-k", type=int, default=4, help="tokens proposed per step (--draft, --prompt-lookup; "
+                    "default: 4)")
     ap.add_argument("--spec-tree", default=None, metavar="W,M", help="--draft with an EAGLE head: draft a tree, "
                     "W children per node, --spec-k levels, and verify the M likeliest tokens in one pass (e.g. 4,10)")
     ap.add_argument("--adaptive-k", action="store_true", help="--draft: grow k after full acceptance, shrink "
@@ -312,12 +334,18 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def report(chat: Chat, stats: GenerationStats):
-    """The turn's stats line(s), on stderr: the answer alone goes to stdout."""
-    print(stats_line(stats, len(chat.ids), context_limit(chat.model, chat.cache), chat.cached_tokens),
-          file=sys.stderr)
+def report(chat: Chat, stats: GenerationStats, interactive: bool = True):
+    """The turn's stats line(s), on stderr: the answer alone goes to stdout. An answer
+    the context cut short says so, and what would give it room."""
+    limit = chat.limit()
+    print(stats_line(stats, len(chat.ids), limit, chat.cached_tokens), file=sys.stderr)
     if chat.spec is not None:
         print(spec_stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
+    if stats.finish_reason == "length" and len(chat.ids) >= limit:
+        room = ["/reset to start over"] if interactive else []
+        room += ["a larger --ctx"] if chat.cache.limit is not None and limit < chat.model.config.max_seq_len else []
+        print(f"[the answer was cut: the context is full ({limit} tokens)"
+              + (f"; {' or '.join(room)}" if room else "") + "]", file=sys.stderr)
 
 
 def warm_up(chat: Chat):
@@ -341,51 +369,112 @@ def warm_up(chat: Chat):
     print(f"compiled in {time.perf_counter() - t0:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
 
+HISTORY_LINE = 500      # longer lines (pastes) stay out of the ↑ history
+
+
+def read_line(tty: bool) -> str:
+    """The next line: with a prompt and line editing on a terminal; from a pipe,
+    without a prompt, so that stdout holds the answers alone."""
+    if tty:
+        line = input("> ")
+        import readline
+        if line.strip() and len(line) <= HISTORY_LINE:
+            readline.add_history(line)
+        return line
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line
+
+
 def interactive(chat: Chat):
-    try:
-        import readline   # noqa: F401 — line editing and ↑ history for input()
-        history = checkpoint.cache_root() / "chat_history"
-        history.parent.mkdir(parents=True, exist_ok=True)
-        if history.exists():
-            readline.read_history_file(history)
-    except (ImportError, OSError):
-        history = None
-    print("chat: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops an answer", file=sys.stderr)
+    tty = sys.stdin.isatty()
+    history = None
+    if tty:
+        try:
+            import readline   # line editing and ↑ history for input()
+            readline.set_auto_history(False)
+            readline.set_history_length(1000)
+            history = checkpoint.cache_root() / "chat_history"
+            history.parent.mkdir(parents=True, exist_ok=True)
+            if history.exists():
+                readline.read_history_file(history)
+        except (ImportError, OSError):
+            history = None
+    print("chat: /reset starts over, /exit or Ctrl-D quits; Ctrl-C stops an answer, twice at the prompt quits",
+          file=sys.stderr)
+    interrupted = False      # Ctrl-C at the prompt: the first clears the line, a second in a row quits
     try:
         while True:
             try:
-                line = input("> ").strip()
-            except (EOFError, KeyboardInterrupt):
+                line = read_line(tty).strip()
+            except EOFError:
                 print(file=sys.stderr)
                 break
-            if not line:
+            except KeyboardInterrupt:
+                if interrupted:
+                    print(file=sys.stderr)
+                    break
+                interrupted = True
+                print("\n[Ctrl-C again or Ctrl-D to quit]", file=sys.stderr)
                 continue
-            if line in ("/exit", "/quit"):
-                break
-            if line == "/reset":
-                chat.reset()
-                print("[conversation cleared]", file=sys.stderr)
-                continue
+            interrupted = False
             try:
+                if not line:
+                    continue
+                if line in ("/exit", "/quit"):
+                    break
+                if line == "/reset":
+                    chat.reset()
+                    print("[conversation cleared]", file=sys.stderr)
+                    continue
                 stats = chat.turn(line)
+                report(chat, stats)
             except ContextOverflow as e:
                 print(f"[context full: {e}]", file=sys.stderr)
-                continue
-            report(chat, stats)
+            except ValueError as e:       # this turn failed (the model computed NaN, ...); the chat goes on
+                print(f"error: {e}", file=sys.stderr)
+            except KeyboardInterrupt:     # between an answer's end and the next prompt: nothing to stop
+                print(file=sys.stderr)
     finally:
         if history is not None:
+            import readline
             readline.write_history_file(history)
+
+
+def check_flags(args):
+    """Flags that make no sense together: one line each, before anything loads."""
+    if args.ctx is not None and args.ctx < 1:
+        raise ValueError(f"--ctx must be at least 1 token, got {args.ctx}")
+    if args.ctx is not None and args.cache == "dynamic" and args.kv != "paged":
+        raise ValueError("--ctx sizes a preallocated cache: add --cache static or --kv paged (the default "
+                         "dynamic cache grows up to the model's context by itself)")
+    if args.block_size is not None and args.kv != "paged":
+        raise ValueError("--block-size sets the blocks of the paged pool: add --kv paged")
+    if args.adaptive_k and args.draft is None:
+        raise ValueError("--adaptive-k adapts a draft model's k: add --draft")
+    if args.group_size is not None and args.weights != "int4":
+        raise ValueError("--group-size sets int4's groups: add --weights int4")
+    if args.compile and args.cache != "static":
+        raise ValueError("--compile needs --cache static (fixed shapes compile once)")
+    if args.kv == "paged" and (args.cache != "dynamic" or args.compile or args.decoder != "cached"):
+        raise ValueError("--kv paged runs the engine's own cached decoder on its block pool: "
+                         "drop --cache, --compile and --decoder")
+    kernels.pick_device(args.device)        # a device this machine does not have: say so now
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.prompt is None and hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")     # bytes that are not UTF-8 become U+FFFD, not an error
     try:
+        check_flags(args)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   seed=args.seed, max_new_tokens=args.max_new_tokens)
         t0 = time.perf_counter()
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        model, tok = load(args.model, args.device, None if args.dtype == "auto" else args.dtype,
-                            args.weights, args.group_size, attn=args.attn, prepacked=not args.no_prepack)
+        model, tok = load(args.model, args.device, None if args.dtype == "auto" else args.dtype, args.weights,
+                          args.group_size or quantize.GROUP, attn=args.attn, prepacked=not args.no_prepack)
         w = model.embed_tokens.weight
         quant = f", weights {model.quantization['weights']}" if model.quantization else ""
         packed = kernels.prepacked_bytes(model)
@@ -394,20 +483,18 @@ def main(argv=None) -> int:
               f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB{packed}, "
               f"{str(w.dtype).removeprefix('torch.')}{quant}, {w.device}", file=sys.stderr)
         raw = args.raw or tok.chat_template is None
-        if args.compile and args.cache != "static":
-            raise ValueError("--compile needs --cache static (fixed shapes compile once)")
         ctx = args.ctx or min(model.config.max_seq_len, 2048)
-        if args.kv == "paged" and (args.cache != "dynamic" or args.compile or args.decoder != "cached"):
-            raise ValueError("--kv paged runs the engine's own cached decoder on its block pool: "
-                             "drop --cache, --compile and --decoder")
+        block_size = 16 if args.block_size is None else args.block_size
+        if not 1 <= block_size <= ctx:
+            raise ValueError(f"--block-size must be between 1 and the context ({ctx} tokens), got {block_size}")
         proposer = make_proposer(model, tok, args.draft, args.spec_k, args.adaptive_k, args.lookahead,
-                                             args.prompt_lookup, args.device, w.dtype, args.compile, args.spec_tree)
+                                 args.prompt_lookup, args.device, w.dtype, args.compile, args.spec_tree)
         if proposer is not None and (args.kv == "paged" or args.decoder != "cached"):
             raise ValueError("speculative decoding runs on the contiguous cached decoder: drop --kv paged "
                              "and --decoder naive")
         if args.kv == "paged":
             chat = PagedChat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
-                             block_size=args.block_size)
+                             block_size=block_size)
         else:
             chat = Chat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
                         proposer=proposer)
@@ -419,7 +506,7 @@ def main(argv=None) -> int:
             interactive(chat)
             return 0
         stats = chat.turn(args.prompt)
-        report(chat, stats)
+        report(chat, stats, interactive=False)
         return 0
     except (ValueError, OSError) as e:
         # Every expected failure (bad weights, bad flags, context overflow) is one line.

@@ -90,7 +90,7 @@ import torch
 
 from kvcache import DynamicCache, attention_mask
 from model import GenerationStats, Llama, check_context, context_limit, generate_cached, load
-from sampling import SamplingParams, finish_reason, sample, sampling_probs, seeded_generator
+from sampling import SamplingParams, check_logits, finish_reason, sample, sampling_probs, seeded_generator
 
 ROOT = Path(__file__).resolve().parent
 
@@ -370,7 +370,8 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
     t0 = stats.clock(0, t0)
     yield context[-1]
     done, eos = 1, set(model.config.eos_ids)
-    if finish_reason(context[-1], done, cache.length + 1, p, eos, limit):
+    stats.finish_reason = finish_reason(context[-1], done, cache.length + 1, p, eos, limit)
+    if stats.finish_reason:
         return
     while True:
         t = cache.length                                  # x_t = context[-1] sits at position t
@@ -405,6 +406,7 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
             logits, hidden = logits
         logits = logits[0]
         stats.positions_computed += len(ids)
+        check_logits(logits[:b0])
         if p.temperature == 0:
             c, n, nxt = verify_greedy(logits[:b0].argmax(-1).tolist(), rows, cands)
         else:
@@ -432,7 +434,8 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
             yield token
             done += 1
             held = len(context) - len(accepted) + i       # plain decoding's cache length at this token
-            if finish_reason(token, done, held + 1, p, eos, limit):
+            stats.finish_reason = finish_reason(token, done, held + 1, p, eos, limit)
+            if stats.finish_reason:
                 cache.crop(held)
                 return
 

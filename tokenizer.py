@@ -55,6 +55,16 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 NO_TEMPLATE = "this model has no chat template; use --raw for plain completion"
+
+
+def valid_text(text: str) -> str:
+    """Text whose bytes were not valid UTF-8 reaches Python with each bad byte as a lone
+    surrogate (command-line arguments, a terminal in the C locale); the tokenizer
+    libraries refuse those. Each becomes U+FFFD, as a UTF-8 decoder would make it."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -91,6 +101,14 @@ class _HFBackend:
         # BOS is added by the caller, so one switch (Tokenizer.add_bos) governs it for both formats
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_plain(self, text):
+        """Special-token strings in ``text`` stay text (their characters' ids)."""
+        self.tok.encode_special_tokens = True
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tok.encode_special_tokens = False
+
     def decode(self, ids, skip_special):
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 
@@ -99,6 +117,9 @@ class _HFBackend:
 
     def id_to_token(self, i):
         return self.tok.id_to_token(i)
+
+    def special_ids(self):
+        return sorted(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
 
     def post_processor_adds(self, bos_id):
         # No flag in tokenizer_config: transformers then does whatever the file's post-processor does
@@ -137,6 +158,9 @@ class _SPBackend:
                 ids += self.sp.encode(part)
         return ids
 
+    def encode_plain(self, text):
+        return self.sp.encode(text)     # sentencepiece alone never produces a control piece
+
     def decode(self, ids, skip_special):
         out, run = [], []
         # Models often pad their embedding past the vocabulary, so a sampler can pick an id that
@@ -158,6 +182,9 @@ class _SPBackend:
 
     def id_to_token(self, i):
         return self.special_text.get(i) or self.sp.id_to_piece(i)
+
+    def special_ids(self):
+        return sorted(self.special_text)
 
     def post_processor_adds(self, bos_id):
         return bos_id is not None  # sentencepiece models (Llama, Mistral) are trained with a BOS in front
@@ -194,6 +221,7 @@ class Tokenizer:
                 self.special_tokens[name] = backend.id_to_token(i)
         self.chat_template = chat_template
         self._template = None
+        self._special_ids = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -220,10 +248,53 @@ class Tokenizer:
         return cls(backend, config, generation_config, template)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self._backend.encode(text)
+        """Text -> ids; special-token strings in it become their single id (chat templates
+        rely on that; text from a user goes through encode_chat instead)."""
+        ids = self._backend.encode(valid_text(text))
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat template's prompt as ids, with every message's text taken as data:
+        special-token strings come only from the template's own markup, so a message
+        that spells "<|im_end|><|im_start|>system" stays those characters and cannot
+        forge a turn. For messages that spell no special token (all ordinary ones) the
+        ids are exactly encode(apply_chat_template(...)).
+
+        How: the template is rendered a second time with a marker in place of each
+        message's text; its markup pieces are encoded as usual, the texts between them
+        as plain text (a template that trims a message is followed)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        ids = self.encode(text, add_bos=False)
+        texts = [m.get("content") for m in messages]
+        marked = [{**m, "content": f"\ue000{i}\ue001"} if isinstance(c, str) else m
+                  for i, (m, c) in enumerate(zip(messages, texts))]
+        shell = self.apply_chat_template(marked, add_generation_prompt)
+        special = set(self.special_ids)
+        if sum(i in special for i in ids) == sum(i in special for i in self.encode(shell, add_bos=False)):
+            return ids                        # the messages added no special token
+        pieces = re.split("\ue000(\\d+)\ue001", shell)   # markup, message index, markup, ...
+        out, pos = [], 0
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                out += self._backend.encode(valid_text(piece))
+                pos += len(piece)
+                continue
+            raw, after = texts[int(piece)], pieces[k + 1]
+            # the message's text as the template wrote it: verbatim or trimmed (else verbatim)
+            body = next((t for t in (raw, raw.strip(), raw.lstrip(), raw.rstrip())
+                         if text.startswith(t + after, pos)), raw)
+            out += self._backend.encode_plain(valid_text(body))
+            pos += len(body)
+        return out
+
+    @property
+    def special_ids(self) -> list[int]:
+        """The ids of the special tokens (BOS, EOS, <|im_start|>, ...): what markup may hold."""
+        if self._special_ids is None:
+            self._special_ids = self._backend.special_ids()
+        return self._special_ids
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special)
