@@ -168,7 +168,7 @@ def prepack(model: nn.Module) -> nn.Module:
     train with F.linear (grad enabled) or not prepacked."""
     if not ONEDNN:
         return model
-    bf16_ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16_ok = bf16_supported(torch.device("cpu"))
     for m in model.modules():
         w = getattr(m, "weight", None)
         if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.numel() < ONEDNN_MIN or \
