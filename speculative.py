@@ -311,7 +311,44 @@ def check_tree(w: int, m: int):
 
 
 # ----------------------------------------------------------------------------
-# 3. The loop.
+# 3. The loop: the chain algorithm on its own, then the general one.
+
+@torch.inference_mode()
+def generate_simple(model: Llama, prompt: list[int], p: SamplingParams, draft: Llama, k: int = 4) -> Iterator[int]:
+    """The chain algorithm alone, before the general loop below: a draft model
+    proposes k tokens one at a time, the target scores all of them in one pass,
+    the rule keeps the agreed prefix plus one token of the target's, and both
+    caches are cropped back to what was kept. Greedy or sampled, exact either way;
+    `generate` with a DraftModel produces the same tokens (the tests check it)."""
+    dev = model.embed_tokens.weight.device
+    gen, eos = seeded_generator(p.seed, dev), set(model.config.eos_ids)
+    cache, dcache, limit = model.new_cache(), draft.new_cache(), context_limit(model)
+    check_context(model, len(prompt))
+    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache, last_only=True)
+    context = prompt + [sample(logits[0, -1], p, gen)]
+    yield context[-1]
+    while not finish_reason(context[-1], len(context) - len(prompt), len(context), p, eos, limit):
+        t = cache.length                                   # x_t = context[-1] sits at position t
+        n_k = min(k, p.max_new_tokens - (len(context) - len(prompt)) - 1, limit - 2 - t)
+        guesses, qs, feed = [], [], context[dcache.length:]
+        for _ in range(n_k):                               # draft: one token at a time, from its own cache
+            pos = torch.arange(dcache.length, dcache.length + len(feed), device=dev)
+            q = sampling_probs(draft(torch.tensor([feed], device=dev), pos, dcache, last_only=True)[0, -1], p)
+            guesses.append(int(q.argmax()) if p.temperature == 0 else int(torch.multinomial(q, 1, generator=gen)))
+            qs.append(q)
+            feed = guesses[-1:]
+        # target: x_t and every guess in one pass; probs[i] is its distribution after guess i
+        probs = sampling_probs(model(torch.tensor([context[-1:] + guesses], device=dev),
+                                     torch.arange(t, t + 1 + n_k, device=dev), cache)[0], p)
+        _, n, nxt = verify([probs], [guesses], torch.stack(qs) if qs else None, gen)
+        cache.crop(t + 1 + n)                              # rejected guesses leave both caches
+        dcache.crop(min(dcache.length, t + 1 + n))
+        for token in guesses[:n] + [nxt]:
+            context.append(token)
+            yield token
+            if finish_reason(token, len(context) - len(prompt), len(context), p, eos, limit):
+                return
+
 
 @dataclass
 class SpecStats:

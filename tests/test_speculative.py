@@ -592,3 +592,18 @@ def test_plain_step_baseline_uses_the_given_cache(models):
     cache = target.new_cache("static", 256)
     assert serve_local.plain_step_s(target, cache) > 0 and cache.length == 0
     assert serve_local.plain_step_s(target) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_simple_chain_equals_the_general_loop(models, temperature):
+    """speculative.generate_simple, the algorithm alone, gives the general loop's tokens
+    with a DraftModel: greedy, and sampled with the same seed (the same draws in the same order)."""
+    target, draft = models
+    for k in (1, 3):
+        for prompt in PROMPTS:
+            p = M.SamplingParams(temperature=temperature, seed=7, max_new_tokens=30)
+            simple = list(S.generate_simple(target, prompt, p, draft, k))
+            general = list(S.generate(target, prompt, p, D.DraftModel(draft, target, k)))
+            assert simple == general and len(simple) == 30
+    plain = list(M.generate_cached(target, PROMPTS[0], M.SamplingParams(max_new_tokens=30)))
+    assert list(S.generate_simple(target, PROMPTS[0], M.SamplingParams(max_new_tokens=30), draft)) == plain
