@@ -372,14 +372,14 @@ def warm_up(chat: Chat):
 HISTORY_LINE = 500      # longer lines (pastes) stay out of the ↑ history
 
 
-def read_line(tty: bool) -> str:
-    """The next line: with a prompt and line editing on a terminal; from a pipe,
-    without a prompt, so that stdout holds the answers alone."""
+def read_line(tty: bool, editing=None) -> str:
+    """The next line: with a prompt on a terminal (and ↑ history where ``editing``,
+    the readline module, is loaded); from a pipe, without a prompt, so that stdout
+    holds the answers alone."""
     if tty:
         line = input("> ")
-        import readline
-        if line.strip() and len(line) <= HISTORY_LINE:
-            readline.add_history(line)
+        if editing is not None and line.strip() and len(line) <= HISTORY_LINE:
+            editing.add_history(line)
         return line
     line = sys.stdin.readline()
     if not line:
@@ -389,16 +389,16 @@ def read_line(tty: bool) -> str:
 
 def interactive(chat: Chat):
     tty = sys.stdin.isatty()
-    history = None
-    if tty:
+    editing = history = None
+    if tty:             # loaded for a terminal only: line editing and ↑ history for input()
         try:
-            import readline   # line editing and ↑ history for input()
-            readline.set_auto_history(False)
-            readline.set_history_length(1000)
+            import readline as editing
+            editing.set_auto_history(False)
+            editing.set_history_length(1000)
             history = checkpoint.cache_root() / "chat_history"
             history.parent.mkdir(parents=True, exist_ok=True)
             if history.exists():
-                readline.read_history_file(history)
+                editing.read_history_file(history)
         except (ImportError, OSError):
             history = None
     print("chat: /reset starts over, /exit or Ctrl-D quits; Ctrl-C stops an answer, twice at the prompt quits",
@@ -407,7 +407,7 @@ def interactive(chat: Chat):
     try:
         while True:
             try:
-                line = read_line(tty).strip()
+                line = read_line(tty, editing).strip()
             except EOFError:
                 print(file=sys.stderr)
                 break
@@ -438,8 +438,7 @@ def interactive(chat: Chat):
                 print(file=sys.stderr)
     finally:
         if history is not None:
-            import readline
-            readline.write_history_file(history)
+            editing.write_history_file(history)
 
 
 def check_flags(args):

@@ -205,7 +205,7 @@ def test_long_pastes_stay_out_of_the_line_history(monkeypatch):
     monkeypatch.setattr(readline, "add_history", added.append)
     for line in ("short question", "x" * 5000):
         monkeypatch.setattr("builtins.input", lambda prompt, line=line: line)
-        assert serve_local.read_line(tty=True) == line
+        assert serve_local.read_line(True, readline) == line
     assert added == ["short question"]
 
 
