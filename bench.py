@@ -10,6 +10,7 @@ bench.py — the project's benchmarks and model-level demos, one subcommand per 
     python bench.py kv-bytes                      # kvcache.py: a real cache's bytes against the formula
     python bench.py quantize [--eval]             # quantize.py: perplexity and bytes per format on the model
     python bench.py quantize --weights int4 --out DIR   # write a quantized checkpoint
+    python bench.py report                        # RESULTS.md from results/*.json
 
 decode: batch 1, greedy, a fixed 128-token prompt, 128 new tokens with EOS
 ignored, one warm-up run, the median of --reps runs. For each configuration:
@@ -56,6 +57,7 @@ import engine
 import flash
 import kernels
 import quantize
+import results
 import speculative
 from kvcache import KVCache, common_prefix, kv_bytes_per_token
 from model import GenerationStats, Llama, LlamaConfig, build, generate_cached, load, save_random_checkpoint, unfuse
@@ -744,9 +746,14 @@ def main():
     q.add_argument("--dtype", default="bfloat16", help="activations and unquantized weights")
     q.add_argument("--new-tokens", type=int, default=256)
     q.add_argument("--prompts", type=int, default=8)
+    sub.add_parser("report", help="render RESULTS.md from results/*.json (what every benchmark saves)")
     args = ap.parse_args()
     try:
-        if args.cmd == "speculative":
+        if args.cmd == "report":
+            out = Path(results.ROOT / "RESULTS.md")
+            out.write_text(results.render(results.load(results.ROOT / "results")))
+            print(f"wrote {out.name} from {len(results.load(results.ROOT / 'results'))} result files")
+        elif args.cmd == "speculative":
             bench_speculative(args)
         elif args.cmd == "batching":
             bench_batching(args)

@@ -14,6 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# Demos and benchmarks the tests run save their results and plots here, never into the
+# committed results/ and plots/ (see results.py); subprocesses inherit it.
+os.environ.setdefault("NANOINFER_RESULTS", str(Path(__import__("tempfile").mkdtemp(prefix="nanoinfer-results-"))))
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
         "def add(a, b):\n    return a + b\n"

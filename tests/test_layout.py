@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS = {
-    "tokenizer": 0, "kernels": 0, "sampling": 0, "kvcache": 0, "flash": 0, "paged": 0,
+    "tokenizer": 0, "kernels": 0, "results": 0, "sampling": 0, "kvcache": 0, "flash": 0, "paged": 0,
     "quantize": 1, "checkpoint": 1,
     "model": 2,
     "engine": 3, "speculative": 3, "drafting": 3,

@@ -1,0 +1,158 @@
+"""
+results.py — numbers are generated, not typed.
+
+A speed measured on one machine says little on another: the machines this
+project runs on change from day to day (an AMD EPYC, an Intel Xeon with AMX),
+and memory bandwidth drifts minute to minute on a shared one. So every
+benchmark and demo that measures saves what it measured as JSON under
+`results/` — its tables, the exact command, the commit, the date and the
+machine (CPU model, cores, threads, torch version) — and `python bench.py
+report` renders RESULTS.md from those files, one section per lesson, each
+table headed by where it came from. Nobody types a measured number into the
+README or a docstring; a test fails when RESULTS.md differs from what the JSON
+renders to. Compare numbers only inside one table: ratios between rows of one
+run survive a change of machine, absolute speeds do not.
+
+    save(name, lesson, command, tables)  ->  results/<name>.json
+    render(load())                       ->  RESULTS.md
+
+Tests set NANOINFER_RESULTS to a scratch directory, so running the suite never
+rewrites the committed results or plots.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+# The course's reading order (README): RESULTS.md follows it, section by section.
+LESSONS = ["model", "kvcache", "flash", "paged", "engine", "speculative", "quantize", "runner"]
+TITLES = {"model": "model.py — naive vs cached decoding, prefill vs decode",
+          "kvcache": "kvcache.py — what a cache holds, and what reusing one buys",
+          "flash": "flash.py — attention without the N×N matrix",
+          "paged": "paged.py — KV memory in 16-token blocks",
+          "engine": "engine.py — continuous batching and prefix caching",
+          "speculative": "speculative.py — guessing tokens and checking them in one pass",
+          "quantize": "quantize.py — fewer bits, measured against accuracy",
+          "runner": "The runner against its peers (batch-1 decode)"}
+
+
+@dataclass
+class Table:
+    """One table: a title, column names and rows of already formatted cells."""
+    title: str
+    columns: list[str]
+    rows: list[list]
+    notes: list[str] = field(default_factory=list)   # one line each, printed under the table
+
+    def markdown(self) -> str:
+        align = ["---:" if all(NUMERIC.match(cell(r[i])) for r in self.rows if cell(r[i])) else "---"
+                 for i in range(len(self.columns))]
+        lines = ["| " + " | ".join(self.columns) + " |", "|" + "|".join(align) + "|"]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in self.rows]
+        return "\n".join(lines + [""] + [f"{n}" for n in self.notes]).rstrip()
+
+
+NUMERIC = re.compile(r"^[-+]?[\d.,]+ ?(×|x|%|s|ms|MiB|GiB|MB|KiB|B)?$")
+
+
+def cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}" if abs(v) < 10_000 else f"{v:.0f}"
+    return str(v)
+
+
+# ----------------------------------------------------------------------------
+# Where a number came from.
+
+def machine() -> dict:
+    """The facts a reader needs to weigh a measurement: CPU, cores, threads, versions."""
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def commit() -> str:
+    """The commit the code ran at ("+changes" when the tree differed from it)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "*.py"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+changes" if dirty else "")
+
+
+def directory() -> Path:
+    return Path(os.environ.get("NANOINFER_RESULTS", ROOT / "results"))
+
+
+def plot_path(filename: str) -> Path:
+    """Where a demo writes a picture: plots/ (or the tests' scratch directory)."""
+    base = Path(os.environ["NANOINFER_RESULTS"]) if "NANOINFER_RESULTS" in os.environ else ROOT / "plots"
+    base.mkdir(parents=True, exist_ok=True)
+    return base / filename
+
+
+def save(name: str, lesson: str, tables: list[Table], command: str | None = None,
+         plots: list[str] = ()) -> Path:
+    """Write results/<name>.json: the tables with the command, commit, date and machine."""
+    assert lesson in LESSONS, lesson
+    command = command or "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
+    record = {"name": name, "lesson": lesson, "command": command, "commit": commit(),
+              "date": datetime.date.today().isoformat(), "machine": machine(),
+              "tables": [t.__dict__ for t in tables], "plots": [Path(p).name for p in plots]}
+    path = directory() / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------
+# RESULTS.md, rendered.
+
+def load(where: Path | None = None) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((where or directory()).glob("*.json"))]
+
+
+def render(records: list[dict]) -> str:
+    """RESULTS.md from the saved records: lessons in reading order, each table under its source."""
+    out = ["# Results", "",
+           "Generated by `python bench.py report` from `results/*.json`; do not edit by hand (a test",
+           "compares). Each table is one run of the command above it, on the machine it names: compare",
+           "rows within a table, not across tables or machines.", ""]
+    for lesson in LESSONS:
+        mine = sorted((r for r in records if r["lesson"] == lesson), key=lambda r: r["name"])
+        if not mine:
+            continue
+        out += [f"## {TITLES[lesson]}", ""]
+        for r in mine:
+            m = r["machine"]
+            where = f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}"
+            out += [f"### `{r['command']}`", "",
+                    f"commit {r['commit']}, {r['date']}; {where}", ""]
+            for t in r["tables"]:
+                table = Table(**t)
+                out += ([f"**{table.title}**", ""] if table.title else []) + [table.markdown(), ""]
+            out += [f"![{p}](plots/{p})" for p in r.get("plots", [])] + ([""] if r.get("plots") else [])
+    return "\n".join(out).rstrip() + "\n"
