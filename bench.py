@@ -623,7 +623,7 @@ def perplexity(model, ids: list[int], kv_dtype: str | None, chunk: int = 128) ->
 
 
 def quantize_eval(name: str, dtype: str, new_tokens: int, n_prompts: int, speed_tokens: int = 64):
-    """The table of the README. Agreement is teacher-forced: the full model writes
+    """The table of RESULTS.md's quantize section. Agreement is teacher-forced: the full model writes
     ``new_tokens`` greedy tokens per prompt once; every configuration then reads
     those same sequences in one forward, and we count the positions where its
     top-1 token equals the full model's (read the same way). Free-running texts

@@ -265,7 +265,7 @@ class LookupThenDraft:
     phrases, lists and the prompt's words; there an exact match of the last N
     tokens proposes a long continuation for free, often wholly accepted. Where
     nothing repeats, the draft model guesses. Measured on bench.py's chat
-    prompts (see README): the hybrid beats either alone, because the lookup's
+    prompts (RESULTS.md, speculative section): the hybrid beats either alone, because the lookup's
     steps are long (up to 2k tokens here) and the draft fills the rest. Either
     way each guess is verified by the same rule, so output stays exact."""
 
@@ -318,7 +318,7 @@ def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -
     """Run a bf16-stored draft in bf16 under an fp32 target on a CPU that computes
     bf16 (avx512_bf16/AMX): its weights hold nothing finer, and drafting is
     memory-bound, so half the bytes is half the time. The bundled EAGLE head
-    drafting 3 tokens for fp32 SmolLM2: ~6 ms a step in fp32, ~4 ms in bf16, the
+    drafting 3 tokens for fp32 SmolLM2 took 2/3 of its fp32 time in bf16, with the
     same tokens per forward. Verification, and so the output, is the target's."""
     return stored == "bfloat16" and dtype == torch.float32 and device.type == "cpu" and kernels.bf16_supported(device)
 

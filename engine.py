@@ -72,8 +72,8 @@ Decisions, and what they cost:
 
 `python engine.py` shows requests joining and leaving the batch step by step;
 `python bench.py batching` measures continuous against static batching on 64
-chat-like requests, and prefix caching on a long shared system prompt (the
-README's batching section has the tables).
+chat-like requests, and prefix caching on a long shared system prompt
+(RESULTS.md, engine section, has the tables).
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ def bf16_supported(device: torch.device) -> bool:
 
 def busy_machine_hint() -> str | None:
     """On a machine whose other processes keep every core busy, OpenMP threads wait for
-    each other whenever one is descheduled (a decode step measured here took 81 ms with
-    one thread and 0.3-3 s with two). Returns a hint, or None when it does not apply."""
+    each other whenever one is descheduled (a decode step measured here took 4-37x longer
+    with two threads than with one). Returns a hint, or None when it does not apply."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if torch.get_num_threads() > 1 and load > cores:
         return (f"note: this machine is busy (load {load:.1f} on {cores} cores); with {torch.get_num_threads()} "
@@ -93,10 +93,11 @@ def busy_machine_hint() -> str | None:
 # ----------------------------------------------------------------------------
 # The linear layer: x·Wᵀ on the fastest kernel for the case at hand.
 #
-# Eager fp32 on a CPU: F.linear calls MKL's sgemm, which on an AMD EPYC took
-# 61 ms for a one-token SmolLM2 step and 1.75-2.2x that for 2 or 3 tokens;
-# oneDNN's kernel (the one torch uses for bf16, and inductor for its fused
-# linears) took 43 ms and 1.3x. It has no gradient, so only inference uses it.
+# Eager fp32 on a CPU: F.linear calls MKL's sgemm; oneDNN's kernel (the one
+# torch uses for bf16, and inductor for its fused linears) took 0.7x its time
+# for a one-token SmolLM2 step on an AMD EPYC, and grew 1.3x for 2 or 3 tokens
+# where MKL's grew 1.75-2.2x. It has no gradient, so only inference uses it.
+# `python kernels.py` measures both on this machine.
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # oneDNN's call costs ~15 µs before any work, so below 512×512 F.linear is faster
 # (64×32: 2 against 17 µs); from there up oneDNN wins or ties.
@@ -129,13 +130,13 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
     the one-token product inside a compiled step (`linear` for float weights,
     quantize.Int8Linear for int8 rows and their scales). Inductor fuses it into
     one vectorized loop that widens each weight to fp32 as it reads it and
-    accumulates in fp32: 21 GB/s against 16 GB/s for oneDNN's kernel behind
-    F.linear (8 matrices 5632×2048, bf16, same run).
+    accumulates in fp32: 1.3x the bandwidth of oneDNN's kernel behind F.linear
+    (8 matrices 5632×2048, bf16, same run).
     Inductor sums a float reduction longer than 4,096 terms through a cascade
-    helper that is 2x slower here (2048 x 4096: 25.8 GB/s, 2048 x 4112: 12.2).
-    So a longer row (TinyLlama's down projection has 5,632) is read as two rows
-    of K/2, each against its half of x, and each pair of partial sums is added:
-    1.18 ms for that matrix in bf16, against 1.85 read as one row."""
+    helper that is 2x slower here (2048 x 4112 read at 0.47x the bandwidth of
+    2048 x 4096). So a longer row (TinyLlama's down projection has 5,632) is
+    read as two rows of K/2, each against its half of x, and each pair of
+    partial sums is added: that matrix then takes 0.64x the time."""
     n, k = w.shape
     if k <= 4096 or k % 2:
         out = (x.float().unsqueeze(-2) * w.float()).sum(-1)
@@ -156,8 +157,8 @@ def prepack(model: nn.Module) -> nn.Module:
 
     Handed a plain row-major W, oneDNN reorders it into its blocked layout on
     every call that computes more than one position: a 3072×576 fp32 product
-    took 66 µs for one row, 206 µs for 4 rows, and 88 µs for 4 rows on a weight
-    reordered once. So without the copy a pass over 2 to 11 positions (the
+    over 4 rows took 3.1x the time of one row, and 1.3x on a weight reordered
+    once (`python kernels.py` measures it here). So without the copy a pass over 2 to 11 positions (the
     sizes speculative decoding verifies) cost far more than a one-token step;
     with it, checking 4 guesses costs about one step. The values are oneDNN's
     either way (bitwise equal). The price is a second copy of those weights
@@ -219,16 +220,25 @@ def compile_step(step):
 
 if __name__ == "__main__":
     import time
+    import results
     dev = pick_device("cpu")
     print(f"device {dev}, {torch.get_num_threads()} threads; oneDNN: {ONEDNN}; computes bf16: "
           f"{bf16_supported(dev)}")
-    layer = nn.Linear(2048, 5632, bias=False)
-    x = torch.randn(4, 2048)
+    layer, packed = nn.Linear(2048, 5632, bias=False), prepack(nn.Linear(2048, 5632, bias=False))
+    rows = []
     with torch.inference_mode():
-        for name, fn in (("F.linear", lambda: F.linear(x, layer.weight)), ("kernels.linear", lambda: linear(x, layer)),
-                         ("prepacked", lambda: linear(x, prepack(layer)))):
-            fn()
-            t0 = time.perf_counter()
-            for _ in range(20):
+        for n in (1, 4, 11):          # one decode step; the passes speculative decoding verifies
+            x = torch.randn(n, 2048)
+            times = []
+            for fn in (lambda: F.linear(x, layer.weight), lambda: linear(x, layer), lambda: linear(x, packed)):
                 fn()
-            print(f"  4 rows × 5632×2048 fp32, {name:14}: {(time.perf_counter() - t0) / 20 * 1e3:.2f} ms")
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                times.append((time.perf_counter() - t0) / 20 * 1e3)
+            rows.append([n] + [f"{t:.3f}" for t in times] + [f"{times[0] / times[2]:.2f}×"])
+    table = results.Table("x·Wᵀ, W 5632×2048 fp32, ms per call (20 calls)",
+                          ["rows of x", "F.linear", "kernels.linear", "kernels.linear, prepacked",
+                           "F.linear / prepacked"], rows)
+    print(table.markdown())
+    results.save("kernels-linear", "kernels", [table])

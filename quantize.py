@@ -29,7 +29,7 @@ quantized Linear calls the fastest matrix-vector kernel PyTorch has for the
 device. On a CPU those are ``aten._weight_int8pack_mm`` (int8 weights, one scale
 per output row, activations in the model's dtype; inside a compiled one-token
 step Int8Linear is kernels.matvec_sum instead, which inductor fuses into one
-loop that widens each int8 weight as it reads it, faster here: README, Speed)
+loop that widens each int8 weight as it reads it: RESULTS.md, runner section)
 and ``aten._weight_int4pack_mm_for_cpu`` (int4 in a CPU-specific tiled layout,
 a scale and a zero per group). Elsewhere, a GPU included, a layer dequantizes
 its weights for one matmul (correct, not fast). The KV cache dequantizes one
@@ -168,13 +168,13 @@ def kv_codec(name: str | None) -> KVCodec | None:
 # int4's default group: 32, as llama.cpp's Q4_0/Q4_1 blocks. A GGUF model that llama.cpp
 # quantized that way (the bundled SmolLM2 is Q4_1: lo + q·s per 32 weights) then
 # requantizes onto the same grid, almost losslessly; groups of 64 would put two
-# blocks' grids into one and cost far more (see the README's table).
+# blocks' grids into one and cost far more (RESULTS.md, quantize section).
 GROUP = 32
 
 
 # From this many rows on, Int8Linear widens W to the activations' dtype and runs a matrix-matrix
 # product: the int8 kernel is built for matrix-vector work, and a 128-token prefill of SmolLM2
-# took 278 ms with it against 163 ms in bf16 (bench.py decode, TTFT).
+# took 1.7x as long with it as in bf16 (bench.py decode, TTFT).
 PREFILL_ROWS = 16
 
 

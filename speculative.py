@@ -73,8 +73,8 @@ behind x_t (KVCache.move: their K/V was computed at the right positions and
 over exactly the accepted prefix, so moving is exact — no recompute) and the
 cache is cropped: it holds the accepted tokens and nothing else, as after
 every step here. A tree buys tokens per forward where the head is unsure, and
-pays for them with a wider verify pass and more head passes (README,
-Speculative decoding, has the measured trade).
+pays for them with a wider verify pass and more head passes (RESULTS.md,
+speculative section, has the measured trade).
 """
 
 from __future__ import annotations

@@ -1,0 +1,88 @@
+"""Every command the README and RESULTS.md show works on a fresh clone.
+
+Each command is run here (the quick ones), or named with the test that runs it, or listed as slow
+with its time on 2 cores (those are run by hand before a release; see the issue notes). A command
+added to the docs without a place in one of these tables fails the first test."""
+
+import re
+import shlex
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+# Run here: command → seconds allowed. Interactive runner commands get a prompt appended.
+QUICK = {
+    "python kvcache.py --config llama2-7b --seq 32768": 60,
+    "python kvcache.py --plot": 60,
+    "python flash.py": 60,
+    "python paged.py": 60,
+    "python paged.py --simulate 1000": 120,
+    "python quantize.py": 60,
+    "python engine.py --trace": 120,
+    "python sampling.py": 60,
+    "python serve_local.py --prompt \"What is the capital of France?\" --temperature 0": 120,
+    "python serve_local.py --kv paged": 120,
+    "python serve_local.py --weights int4 --kv-dtype int8": 120,
+    "python serve_local.py --draft bundled --prompt-lookup 3": 120,
+    "python bench.py -h": 60,
+    "python serve_local.py --help": 60,
+}
+# Run by another test.
+COVERED = {
+    "make chat": "test_chat_session.py (the runner in a terminal)",
+    "make test": "CI itself",
+    "make exercise": "test_exercises.py",
+    "make exercise E=flash": "test_exercises.py",
+    "python -m pytest tests --exercise flash": "test_exercises.py",
+    "python -m pytest tests/test_flash.py": "CI itself",
+    "python serve_local.py": "test_chat_session.py",
+    "python serve_local.py --model tinyllama --dtype bf16": "test_hub.py (a real HF cache layout, offline)",
+    "python serve_local.py --model ./my-llama-dir": "test_model.py, test_errors.py (HF directories)",
+    "python serve_local.py --model ./model.Q4_K_M.gguf": "test_gguf.py (GGUF files)",
+    "python tokenizer.py PATH": "test_tokenizer.py",
+    "python bench.py report": "test_results.py (RESULTS.md is what results/*.json render to)",
+}
+# Run by hand: the time each takes on a 2-core CPU, roughly.
+SLOW = {
+    "python model.py": "~1 min",
+    "python speculative.py": "~1 min",
+    "python bench.py prefix": "~1 min",
+    "python bench.py context": "~2 min",
+    "python serve_local.py --dtype bf16 --cache static --compile": "1-2.5 min to compile, then chat",
+    "python bench.py attention": "~5 min",
+    "python bench.py attention --quick": "~1 min",
+    "python bench.py batching": "~3 min",
+    "python bench.py batching --threads 1": "~3 min",
+    "python bench.py speculative": "~15 min",
+    "python bench.py decode": "~25 min",
+    "python bench.py quantize --eval": "~10 min",
+    "python bench.py kv-bytes": "~30 s",
+}
+
+
+def documented_commands() -> set[str]:
+    found = set()
+    for doc in ("README.md", "RESULTS.md"):
+        text = (ROOT / doc).read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            found |= {line.split("  #")[0].strip() for line in block.splitlines() if line.strip()}
+        found |= {c.strip() for c in re.findall(r"`((?:python|make) [^`]+)`", text)}
+        found |= {c for c in re.findall(r"`(make \w+)`", text)}
+    return {c for c in found if c.startswith(("python ", "make "))}
+
+
+def test_every_documented_command_has_a_place():
+    known = set(QUICK) | set(COVERED) | set(SLOW)
+    assert sorted(documented_commands() - known) == []
+
+
+@pytest.mark.parametrize("command", sorted(QUICK))
+def test_quick_command_runs(command):
+    args = shlex.split(command)[1:]
+    if args[0] == "serve_local.py" and "--prompt" not in args and "--help" not in args:
+        args += ["--prompt", "Say hi.", "--max-new-tokens", "8", "--temperature", "0"]
+    rc, out, err = run_cli(*args, timeout=QUICK[command])
+    assert rc == 0, err[-2000:]
+    assert out.strip(), f"{command} printed nothing"
+    assert "Traceback" not in err
