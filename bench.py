@@ -1,5 +1,6 @@
 """
-bench.py — the project's benchmarks and model-level demos, one subcommand per idea. Prints markdown tables.
+bench.py — the project's benchmarks and model-level demos, one subcommand per idea. Each prints
+markdown tables and saves them with results.save (results/<name>.json; plots under plots/).
 
     python bench.py decode                        # bundled model + TinyLlama-shaped random checkpoint
     python bench.py decode --model tinyllama-random --dtypes bfloat16
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 import statistics
 import sys
 import time
@@ -73,6 +75,7 @@ QUESTIONS = [
 ]
 
 RANDOM_TINYLLAMA = "tinyllama-random"
+DECODE_MODELS, DECODE_DTYPES = [checkpoint.DEFAULT_MODEL, RANDOM_TINYLLAMA], ["float32", "bfloat16"]
 
 
 def model_dir(name: str):
@@ -228,20 +231,38 @@ def bench_decode(args):
                 with torch.inference_mode():
                     ttft, decode_s = measure(fn, args.reps)
                 tok_s = (args.new_tokens - 1) / decode_s
-                group.append([name, impl, label, ttft * 1000, args.prompt_tokens / ttft, tok_s,
+                group.append([name, impl, label, ttft, args.prompt_tokens / ttft, tok_s,
                               per_tok * tok_s / 1e9])
                 print(f"  {name} {impl} {label}: decode {tok_s:.1f} tok/s", flush=True)
             # Ratios against transformers in the same dtype when it ran, else against the first row.
             base = next((r[5] for r in group if r[1] == "transformers generate"), group[0][5])
             rows += [r + [r[5] / base] for r in group]
             del model
-    print(f"\nbatch 1, greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, "
-          f"median of {args.reps}, {torch.get_num_threads()} threads; llama.cpp rows (dtype = GGUF tensor "
-          f"type) sit in the {args.dtypes[0]} group; × = decode speed over transformers generate in the group\n")
-    print("| model | implementation | dtype | TTFT ms | prefill tok/s | decode tok/s | GB/s | × transformers |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.2f} |")
+    table = decode_table(rows, args)
+    print(f"\n{table.title}\n\n{table.markdown()}")
+    print(f"saved {results.save(decode_name(args.models, args.dtypes), 'runner', [table])}")
+
+
+def decode_table(rows: list[list], args) -> results.Table:
+    """rows: [model, implementation, dtype, TTFT s, prefill tok/s, decode tok/s, GB/s, × transformers]."""
+    return results.Table(
+        f"batch 1, greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (EOS ignored), "
+        f"median of {args.reps}, {torch.get_num_threads()} threads",
+        ["model", "implementation", "dtype", "TTFT ms", "prefill tok/s", "decode tok/s", "GB/s", "× transformers"],
+        [r[:3] + [f"{r[3] * 1000:.0f}", f"{r[4]:.0f}", f"{r[5]:.1f}", f"{r[6]:.1f}", f"{r[7]:.2f}"] for r in rows],
+        [f"llama.cpp rows (dtype = GGUF tensor type) sit in the {args.dtypes[0]} group; × = decode speed over "
+         "transformers generate in the group (over the group's first row without transformers); GB/s = bytes "
+         "read per decode step × decode tok/s"])
+
+
+def decode_name(models: list[str], dtypes: list[str]) -> str:
+    """"decode" for the full run; a partial one is named by its models and dtypes, so it
+    does not overwrite the full one (`--models smollm2-135m --dtypes bfloat16`:
+    decode-smollm2-135m-bfloat16)."""
+    if models == DECODE_MODELS and dtypes == DECODE_DTYPES:
+        return "decode"
+    return "-".join(["decode"] + [re.sub(r"[^a-z0-9.]+", "-", Path(m).name.lower()).strip("-")
+                                  for m in models + dtypes])
 
 
 def long_system_prompt() -> str:
@@ -332,14 +353,50 @@ def run_static(model: Llama, jobs: list[Job], batch: int, pad: bool = True, **en
     return RunResult(f"{name} (batch {batch})", outputs, wall, steps, eng.stats["decode_tokens"], latencies)
 
 
-def batching_table(results: list[RunResult]) -> str:
-    base = results[0]
-    rows = ["| scheduling | steps | decode rows computed | output tokens | wall s | tokens/s | × first row "
-            "| mean latency s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        rows.append(f"| {r.name} | {r.steps} | {r.rows} | {r.tokens} | {r.wall_s:.1f} | {r.tok_s:.1f} "
-                    f"| {r.tok_s / base.tok_s:.2f} | {r.mean_latency:.1f} |")
-    return "\n".join(rows)
+def batching_table(runs: list[RunResult], title: str = "") -> results.Table:
+    base = runs[0]
+    same = all(r.outputs == base.outputs for r in runs)
+    return results.Table(title, ["scheduling", "steps", "decode rows computed", "output tokens", "wall s",
+                                 "tokens/s", "× first row", "mean latency s"],
+                         [[r.name, r.steps, r.rows, r.tokens, f"{r.wall_s:.1f}", f"{r.tok_s:.1f}",
+                           f"{r.tok_s / base.tok_s:.2f}", f"{r.mean_latency:.1f}"] for r in runs],
+                         [f"same tokens in every run (greedy): {same}; latency = from t = 0 until the request's "
+                          "answer is complete (a padded static batch returns its answers together)"])
+
+
+def prefix_cache_table(rows: list[tuple], title: str = "") -> results.Table:
+    """rows: (caching, first TTFT s, median later TTFT s, median prompt tokens computed, first tokens)."""
+    off = rows[0][2]
+    return results.Table(title, ["prefix cache", "first request TTFT ms", "later requests: TTFT ms (median)",
+                                 "prompt tokens computed (median)", "× faster"],
+                         [["on" if caching else "off", f"{first * 1000:.0f}", f"{median * 1000:.0f}", f"{comp:.0f}",
+                           f"{off / median:.1f}"] for caching, first, median, comp, _ in rows],
+                         [f"same first tokens with and without the cache: {rows[0][4] == rows[1][4]}"])
+
+
+def plot_batching(runs: list[RunResult], title: str) -> Path | None:
+    """Two bar panels, one bar per scheduling: tokens per second, and mean latency."""
+    plt = results.pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r.name.replace(" (", "\n(") for r in runs]
+    colors = [f"C{i}" for i in range(len(runs))]
+    for ax, values, label, heading, fmt in (
+            (axes[0], [r.tok_s for r in runs], "output tokens/s", "throughput (higher is better)", "%.1f"),
+            (axes[1], [r.mean_latency for r in runs], "seconds from t = 0 to the answer's end",
+             "mean latency (lower is better)", "%.3g")):
+        ax.bar_label(ax.bar(names, values, color=colors), fmt=fmt)
+        ax.set(ylabel=label, title=heading)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.margins(y=0.15)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = results.plot_path("batching.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot: {path}")
+    return path
 
 
 def bench_batching(args):
@@ -355,32 +412,32 @@ def bench_batching(args):
     jobs = chat_workload(args.requests, model.config.vocab_size, seed=0)
     outs = sorted(j.output_len for j in jobs)
     prompts = [len(j.prompt) for j in jobs]
-    print(f"{args.model} ({dtype}), {torch.get_num_threads()} threads: {args.requests} requests, all queued at "
-          f"t = 0; prompts uniform 20-100 tokens (mean {statistics.mean(prompts):.0f}); answers log-uniform "
-          f"8-128 tokens, EOS ignored (median {statistics.median(outs):.0f}, mean {statistics.mean(outs):.0f}, "
-          f"max {outs[-1]}); static batch = continuous max batch = {args.max_batch}", flush=True)
+    title = (f"{args.model} ({dtype}), {torch.get_num_threads()} threads: {args.requests} requests, all queued at "
+             f"t = 0; prompts uniform 20-100 tokens (mean {statistics.mean(prompts):.0f}); answers log-uniform "
+             f"8-128 tokens, EOS ignored (median {statistics.median(outs):.0f}, mean {statistics.mean(outs):.0f}, "
+             f"max {outs[-1]}); static batch = continuous max batch = {args.max_batch}")
+    print(title, flush=True)
     run_continuous(model, jobs[:4], 4)          # warm-up: first calls of every kernel
-    runs = [lambda: run_static(model, jobs, args.max_batch, pad=True)]
+    schedules = [lambda: run_static(model, jobs, args.max_batch, pad=True)]
     if not args.skip_dropped:
-        runs.append(lambda: run_static(model, jobs, args.max_batch, pad=False))
-    runs.append(lambda: run_continuous(model, jobs, args.max_batch))
-    results = []
-    for run in runs:
-        results.append(run())
-        r = results[-1]
-        print(f"  {r.name}: {r.wall_s:.1f} s, {r.tok_s:.1f} tok/s", flush=True)
-    same = all(r.outputs == results[0].outputs for r in results)
-    print(f"\n{batching_table(results)}\n\nsame tokens in every run (greedy): {same}; latency = from t = 0 "
-          f"until the request's answer is complete (a padded static batch returns its answers together)")
+        schedules.append(lambda: run_static(model, jobs, args.max_batch, pad=False))
+    schedules.append(lambda: run_continuous(model, jobs, args.max_batch))
+    runs = []
+    for schedule in schedules:
+        runs.append(schedule())
+        print(f"  {runs[-1].name}: {runs[-1].wall_s:.1f} s, {runs[-1].tok_s:.1f} tok/s", flush=True)
+    scheduling = batching_table(runs, title)
+    print(f"\n{scheduling.markdown()}")
 
     system = long_system_prompt()
     convs = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
                                                  {"role": "user", "content": q}]), add_bos=False)
              for q in QUESTIONS[:args.questions]]
     shared = min(common_prefix(convs[0], c) for c in convs[1:])
-    print(f"\nprefix caching: {len(convs)} requests, one at a time; each is the same system prompt plus a short "
-          f"question ({min(map(len, convs))}-{max(map(len, convs))} tokens, the first {shared} shared); "
-          f"TTFT = add_request to first token", flush=True)
+    title = (f"prefix caching: {len(convs)} requests, one at a time; each is the same system prompt plus a short "
+             f"question ({min(map(len, convs))}-{max(map(len, convs))} tokens, the first {shared} shared); "
+             f"TTFT = add_request to first token")
+    print(f"\n{title}", flush=True)
     rows = []
     for caching in (False, True):
         eng = engine.Engine(model, max_batch=1, prefix_caching=caching)
@@ -396,13 +453,11 @@ def bench_batching(args):
         warm = ttfts[1:]          # with the cache on, the first request fills it
         rows.append((caching, ttfts[0], statistics.median(warm), statistics.median(computed[1:]), answers))
         print(f"  prefix cache {'on' if caching else 'off'}: TTFT {[round(t * 1000) for t in ttfts]} ms", flush=True)
-    off = rows[0][2]
-    print("\n| prefix cache | first request TTFT ms | later requests: TTFT ms (median) | prompt tokens computed "
-          "(median) | × faster |\n|---|---:|---:|---:|---:|")
-    for caching, first, median, comp, _ in rows:
-        print(f"| {'on' if caching else 'off'} | {first * 1000:.0f} | {median * 1000:.0f} | {comp:.0f} "
-              f"| {off / median:.1f} |")
-    print(f"\nsame first tokens with and without the cache: {rows[0][4] == rows[1][4]}")
+    prefix = prefix_cache_table(rows, title)
+    print(f"\n{prefix.markdown()}")
+    plot = plot_batching(runs, f"{args.model} ({dtype}), {torch.get_num_threads()} threads: {args.requests} chat "
+                               f"requests queued at once, batches of {args.max_batch}, EOS ignored")
+    print(f"saved {results.save('batching', 'engine', [scheduling, prefix], plots=[plot] if plot else [])}")
 
 
 # ----------------------------------------------------------------------------
@@ -455,16 +510,44 @@ def same_tokens(diverged: list) -> str:
         ", ".join(map(str, parted))
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| method | decode tok/s | speedup | acceptance | tokens/forward | accepted lengths | same tokens |",
-             "|---|---:|---:|---:|---:|---|---|"]
+def table(rows: list[dict], title: str = "") -> results.Table:
+    """compare()'s rows; "accepted lengths" is the histogram n:steps (steps that accepted n guesses)."""
+    cells = []
     for r in rows:
         s = r["spec"]
-        hist = " ".join(f"{n}:{c}" for n, c in sorted(s.histogram.items())) if s else ""
-        lines.append(f"| {r['method']} | {r['tok_s']:.1f} | {r['speedup']:.2f}× | "
-                     f"{f'{100 * s.acceptance:.0f}%' if s else ''} | {f'{s.tokens_per_forward:.2f}' if s else '1'} "
-                     f"| {hist} | {same_tokens(r['diverged'])} |")
-    return "\n".join(lines)
+        cells.append([r["method"], f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}×",
+                      f"{100 * s.acceptance:.0f}%" if s else "", f"{s.tokens_per_forward:.2f}" if s else "1",
+                      " ".join(f"{n}:{c}" for n, c in sorted(s.histogram.items())) if s else "",
+                      same_tokens(r["diverged"])])
+    return results.Table(title, ["method", "decode tok/s", "speedup", "acceptance", "tokens/forward",
+                                 "accepted lengths", "same tokens"], cells,
+                         ["speedup = decode tok/s over plain decoding in the same run; accepted lengths n:count = "
+                          "target forwards that accepted n guesses"])
+
+
+def plot_accepted(groups: dict[str, list[dict]], title: str = "") -> Path | None:
+    """One panel per prompt group: for each speculative method, how many steps accepted 0, 1, … k guesses."""
+    plt = results.pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], groups.items()):
+        spec = [r for r in rows if r["spec"]]
+        longest = max(max(r["spec"].histogram, default=0) for r in spec) if spec else 0
+        width = 0.8 / max(len(spec), 1)
+        for i, r in enumerate(spec):
+            ax.bar([n + (i - (len(spec) - 1) / 2) * width for n in range(longest + 1)],
+                   [r["spec"].histogram.get(n, 0) for n in range(longest + 1)], width, label=r["method"])
+        ax.set(xlabel="guesses accepted in one target forward", ylabel="target forwards", title=name,
+               xticks=range(longest + 1))
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = results.plot_path("speculative_accepted.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot: {path}")
+    return path
 
 
 CHAT_PROMPTS = [
@@ -517,11 +600,17 @@ def bench_speculative(args):
         print(f"plain decode step compiled in {time.perf_counter() - t0:.0f} s (not timed below)", flush=True)
     groups = {f"{args.prompts} chat prompts": [chat(t) for t in CHAT_PROMPTS[:args.prompts]],
               "summarise-this-text prompt": [chat(speculative.SUMMARISE + HANDBOOK)]}
-    threads = torch.get_num_threads()
+    tables, rows = [], {}
     for name, prompts in groups.items():
-        print(f"\n{name}: {args.model} {args.dtype}, greedy, {args.new_tokens} new tokens each (EOS ignored), "
-              f"{threads} threads; speedup = decode tok/s over plain decoding in the same run\n", flush=True)
-        print(table(compare(model, prompts, methods, args.new_tokens)), flush=True)
+        title = (f"{name}: {args.model} {args.dtype}, greedy, {args.new_tokens} new tokens each, EOS ignored, "
+                 f"{torch.get_num_threads()} threads")
+        print(f"\n{title}", flush=True)
+        rows[name] = compare(model, prompts, methods, args.new_tokens)
+        tables.append(table(rows[name], title))
+        print(f"\n{tables[-1].markdown()}", flush=True)
+    plot = plot_accepted(rows, f"{args.model} {args.dtype}: guesses accepted per target forward, greedy, "
+                               f"{args.new_tokens} new tokens per prompt, EOS ignored")
+    print(f"saved {results.save('speculative', 'speculative', tables, plots=[plot] if plot else [])}")
 
 
 # ----------------------------------------------------------------------------
@@ -544,32 +633,33 @@ def bench_prefix(model_name: str = checkpoint.DEFAULT_MODEL, n_answer: int = 24)
         out = list(generate_cached(model, ids, params, stats, cache))
         return tok.decode([t for t in out if t not in model.config.eos_ids]), stats
 
-    results = {}
     t0 = time.perf_counter()
     plain = [answer(ids, model.new_cache()) for ids in convs]
-    results["re-encode the prefix"] = (plain, time.perf_counter() - t0, 0.0)
+    strategies = {"re-encode the prefix": (plain, time.perf_counter() - t0, 0.0)}
     t0 = time.perf_counter()
     base = model.new_cache()
     with torch.inference_mode():
         model(torch.tensor([convs[0][:shared]]), torch.arange(shared), base, last_only=True)
     prefix_s = time.perf_counter() - t0
     forked = [answer(ids[shared:], base.fork()) for ids in convs]
-    results["prefill once + fork()"] = (forked, time.perf_counter() - t0, prefix_s)
+    strategies["prefill once + fork()"] = (forked, time.perf_counter() - t0, prefix_s)
 
-    print(f"\n| strategy | prefill tokens computed | prefill wall time | total wall time |\n|---|---:|---:|---:|")
-    for name, (runs, total, once) in results.items():
+    rows = []
+    for name, (runs, total, once) in strategies.items():
         tokens = sum(s.prompt_tokens for _, s in runs) + (shared if once else 0)
-        prefill = sum(s.prefill_s for _, s in runs) + once
-        print(f"| {name} | {tokens} | {prefill:.2f} s | {total:.2f} s |")
-    (a, ta, _), (b, tb, once) = results.values()
-    pa = sum(s.prompt_tokens for _, s in a)
-    pb = sum(s.prompt_tokens for _, s in b) + shared
-    fa, fb = sum(s.prefill_s for _, s in a), sum(s.prefill_s for _, s in b) + once
-    same = [x for x, _ in a] == [y for y, _ in b]
-    print(f"\nprefill tokens {pa / pb:.1f}x fewer, prefill time {fa / fb:.1f}x lower, "
-          f"total {ta / tb:.1f}x lower; identical answers: {same}")
-    for q, (text, _) in zip(QUESTIONS[:3], b):
+        rows.append([name, tokens, sum(s.prefill_s for _, s in runs) + once, total])
+    (_, pa, fa, ta), (_, pb, fb, tb) = rows
+    same = [x for x, _ in plain] == [y for y, _ in forked]
+    table = results.Table(
+        f"{len(QUESTIONS)} questions after one {shared}-token shared prefix (system prompt + handbook), "
+        f"{n_answer} new tokens each", ["strategy", "prefill tokens computed", "prefill wall time", "total wall time"],
+        [[name, tokens, f"{prefill:.2f} s", f"{total:.2f} s"] for name, tokens, prefill, total in rows],
+        [f"prefill tokens {pa / pb:.1f}x fewer, prefill time {fa / fb:.1f}x lower, total {ta / tb:.1f}x lower; "
+         f"identical answers: {same}"])
+    print(f"\n{table.markdown()}")
+    for q, (text, _) in zip(QUESTIONS[:3], forked):
         print(f"  Q: {q}\n  A: {text.strip()}")
+    print(f"saved {results.save('prefix', 'kvcache', [table])}")
 
 
 def bench_kv_bytes(model_name: str = checkpoint.DEFAULT_MODEL, new_tokens: int = 64):
@@ -583,10 +673,16 @@ def bench_kv_bytes(model_name: str = checkpoint.DEFAULT_MODEL, new_tokens: int =
     out = list(generate_cached(model, prompt, SamplingParams(max_new_tokens=new_tokens), cache=cache))
     size = model.embed_tokens.weight.element_size()
     formula = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, size)
-    print(f"{model_name}: {c.n_layers} layers × 2 · {c.n_kv_heads} KV heads · {c.head_dim} · {size} B "
-          f"= {formula:.0f} B per token")
-    print(f"static cache for {n} tokens ({len(prompt)} prompt + {len(out)} generated): "
-          f"holds {cache.nbytes} B; formula × {n} = {formula * n:.0f} B; equal: {cache.nbytes == formula * n}")
+    table = results.Table(
+        f"{model_name}: a static cache after a generation ({len(prompt)} prompt + {len(out)} generated tokens) "
+        "against kvcache.kv_bytes_per_token",
+        ["layers", "KV heads", "head dim", "bytes/value", "formula B/token", "tokens", "cache holds B",
+         "formula × tokens B", "equal"],
+        [[c.n_layers, c.n_kv_heads, c.head_dim, size, formula, n, cache.nbytes, formula * n,
+          cache.nbytes == formula * n]],
+        ["formula = layers × 2 (K and V) × KV heads × head dim × bytes/value"])
+    print(f"{table.title}\n\n{table.markdown()}")
+    print(f"saved {results.save('kv-bytes', 'kvcache', [table])}")
 
 
 # ----------------------------------------------------------------------------
@@ -629,9 +725,10 @@ def quantize_eval(name: str, dtype: str, new_tokens: int, n_prompts: int, speed_
     top-1 token equals the full model's (read the same way). Free-running texts
     are no measure: after the first differing token they are different texts."""
     text = (ROOT / EVAL_TEXT).read_text()
-    print(f"model {name}, {dtype}; perplexity over {EVAL_TEXT}; top-1 agreement over {n_prompts} prompts × "
-          f"{new_tokens} tokens; decode tok/s: {speed_tokens} tokens, eager, dynamic cache, "
-          f"{torch.get_num_threads()} threads\n", flush=True)
+    title = (f"{name}, {dtype}: perplexity over {EVAL_TEXT}; top-1 agreement over {n_prompts} prompts × "
+             f"{new_tokens} tokens; decode tok/s: {speed_tokens} tokens, eager, dynamic cache, "
+             f"{torch.get_num_threads()} threads")
+    print(f"{title}\n", flush=True)
     rows, sequences, reference = [], None, None
     for label, weights, kv in CONFIGS:
         model, tok = load(name, "cpu", dtype, weights=weights)
@@ -654,10 +751,19 @@ def quantize_eval(name: str, dtype: str, new_tokens: int, n_prompts: int, speed_
                      100 * (ppl / reference[0] - 1), 100 * agree, (stats.new_tokens - 1) / stats.decode_s))
         print(f"  {label}: ppl {ppl:.3f}, agreement {100 * agree:.1f}%", flush=True)
         del model
-    print("\n| configuration | KV bytes/token | weight MB | perplexity | Δ ppl | top-1 agreement | decode tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for label, kvb, wb, ppl, dppl, agr, tps in rows:
-        print(f"| {label} | {kvb:.0f} | {wb / 1e6:.0f} | {ppl:.3f} | {dppl:+.2f}% | {agr:.1f}% | {tps:.1f} |")
+    table = quantize_table(rows, title)
+    print(f"\n{table.markdown()}")
+    print(f"saved {results.save('quantize-eval', 'quantize', [table])}")
+
+
+def quantize_table(rows: list[tuple], title: str = "") -> results.Table:
+    """rows: (configuration, KV bytes/token, weight bytes, perplexity, Δ ppl %, agreement %, decode tok/s)."""
+    return results.Table(title, ["configuration", "KV bytes/token", "weight MB", "perplexity", "Δ ppl",
+                                 "top-1 agreement", "decode tok/s"],
+                         [[label, f"{kvb:.0f}", f"{wb / 1e6:.0f}", f"{ppl:.3f}", f"{dppl:+.2f}%", f"{agr:.1f}%",
+                           f"{tps:.1f}"] for label, kvb, wb, ppl, dppl, agr, tps in rows],
+                         ["Δ ppl against the first row; agreement = teacher-forced top-1 tokens equal to the full "
+                          "model's"])
 
 
 def quantize_demo(name: str, dtype: str, n_tokens: int = 512):
@@ -697,8 +803,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("decode", help="batch-1 decode speed against peers")
-    d.add_argument("--models", nargs="+", default=[checkpoint.DEFAULT_MODEL, RANDOM_TINYLLAMA])
-    d.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(kernels.DTYPES))
+    d.add_argument("--models", nargs="+", default=DECODE_MODELS)
+    d.add_argument("--dtypes", nargs="+", default=DECODE_DTYPES, choices=list(kernels.DTYPES))
     d.add_argument("--prompt-tokens", type=int, default=128)
     d.add_argument("--new-tokens", type=int, default=128)
     d.add_argument("--reps", type=int, default=3)

@@ -80,9 +80,11 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+from pathlib import Path
 
 import torch
 
+import results
 from kvcache import attention_mask
 
 NEG_INF = float("-inf")
@@ -434,8 +436,9 @@ def _reps(method: str, n: int) -> int:
     return 3
 
 
-def bench(quick: bool = False, dtype: str = "float32", plot: str | None = "plots/flash.png") -> list[dict]:
-    """Every configuration in its own subprocess; prints a markdown table, saves a plot."""
+def bench(quick: bool = False, dtype: str = "float32", plot: str | None = None) -> list[dict]:
+    """Every configuration in its own subprocess; prints the table, saves it (results/attention.json,
+    attention-quick.json) and a plot (plots/flash.png; ``plot``: another path, or "" for none)."""
     import json
     import os
     import subprocess
@@ -458,34 +461,41 @@ def bench(quick: bool = False, dtype: str = "float32", plot: str | None = "plots
                 print(f"  N={n:>5} d={d:>3} {method:>14}: {row[method]['time_s'] * 1e3:9.1f} ms "
                       f"{row[method]['peak_mib']:9.1f} MiB", flush=True)
             rows.append(row)
-    print(f"\ncausal, {HEADS} heads, batch 1, {dtype}, {torch.get_num_threads()} threads; time: best of "
-          f"1-3 calls; memory: peak RSS growth during one call (inputs allocated before, output included), "
-          f"each configuration in a fresh process; naive runs the {HEADS} heads one after another "
-          f"(one N×N matrix at a time); total {time.perf_counter() - t_start:.0f} s; load average "
-          f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (other processes on the cores "
-          f"slow the tiled loop far more than SDPA)\n")
-    print("| N | d | naive ms | tiled eager ms | tiled compiled ms | SDPA ms | compiled / SDPA "
-          "| naive MiB | tiled eager MiB | tiled compiled MiB | SDPA MiB | naive / compiled MiB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        t = [r[m]["time_s"] * 1e3 for m in METHODS]
-        mem = [r[m]["peak_mib"] for m in METHODS]
-        print(f"| {r['n']} | {r['d']} | " + " | ".join(f"{x:.1f}" for x in t) + f" | {t[2] / t[3]:.2f}× | "
-              + " | ".join(f"{x:.0f}" for x in mem) + f" | {mem[0] / max(mem[2], 1e-9):.0f}× |")
-    if plot:
-        _plot(rows, dtype, plot)
+    table = bench_table(rows, dtype, [
+        f"total {time.perf_counter() - t_start:.0f} s; load average {load:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end (other processes on the cores slow the tiled loop far more "
+        "than SDPA)"])
+    print(f"\n{table.title}\n\n{table.markdown()}")
+    path = results.plot_path("flash.png") if plot is None else Path(plot) if plot else None
+    drawn = path is not None and _plot(rows, dtype, path)
+    saved = results.save("attention-quick" if quick else "attention", "flash", [table],
+                         plots=[path] if drawn and plot is None else [])
+    print(f"saved {saved}")
     return rows
 
 
-def _plot(rows, dtype, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("\nmatplotlib is not installed: plot skipped (pip install -r requirements-bench.txt)")
-        return
-    from pathlib import Path
+def bench_table(rows: list[dict], dtype: str, notes: list[str] = ()) -> results.Table:
+    """Per N and d: each method's best time and peak memory, compiled tiles against SDPA, naive's memory
+    against the tiles'."""
+    columns = ["N", "d", "naive ms", "tiled eager ms", "tiled compiled ms", "SDPA ms", "compiled / SDPA",
+               "naive MiB", "tiled eager MiB", "tiled compiled MiB", "SDPA MiB", "naive / compiled MiB"]
+    cells = []
+    for r in rows:
+        t = [r[m]["time_s"] * 1e3 for m in METHODS]
+        mem = [r[m]["peak_mib"] for m in METHODS]
+        cells.append([r["n"], r["d"]] + [f"{x:.1f}" for x in t] + [f"{t[2] / t[3]:.2f}×"]
+                     + [f"{x:.0f}" for x in mem] + [f"{mem[0] / max(mem[2], 1e-9):.0f}×"])
+    return results.Table(
+        f"causal attention, {HEADS} heads, batch 1, {dtype}, {torch.get_num_threads()} threads", columns, cells,
+        ["time: best of 1-3 calls; memory: peak RSS growth during one call (inputs allocated before, output "
+         "included), each configuration in a fresh process; naive runs the heads one after another (one N×N "
+         "matrix at a time)"] + list(notes))
+
+
+def _plot(rows, dtype, path) -> bool:
+    plt = results.pyplot()
+    if plt is None:
+        return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "peak_mib", "peak extra memory (MiB)"), (axes[1], "time_s", "time (s)")):
         for i, method in enumerate(METHODS):
@@ -499,10 +509,11 @@ def _plot(rows, dtype, path):
     axes[0].legend(fontsize=7)
     fig.suptitle(f"causal attention, {HEADS} heads, {dtype}, {torch.get_num_threads()} CPU threads")
     fig.tight_layout()
-    out = Path(__file__).resolve().parent / path
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
-    print(f"\nplot: {out}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    print(f"\nplot: {path}")
+    return True
 
 
 # ----------------------------------------------------------------------------
@@ -551,7 +562,7 @@ def main():
     ap.add_argument("--bench", action="store_true", help="time and peak memory, N = 512 … 16384, d 64 and 128")
     ap.add_argument("--quick", action="store_true", help="a smaller sweep (N = 512, 2048, 8192; d 64)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--plot", default="plots/flash.png", help="where the PNG goes ('' for none)")
+    ap.add_argument("--plot", default=None, help="where the PNG goes (default: plots/flash.png; '' for none)")
     ap.add_argument("--measure", nargs=5, metavar=("METHOD", "N", "D", "DTYPE", "REPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
@@ -559,7 +570,7 @@ def main():
         method, n, d, dtype, reps = args.measure
         print(json.dumps(_measure(method, int(n), int(d), getattr(torch, dtype), int(reps))))
     elif args.bench or args.quick:
-        bench(args.quick, args.dtype, args.plot or None)
+        bench(args.quick, args.dtype, args.plot)
     else:
         demo()
 

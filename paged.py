@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcache import PRESETS, kv_bytes_per_token
+from results import Table, plot_path, pyplot, save
 
 BLOCK_SIZE = 16
 
@@ -575,22 +576,19 @@ def simulate(n: int, budget: int = 65536, ctx: int = 2048, block_size: int = BLO
     ]
 
 
-def simulation_table(results: list[SimResult], n: int) -> str:
-    rows = ["| allocation | peak concurrent seqs | mean concurrent seqs | steps | requests / step "
-            "| reserved but empty (time avg) | never written (at retirement) | preemptions |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        rows.append(f"| {r.name} | {r.peak_running} | {r.running_sum / r.steps:.1f} | {r.steps} "
-                    f"| {n / r.steps:.3f} | {r.empty_pct:.1f}% | {r.never_written_pct:.1f}% | {r.preemptions} |")
-    return "\n".join(rows)
+def simulation_table(results: list[SimResult], n: int) -> Table:
+    return Table(f"{n} simulated chat requests, one KV budget, three ways to allocate it",
+                 ["allocation", "peak concurrent seqs", "mean concurrent seqs", "steps", "requests / step",
+                  "reserved but empty (time avg)", "never written (at retirement)", "preemptions"],
+                 [[r.name, r.peak_running, f"{r.running_sum / r.steps:.1f}", r.steps, f"{n / r.steps:.3f}",
+                   f"{r.empty_pct:.1f}%", f"{r.never_written_pct:.1f}%", r.preemptions] for r in results],
+                 ["reserved but empty = (reserved - written) / reserved over all steps; never written = slots "
+                  "held at retirement but not written."])
 
 
 def plot_simulation(results: list[SimResult], budget: int, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r, color in zip(results, ["tab:red", "tab:orange", "tab:blue"]):
@@ -610,27 +608,28 @@ def plot_simulation(results: list[SimResult], budget: int, path: Path) -> bool:
 
 
 def run_simulation(n: int, budget: int, ctx: int, block_size: int, seed: int, plot: str | None = None):
+    """Prints the table and saves it (results/paged-simulation.json) with a plot of the runs
+    (plots/paged_simulation.png; ``plot``: another path, or "" for none)."""
     reqs, results = simulate(n, budget, ctx, block_size, seed)
     prompts, outputs = [r.prompt for r in reqs], [r.output for r in reqs]
-    print(f"{n} chat requests (seed {seed}), all waiting at step 0; context {ctx}")
-    print(f"  prompt tokens: log-normal, median {PROMPT_MEDIAN}, σ {PROMPT_SIGMA}, clipped → "
-          f"mean {sum(prompts) / n:.0f}, max {max(prompts)}")
-    print(f"  output tokens: log-normal, median {OUTPUT_MEDIAN}, σ {OUTPUT_SIGMA}, clipped → "
-          f"mean {sum(outputs) / n:.0f}, max {max(outputs)}")
-    print(f"KV budget: {budget} tokens = {budget * SMOLLM2_BYTES_PER_TOKEN / 2**30:.2f} GiB for SmolLM2-135M "
-          f"(bf16); pages of {block_size} tokens\n")
-    print(simulation_table(results, n))
-    paged = results[-1]
-    print(f"\nreserved but empty = (reserved - written) / reserved over all steps; never written = slots held "
-          f"at retirement but not written.\n{paged.name}: {paged.recomputed} tokens recomputed after "
-          f"{paged.preemptions} preemptions; {paged.peak_running / results[0].peak_running:.1f}x the peak "
-          f"concurrency and {results[0].steps / paged.steps:.1f}x the requests per step of max-length reservation")
-    if plot is None:
-        print("(--plot plots/paged_simulation.png draws the runs)")
-    elif plot_simulation(results, budget, Path(plot)):
-        print(f"plot: {plot}")
-    else:
-        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+    workload = [f"{n} chat requests (seed {seed}), all waiting at step 0; context {ctx}",
+                f"prompt tokens: log-normal, median {PROMPT_MEDIAN}, σ {PROMPT_SIGMA}, clipped → "
+                f"mean {sum(prompts) / n:.0f}, max {max(prompts)}",
+                f"output tokens: log-normal, median {OUTPUT_MEDIAN}, σ {OUTPUT_SIGMA}, clipped → "
+                f"mean {sum(outputs) / n:.0f}, max {max(outputs)}",
+                f"KV budget: {budget} tokens = {budget * SMOLLM2_BYTES_PER_TOKEN / 2**30:.2f} GiB for "
+                f"SmolLM2-135M (bf16); pages of {block_size} tokens"]
+    table, paged = simulation_table(results, n), results[-1]
+    table.notes += [f"{paged.name}: {paged.recomputed} tokens recomputed after {paged.preemptions} preemptions; "
+                    f"{paged.peak_running / results[0].peak_running:.1f}x the peak concurrency and "
+                    f"{results[0].steps / paged.steps:.1f}x the requests per step of max-length reservation"]
+    table.notes += workload
+    print(f"{table.title}\n\n{table.markdown()}")
+    path = plot_path("paged_simulation.png") if plot is None else Path(plot) if plot else None
+    drawn = path is not None and plot_simulation(results, budget, path)
+    if drawn:
+        print(f"plot: {path}")
+    print(f"saved {save('paged-simulation', 'paged', [table], plots=[path] if drawn and plot is None else [])}")
 
 
 def _main():
@@ -641,7 +640,8 @@ def _main():
     ap.add_argument("--ctx", type=int, default=2048, help="context length, the max-length reservation")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot", default=None, metavar="PNG", help="simulation: draw the runs into this file")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="simulation: where the plot goes (default: plots/paged_simulation.png; '' for none)")
     args = ap.parse_args()
     for name in ("simulate", "budget", "ctx", "block_size"):
         value = getattr(args, name)

@@ -13,7 +13,8 @@ README or a docstring; a test fails when RESULTS.md differs from what the JSON
 renders to. Compare numbers only inside one table: ratios between rows of one
 run survive a change of machine, absolute speeds do not.
 
-    save(name, lesson, command, tables)  ->  results/<name>.json
+    save(name, lesson, tables, plots)    ->  results/<name>.json
+    plot_path("x.png"), pyplot()         ->  plots/x.png, drawn if matplotlib is installed
     render(load())                       ->  RESULTS.md
 
 Tests set NANOINFER_RESULTS to a scratch directory, so running the suite never
@@ -113,6 +114,19 @@ def plot_path(filename: str) -> Path:
     base = Path(os.environ["NANOINFER_RESULTS"]) if "NANOINFER_RESULTS" in os.environ else ROOT / "plots"
     base.mkdir(parents=True, exist_ok=True)
     return base / filename
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files (the Agg backend), or None, said in one line, when
+    matplotlib is not installed: a plot is optional, the tables are saved either way."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot
+    except ImportError:
+        print("matplotlib is not installed: plot skipped (pip install -r requirements-bench.txt)")
+        return None
+    return matplotlib.pyplot
 
 
 def save(name: str, lesson: str, tables: list[Table], command: str | None = None,

@@ -1,7 +1,9 @@
 """Inputs that once ended in a traceback or a wrong answer, one test each, and user text
 that must never become control tokens."""
 
+import importlib.util
 import io
+import json
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import drafting
 import model as M
+import results
 import sampling
 import serve_local
 from conftest import ROOT, make_checkpoint, run_cli
@@ -193,10 +196,21 @@ def test_kvcache_calculator_refuses_negative_sizes():
 
 
 def test_paged_simulation_writes_no_tracked_file():
+    """Its table and plot go where NANOINFER_RESULTS points (conftest), never into results/ or plots/."""
     plot = ROOT / "plots" / "paged_simulation.png"
-    before = plot.stat().st_mtime_ns
+    before = plot.stat().st_mtime_ns, sorted((ROOT / "results").glob("*"))
     rc, out, err = run_cli("paged.py", "--simulate", "30")
-    assert rc == 0 and "--plot" in out and plot.stat().st_mtime_ns == before
+    assert rc == 0, err
+    assert (plot.stat().st_mtime_ns, sorted((ROOT / "results").glob("*"))) == before
+    record = json.loads((results.directory() / "paged-simulation.json").read_text())
+    assert (record["name"], record["lesson"], record["command"]) == ("paged-simulation", "paged",
+                                                                     "python paged.py --simulate 30")
+    table = record["tables"][0]
+    assert table["columns"][:2] == ["allocation", "peak concurrent seqs"] and len(table["rows"]) == 3
+    assert table["rows"][2][0] == "16-token pages"
+    drawn = importlib.util.find_spec("matplotlib") is not None
+    assert record["plots"] == (["paged_simulation.png"] if drawn else [])
+    assert (results.directory() / "paged_simulation.png").is_file() == drawn
 
 
 def test_long_pastes_stay_out_of_the_line_history(monkeypatch):

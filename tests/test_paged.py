@@ -4,7 +4,9 @@ out-of-blocks errors, LRU eviction, randomized and property-based invariant runs
 A fake KV storage (one list entry per slot, holding the token id written there) stands in
 for the tensors: every sequence must read back exactly its own tokens through its block table."""
 
+import json
 import random
+import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -325,4 +327,17 @@ def test_simulation_meets_the_fragmentation_targets():
     assert pages.peak_running > oracle.peak_running > maxlen.peak_running
     assert pages.steps < maxlen.steps
     table = P.simulation_table([maxlen, oracle, pages], 150)
-    assert table.count("\n") == 4 and "16-token pages" in table
+    assert [row[0] for row in table.rows] == ["contiguous, reserve 2048", "contiguous, reserve true length (oracle)",
+                                              "16-token pages"]
+    assert table.rows[2][5] == f"{pages.empty_pct:.1f}%" and table.markdown().startswith("| allocation |")
+
+
+def test_a_missing_matplotlib_still_saves_the_table(capsys, monkeypatch, tmp_path):
+    """The plot is optional: without matplotlib one line says so, and the table is saved."""
+    monkeypatch.setenv("NANOINFER_RESULTS", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # as if it were not installed
+    P.run_simulation(20, 65536, 2048, 16, seed=0)
+    assert capsys.readouterr().out.count("matplotlib is not installed") == 1
+    record = json.loads((tmp_path / "paged-simulation.json").read_text())
+    assert (record["name"], record["lesson"], record["plots"]) == ("paged-simulation", "paged", [])
+    assert len(record["tables"][0]["rows"]) == 3 and not (tmp_path / "paged_simulation.png").exists()

@@ -1,0 +1,110 @@
+"""bench.py's tables and saved records. The cheap benchmarks run for real on a tiny
+checkpoint; the slow ones (decode, batching, speculative, quantize --eval take
+minutes) have their tables built from fabricated rows. Records land under
+NANOINFER_RESULTS (conftest), never in the committed results/."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections import Counter
+
+import pytest
+
+import bench
+import results
+import speculative as S
+from conftest import make_checkpoint
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def record(name: str) -> dict:
+    return json.loads((results.directory() / f"{name}.json").read_text())
+
+
+def test_kv_bytes_saves_its_table(tmp_path, capsys):
+    bench.bench_kv_bytes(str(make_checkpoint(tmp_path / "tiny")))
+    r = record("kv-bytes")
+    assert (r["name"], r["lesson"]) == ("kv-bytes", "kvcache")
+    table = r["tables"][0]
+    assert table["columns"] == ["layers", "KV heads", "head dim", "bytes/value", "formula B/token", "tokens",
+                                "cache holds B", "formula × tokens B", "equal"]
+    layers, heads, dim, size, formula, n, held, expected, equal = table["rows"][0]
+    assert (layers, heads, dim) == (2, 2, 16) and formula == layers * 2 * heads * dim * size
+    assert held == expected == formula * n and equal is True
+    assert "| 2 | 2 | 16 |" in capsys.readouterr().out
+
+
+def test_prefix_saves_its_table(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "tiny", max_position_embeddings=4096)   # the handbook: ~2,300 tiny-BPE tokens
+    bench.bench_prefix(str(ckpt), n_answer=1)
+    r = record("prefix")
+    assert (r["name"], r["lesson"]) == ("prefix", "kvcache")
+    table = r["tables"][0]
+    assert table["columns"] == ["strategy", "prefill tokens computed", "prefill wall time", "total wall time"]
+    (plain, plain_tokens, *_), (fork, fork_tokens, *_) = table["rows"]
+    assert (plain, fork) == ("re-encode the prefix", "prefill once + fork()") and fork_tokens < plain_tokens / 4
+    assert table["notes"][0].endswith("identical answers: True")
+
+
+def test_decode_table_and_name():
+    args = argparse.Namespace(prompt_tokens=128, new_tokens=128, reps=3, dtypes=["float32"])
+    table = bench.decode_table([["smollm2-135m", "nanoinfer cached", "float32", 0.0514, 2490.2, 41.26, 22.3, 1.5]],
+                               args)
+    assert table.columns == ["model", "implementation", "dtype", "TTFT ms", "prefill tok/s", "decode tok/s", "GB/s",
+                             "× transformers"]
+    assert table.rows == [["smollm2-135m", "nanoinfer cached", "float32", "51", "2490", "41.3", "22.3", "1.50"]]
+    assert "EOS ignored" in table.title
+    assert bench.decode_name(bench.DECODE_MODELS, bench.DECODE_DTYPES) == "decode"
+    assert bench.decode_name(["smollm2-135m"], ["bfloat16"]) == "decode-smollm2-135m-bfloat16"
+    assert bench.decode_name(["/tmp/My Model/"], ["float32", "bfloat16"]) == "decode-my-model-float32-bfloat16"
+
+
+def fake_runs() -> list:
+    outs = [[1, 2, 3], [4, 5]]
+    return [bench.RunResult("static, padded rows (batch 2)", outs, 2.0, 3, 6, [2.0, 2.0]),
+            bench.RunResult("continuous (max batch 2)", outs, 1.0, 3, 5, [1.0, 0.5])]
+
+
+def test_batching_tables():
+    table = bench.batching_table(fake_runs(), "workload")
+    assert table.columns == ["scheduling", "steps", "decode rows computed", "output tokens", "wall s", "tokens/s",
+                             "× first row", "mean latency s"]
+    assert table.rows[1] == ["continuous (max batch 2)", 3, 5, 5, "1.0", "5.0", "2.00", "0.8"]
+    assert "same tokens in every run (greedy): True" in table.notes[0]
+    prefix = bench.prefix_cache_table([(False, 0.5, 0.4, 1200, [[7]]), (True, 0.5, 0.02, 30, [[7]])])
+    assert prefix.rows == [["off", "500", "400", "1200", "1.0"], ["on", "500", "20", "30", "20.0"]]
+    assert prefix.notes == ["same first tokens with and without the cache: True"]
+
+
+def test_speculative_table_and_histogram():
+    lookup = S.SpecStats(steps=4, proposed=8, accepted=6, emitted=10, histogram=Counter({0: 1, 2: 3}))
+    rows = [{"method": "plain", "tok_s": 10.0, "speedup": 1.0, "diverged": [None], "spec": None},
+            {"method": "lookup", "tok_s": 20.0, "speedup": 2.0, "diverged": [None], "spec": lookup}]
+    table = bench.table(rows, "2 chat prompts: 256 new tokens each, EOS ignored")
+    assert table.columns == ["method", "decode tok/s", "speedup", "acceptance", "tokens/forward", "accepted lengths",
+                             "same tokens"]
+    assert table.rows == [["plain", "10.0", "1.00×", "", "1", "", "yes"],
+                          ["lookup", "20.0", "2.00×", "75%", "2.50", "0:1 2:3", "yes"]]
+    path = bench.plot_accepted({"chat": rows, "summarise": rows})
+    assert (path == results.plot_path("speculative_accepted.png") and path.is_file()) if HAS_MATPLOTLIB else path is None
+
+
+def test_quantize_table():
+    table = bench.quantize_table([("full", 46080, 269e6, 10.123, 0.0, 100.0, 41.0),
+                                  ("KV int8", 12000, 269e6, 10.2, 0.76, 97.25, 40.0)])
+    assert table.columns == ["configuration", "KV bytes/token", "weight MB", "perplexity", "Δ ppl", "top-1 agreement",
+                             "decode tok/s"]
+    assert table.rows[1] == ["KV int8", "12000", "269", "10.200", "+0.76%", "97.2%", "40.0"]
+
+
+def test_batching_plot_or_one_line(capsys, monkeypatch):
+    if HAS_MATPLOTLIB:
+        path = bench.plot_batching(fake_runs(), "two runs")
+        assert path == results.plot_path("batching.png") and path.stat().st_size > 1000
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # as if it were not installed
+    capsys.readouterr()
+    assert bench.plot_batching(fake_runs(), "two runs") is None
+    assert capsys.readouterr().out.count("\n") == 1
