@@ -60,7 +60,7 @@ class Table:
                  for i in range(len(self.columns))]
         lines = ["| " + " | ".join(self.columns) + " |", "|" + "|".join(align) + "|"]
         lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in self.rows]
-        return "\n".join(lines + [""] + [f"{n}" for n in self.notes]).rstrip()
+        return "\n".join(lines + [f"\n{n}" for n in self.notes])
 
 
 NUMERIC = re.compile(r"^[-+]?[\d.,]+ ?(×|x|%|s|ms|MiB|GiB|MB|KiB|B)?$")
@@ -124,7 +124,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot
     except ImportError:
-        print("matplotlib is not installed: plot skipped (pip install -r requirements-bench.txt)")
+        print("matplotlib is not installed: plot skipped (pip install -r requirements-test.txt)")
         return None
     return matplotlib.pyplot
 
