@@ -70,7 +70,8 @@ Decisions, and what they cost:
   only on a near-tie; the tests compare tokens and find none.
 * Everything runs eagerly (no torch.compile: the batch shape changes every step).
 
-`python engine.py` shows requests joining and leaving the batch step by step;
+`python engine.py` shows requests joining and leaving the batch step by step,
+`python engine.py --trace` the blocks each step takes, shares, copies and frees;
 `python bench.py batching` measures continuous against static batching on 64
 chat-like requests, and prefix caching on a long shared system prompt
 (RESULTS.md, engine section, has the tables).
@@ -79,6 +80,7 @@ chat-like requests, and prefix caching on a long shared system prompt
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import operator
 import time
@@ -93,7 +95,7 @@ import checkpoint
 import kernels
 import quantize
 from kvcache import PagedKVCache, kv_bytes_per_token
-from model import Llama, load
+from model import Llama, LlamaConfig, load
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable
 from sampling import SamplingParams, finish_reason, sample, seeded_generator
 
@@ -162,8 +164,7 @@ class Scheduler:
     output so far if it was preempted) and samples its next token."""
 
     def __init__(self, allocator: BlockAllocator, max_batch: int, watermark: float = 0.01):
-        self.alloc = allocator
-        self.max_batch = max_batch
+        self.alloc, self.max_batch = allocator, max_batch
         self.watermark = max(1, round(watermark * allocator.num_blocks))   # free blocks admission leaves
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []           # admission order: the last is the newest
@@ -185,9 +186,7 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             width = 1 + seq.forks
-            if len(self.running) + width > self.max_batch:
-                return
-            table = self._reserve(seq, width)
+            table = self._reserve(seq, width) if len(self.running) + width <= self.max_batch else None
             if table is None:
                 return
             self.waiting.popleft()
@@ -211,8 +210,7 @@ class Scheduler:
                 return None
             seq.n_cached = parked.num_tokens
             for t in tokens[parked.num_tokens:]:
-                _, copy = self.alloc.append_slot(parked, t)
-                if copy:
+                if copy := self.alloc.append_slot(parked, t)[1]:
                     self.copies.append(copy)
             return parked
         if parked is not None:                # the conversation changed: start over from the prefix cache
@@ -220,7 +218,7 @@ class Scheduler:
         while True:
             need, available = self.alloc.admission_cost(tokens)
             if self._fits(need, available, width):
-                table, seq.n_cached = self.alloc.allocate_sequence(tokens)
+                table, seq.n_cached = self.alloc.allocate_sequence(tokens, seq.id)
                 return table
             if not self.parked:
                 return None
@@ -235,6 +233,7 @@ class Scheduler:
         """Give every running sequence the slot for the token it feeds next, oldest
         first. When no block is left: drop a parked conversation, else preempt the
         newest sequence. Returns the batch; block copies owed are in ``copies``."""
+        self.alloc.note("decode")     # for a trace: the events that follow are this step's decode
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -244,8 +243,7 @@ class Scheduler:
                 else:
                     self.preempt(self.running[-1])
                 continue
-            _, copy = self.alloc.append_slot(seq.table, seq.output[-1])
-            if copy:
+            if copy := self.alloc.append_slot(seq.table, seq.output[-1])[1]:
                 self.copies.append(copy)
             i += 1
         return list(self.running)
@@ -259,11 +257,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def fork(self, seq: Sequence, new_id: int, branch: int) -> Sequence:
-        """A branch sharing ``seq``'s blocks (copy-on-write), running right after it."""
-        twin = Sequence(new_id, seq.request, branch, list(seq.output), self.alloc.fork(seq.table), RUNNING,
-                        n_cached=seq.n_cached)
+    def fork(self, seq: Sequence, new_id: int, branch: int, generator=None) -> Sequence:
+        """A branch sharing ``seq``'s blocks (copy-on-write), running right after it, sampling with ``generator``."""
+        twin = Sequence(new_id, seq.request, branch, list(seq.output), self.alloc.fork(seq.table, new_id), RUNNING,
+                        n_cached=seq.n_cached, generator=generator)
         self.running.insert(self.running.index(seq) + 1, twin)
+        seq.request.sequences.append(twin)
         return twin
 
     def finish(self, seq: Sequence, reason: str):
@@ -275,8 +274,7 @@ class Scheduler:
             self.running.remove(seq)
             session = seq.request.session
             if session is not None and reason != "cancelled" and seq.request.n == 1:
-                if session in self.parked:
-                    self.alloc.free(self.parked.pop(session))
+                self.end_session(session)     # an older table of this conversation, if any
                 self.parked[session] = seq.table
             else:
                 self.alloc.free(seq.table)
@@ -312,8 +310,7 @@ class Engine:
 
     def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES, prefix_caching: bool = True,
-                 max_len: int | None = None, kv_dtype: torch.dtype | str | None = None,
-                 watermark: float = 0.01):
+                 max_len: int | None = None, kv_dtype: torch.dtype | str | None = None, watermark: float = 0.01):
         c, w = model.config, model.embed_tokens.weight
         codec = quantize.kv_codec(kv_dtype) if isinstance(kv_dtype, str) else None   # "auto" → None
         if kv_dtype is None or isinstance(kv_dtype, str):
@@ -334,7 +331,7 @@ class Engine:
         self.watermark = watermark
         self.scheduler = Scheduler(self.allocator, max_batch, watermark)
         self.requests: dict[int, Request] = {}     # unfinished ones
-        self._ids = 0
+        self._ids = itertools.count(1)             # request and sequence ids
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "recomputed_tokens": 0,
                       "decode_tokens": 0, "block_copies": 0}
 
@@ -365,15 +362,13 @@ class Engine:
         if not 1 <= n <= self.scheduler.max_batch:
             raise ValueError(f"n must be between 1 and max_batch={self.scheduler.max_batch}, got {n}")
         if len(ids) >= self.max_len:
-            pool = self.cache.limit
             raise ValueError(f"prompt is {len(ids)} tokens but a sequence may hold at most {self.max_len} "
-                             f"(model context {self.model.config.max_seq_len}, KV pool {pool} tokens = "
+                             f"(model context {self.model.config.max_seq_len}, KV pool {self.cache.limit} tokens = "
                              f"{self.allocator.num_blocks} blocks of {self.allocator.block_size}); shorten it "
                              f"or give the engine more blocks")
         return ids
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, n: int = 1,
-                    session=None) -> int:
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, n: int = 1, session=None) -> int:
         """Queue a request; returns its id. Raises (and queues nothing) on a bad
         request: the engine goes on serving the others. ``session``: keep this
         conversation's blocks after it finishes so its next turn (a request with the
@@ -385,8 +380,8 @@ class Engine:
         ids = self.check_request(prompt_ids, params, n)
         if session is not None and n != 1:
             raise ValueError("a session continues one conversation: n must be 1")
-        req = Request(self._new_id(), ids, params, n, session, arrival=time.perf_counter())
-        seq = Sequence(self._new_id(), req, forks=n - 1, generator=self._generator(params, 0))
+        req = Request(next(self._ids), ids, params, n, session, arrival=time.perf_counter())
+        seq = Sequence(next(self._ids), req, forks=n - 1, generator=self._generator(params, 0))
         req.sequences.append(seq)
         self.requests[req.id] = req
         self.scheduler.add(seq)
@@ -410,10 +405,6 @@ class Engine:
         """Free a finished conversation's parked blocks (full ones stay in the prefix cache)."""
         return self.scheduler.end_session(session)
 
-    def _new_id(self) -> int:
-        self._ids += 1
-        return self._ids
-
     def _generator(self, params: SamplingParams, branch: int):
         """Branch i of a request samples with seed + i: each is an independent run with that seed."""
         return seeded_generator(None if params.seed is None else params.seed + branch, self.device)
@@ -428,14 +419,10 @@ class Engine:
         try:
             for seq in self.scheduler.admit():
                 logits = self._prefill(seq)
-                branches = [seq]
-                for b in range(seq.forks):
-                    branches.append(self.scheduler.fork(seq, self._new_id(), b + 1))
-                    branches[-1].generator = self._generator(seq.request.params, b + 1)
-                    seq.request.sequences.append(branches[-1])
+                branches = [seq] + [self.scheduler.fork(seq, next(self._ids), b, self._generator(seq.request.params, b))
+                                    for b in range(1, seq.forks + 1)]
                 seq.forks = 0
-                for s in branches:
-                    events.append(self._emit(s, logits))
+                events += [self._emit(s, logits) for s in branches]
             batch = self.scheduler.schedule_decode()
             if batch:
                 logits = self._decode(batch)
@@ -484,8 +471,7 @@ class Engine:
         if p.logprobs:
             seq.logprobs.append(torch.log_softmax(logits.float(), dim=-1).topk(p.logprobs))
         now = time.perf_counter()
-        if req.first_token is None:
-            req.first_token = now
+        req.first_token = req.first_token or now
         reason = finish_reason(token, len(seq.output), len(req.prompt) + len(seq.output), p,
                                self.model.config.eos_ids, self.max_len)
         if reason:
@@ -501,7 +487,7 @@ class Engine:
                 seq.status, seq.table, seq.finish_reason = FINISHED, None, "cancelled"
         self.requests.clear()
         a = self.allocator
-        self.allocator = BlockAllocator(a.num_blocks, a.block_size, a.prefix_caching)
+        self.allocator = BlockAllocator(a.num_blocks, a.block_size, a.prefix_caching, a.events)
         self.scheduler = Scheduler(self.allocator, self.scheduler.max_batch, self.watermark)
 
     # --- driving it ---------------------------------------------------------
@@ -516,18 +502,16 @@ class Engine:
                     if ev.request_id == request_id and ev.branch == 0:
                         yield ev.token
         finally:
-            if not req.finished:
-                self.cancel(request_id)
+            self.cancel(request_id)       # a no-op once it has finished
 
     def run(self, progress=None) -> int:
         """Step until nothing is left; returns the number of steps."""
-        steps = 0
+        start = self.stats["steps"]
         while self.has_work():
             events = self.step()
-            steps += 1
             if progress is not None:
                 progress(events)
-        return steps
+        return self.stats["steps"] - start
 
 
 # ----------------------------------------------------------------------------
@@ -551,18 +535,9 @@ class Output:
     cached_tokens: int              # prompt tokens read from the prefix cache
     ttft_s: float                   # time to first token, from when generate() queued it
     latency_s: float                # time to the last token
-
-    @property
-    def text(self) -> str | None:
-        return self.completions[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.completions[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.completions[0].finish_reason
+    text = property(lambda self: self.completions[0].text)
+    token_ids = property(lambda self: self.completions[0].token_ids)
+    finish_reason = property(lambda self: self.completions[0].finish_reason)
 
 
 class LLM:
@@ -598,27 +573,20 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
         encoded = [self.engine.check_request(self.encode(p), sp, n) for p, sp in zip(prompts, params)]
         reqs = [self.engine.add(ids, sp, n) for ids, sp in zip(encoded, params)]
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(reqs), desc="generate", unit="req", dynamic_ncols=True)
-        done, tokens, t0 = 0, 0, time.perf_counter()
+        from tqdm import tqdm
+        bar = tqdm(total=len(reqs), desc="generate", unit="req", dynamic_ncols=True, disable=not use_tqdm)
+        tokens, t0 = 0, time.perf_counter()
         try:
             while any(not r.finished for r in reqs):
-                events = self.engine.step()
-                tokens += len(events)
-                if bar is not None:
-                    finished = sum(r.finished for r in reqs)
-                    bar.update(finished - done)
-                    done = finished
-                    bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
+                tokens += len(self.engine.step())
+                bar.update(sum(r.finished for r in reqs) - bar.n)
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
         except BaseException:
             for r in reqs:
                 self.engine.cancel(r.id)
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
     def _output(self, req: Request, prompt) -> Output:
@@ -645,25 +613,75 @@ def demo(model_name: str, n: int, max_batch: int, threads: int | None = None):
     questions = ["What is 2+2?", "Name a colour.", "What is the capital of France?", "Say hello.",
                  "What do bees make?", "Name a fruit.", "How many legs has a cat?", "What is ice?"]
     engine = Engine(model, max_batch=max_batch)
-    reqs = {}
     for i in range(n):   # the same system prompt: later requests find its blocks in the prefix cache
-        ids = tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
-                                                  {"role": "user", "content": questions[i % len(questions)]}]),
-                         add_bos=False)
-        reqs[engine.add_request(ids, SamplingParams(max_new_tokens=8 + 6 * i))] = questions[i % len(questions)]
+        chat = [{"role": "system", "content": system}, {"role": "user", "content": questions[i % len(questions)]}]
+        ids = tok.encode(tok.apply_chat_template(chat), add_bos=False)
+        engine.add_request(ids, SamplingParams(max_new_tokens=8 + 6 * i))
     print(f"{n} requests queued, max batch {max_batch}, {engine.allocator.num_blocks} blocks of "
           f"{engine.allocator.block_size} tokens\n\nstep | running requests | blocks used | finished")
-    step = 0
     while engine.has_work():
         events = engine.step()
-        step += 1
         done = [e.request_id for e in events if e.finished]
         used = engine.allocator.num_blocks - engine.num_free_blocks
-        print(f"{step:4} | {' '.join(str(e.request_id) for e in events):24} | {used:11} | "
+        print(f"{engine.stats['steps']:4} | {' '.join(str(e.request_id) for e in events):24} | {used:11} | "
               f"{' '.join(map(str, done))}")
     s = engine.stats
-    print(f"\n{step} steps; prefill computed {s['prefill_tokens']} tokens, found {s['cached_tokens']} in the "
+    print(f"\n{s['steps']} steps; prefill computed {s['prefill_tokens']} tokens, found {s['cached_tokens']} in the "
           f"prefix cache; {s['decode_tokens']} decode rows; every block back: {engine.num_free_blocks} free")
+
+
+# ----------------------------------------------------------------------------
+# Trace: the blocks of a fixed schedule, step by step, on a tiny random-weight Llama.
+
+SYSTEM = list(range(100, 132))   # a 32-token system prompt: two full blocks that every request shares
+TRACE = [(SYSTEM + list(range(10, 18)), 26, 1), (SYSTEM + list(range(20, 31)), 24, 1),
+         (SYSTEM + list(range(40, 44)), 5, 2), (SYSTEM + list(range(50, 54)), 20, 1)]  # prompt, new tokens, n
+
+
+def trace(write=print, num_blocks: int = 8, seed: int = 0) -> Engine:
+    """Run TRACE with EOS ignored, so the schedule never depends on which tokens come
+    out (nor on ``seed``, the weights'), and write what the allocator did each step."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Llama(LlamaConfig(256, 32, 64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16)).eval()
+    engine, log, steps = Engine(model, num_blocks=num_blocks, max_batch=4), [], []
+    alloc, alloc.events = engine.allocator, log
+    reqs = [engine.add(p, SamplingParams(max_new_tokens=m, ignore_eos=True), n) for p, m, n in TRACE]
+    name = lambda s: f"r{reqs.index(s.request) + 1}" + f".{s.branch}" * (s.request.n > 1)
+    write(f"{num_blocks} blocks of 16 tokens; a {len(SYSTEM)}-token system prompt in common; prompt + new tokens: "
+          + ", ".join(f"r{i} {len(p)} + {m}" + f" (n = {n})" * (n > 1) for i, (p, m, n) in enumerate(TRACE, 1)))
+    write("0×3: block 0 held by 3 sequences; cached: free, yet the prefix cache finds it until evicted (oldest first)")
+    while engine.has_work():
+        log.clear()
+        out = engine.step()
+        seqs, lines = {key: s for r in reqs for s in r.sequences for key in (s.id, (r.id, s.branch))}, []
+        for kind, *a in log:
+            s = seqs.get(a[0]) if a else None
+            if kind == "decode":     # the prefills and forks are done: the rest of ``out`` is the batch
+                lines.append("decode  " + " ".join(name(seqs[e.request_id, e.branch]) for e in out[len(lines):]))
+            elif kind == "allocate":   # its new blocks follow, as alloc events
+                n, hits = a[1:]
+                lines.append(f"prefill {name(s)}{' again' * (n > len(s.request.prompt))}: {n} tokens, "
+                             + f"hit {' '.join(map(str, hits))}, " * bool(hits) + f"computed {n - s.n_cached} into new "
+                             + "block" + "s" * (alloc.blocks_for(n) - len(hits) > 1))
+            elif kind == "alloc" and lines[-1].startswith("prefill"):
+                lines[-1] += f" {a[1]}"
+            elif kind in ("alloc", "cow"):
+                lines.append(f"grow    {name(s)}: " + (f"new block {a[1]}" if kind == "alloc" else
+                                                       f"copies block {a[1]} → {a[2]} (copy-on-write)"))
+            elif kind == "fork":
+                lines.append(f"fork    {name(seqs[a[1]])} shares every block of {name(s)}")
+            elif kind == "free":
+                lines.append(f"{'preempt' if s.status == WAITING else 'finish':8}{name(s)}: " +
+                             ", ".join(f"{fate} " + " ".join(map(str, sorted(b))) for fate, b in a[1].items() if b))
+        steps.append(lines + [f"pool    {alloc.describe()}"])
+    for lines, same in itertools.groupby(enumerate(steps, 1), key=lambda step: step[1]):   # a repeat: "steps 7-8"
+        first, *rest = [n for n, _ in same]
+        write(f"\n{f'steps {first}-{rest[-1]}' if rest else f'step {first}':12}" + f"\n{'':12}".join(lines))
+    alloc.check_invariants()
+    write(f"\nevery block came back: {alloc.num_free} of {alloc.num_blocks} free ({len(alloc.evictable)} of them "
+          f"still cached); {engine.scheduler.preemptions} preemption; check_invariants() passed")
+    return engine
 
 
 def _main():
@@ -672,8 +690,9 @@ def _main():
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--trace", action="store_true", help="a fixed schedule on a tiny random model, block by block")
     args = ap.parse_args()
-    demo(args.model, args.requests, args.max_batch, args.threads)
+    trace() if args.trace else demo(args.model, args.requests, args.max_batch, args.threads)
 
 
 if __name__ == "__main__":

@@ -132,9 +132,16 @@ class BlockAllocator:
     free (in ``free_ids``, no hash), or cached-and-free (ref_count 0, in
     ``evictable``, findable by hash). New blocks come from the free list first;
     when it is empty the least recently freed cached block is evicted.
+
+    ``events``, if a list, logs what happens to the blocks, each event naming its
+    sequence: ("allocate", seq, tokens, blocks hit in the prefix cache), then
+    ("alloc", seq, block) for each new block, as whenever a sequence grows into one;
+    ("cow", seq, src, dst); ("fork", seq, twin); ("free", seq, {"free" | "cached" |
+    "kept": blocks}). ``python engine.py --trace`` prints it step by step.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, prefix_caching: bool = True,
+                 events: list | None = None):
         self.block_size = block_size
         self.prefix_caching = prefix_caching   # False: full blocks are named but never looked up (a baseline)
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -144,6 +151,12 @@ class BlockAllocator:
         self.live: dict[int, BlockTable] = {}      # seq_id → table, for free() and check_invariants()
         self._next_seq = 0
         self._next_prefix = 1
+        self.events = events                       # None: record nothing
+
+    def note(self, *event):
+        """Log an event if this allocator keeps a log (the engine's scheduler adds its own)."""
+        if self.events is not None:
+            self.events.append(event)
 
     # --- what the scheduler asks -------------------------------------------
 
@@ -176,10 +189,11 @@ class BlockAllocator:
 
     # --- the four operations -----------------------------------------------
 
-    def allocate_sequence(self, token_ids) -> tuple[BlockTable, int]:
+    def allocate_sequence(self, token_ids, seq_id: int | None = None) -> tuple[BlockTable, int]:
         """A table holding ``token_ids``; returns it and how many leading tokens
         were found in the prefix cache (their K/V are already in the storage; the
         caller computes the rest and scatters them to ``table.slots(n_cached)``).
+        ``seq_id`` names the table (the caller's sequence id; default a fresh number).
 
         At least one token is always left to compute: the model must run the last
         prompt token to get the next token's logits, and that K/V write has to land
@@ -196,12 +210,13 @@ class BlockAllocator:
         available = self.num_free - sum(b.ref_count == 0 for b in hits)  # revived hits leave the pool
         if need > available:
             raise self._out_of_blocks(need, available)
-        table = self._new_table()
+        table = self._new_table(seq_id)
         for block in hits:
             if block.ref_count == 0:
                 del self.evictable[block.id]
             block.ref_count += 1
             table.block_ids.append(block.id)
+        self.note("allocate", table.seq_id, len(tokens), list(table.block_ids))
         n_cached = len(hits) * bs
         table.token_ids = tokens[:n_cached]
         for t in tokens[n_cached:]:
@@ -220,6 +235,7 @@ class BlockAllocator:
         if pos % bs == 0:
             block = self._take()
             table.block_ids.append(block.id)
+            self.note("alloc", table.seq_id, block.id)
         else:
             block = self.blocks[table.block_ids[-1]]
             if block.ref_count > 1:   # shared with a fork: write into a private copy
@@ -227,18 +243,20 @@ class BlockAllocator:
                 block.ref_count -= 1
                 table.block_ids[-1] = new.id
                 copy, block = (block.id, new.id), new
+                self.note("cow", table.seq_id, *copy)
         table.token_ids.append(token_id)
         if pos % bs == bs - 1:
             self._register(block, table)
         return block.id * bs + pos % bs, copy
 
-    def fork(self, table: BlockTable) -> BlockTable:
-        """A branch that shares every block with ``table``. Costs no memory now."""
+    def fork(self, table: BlockTable, seq_id: int | None = None) -> BlockTable:
+        """A branch (named ``seq_id``) that shares every block with ``table``. Costs no memory now."""
         self._check_live(table)
-        twin = self._new_table()
+        twin = self._new_table(seq_id)
         twin.block_ids, twin.token_ids = list(table.block_ids), list(table.token_ids)
         for bid in twin.block_ids:
             self.blocks[bid].ref_count += 1
+        self.note("fork", table.seq_id, twin.seq_id)
         return twin
 
     def free(self, table: BlockTable) -> None:
@@ -249,6 +267,7 @@ class BlockAllocator:
         readmit with ``allocate_sequence(table.token_ids)``, which finds whatever
         of its blocks is still cached."""
         self._check_live(table)
+        fate = {"free": [], "cached": [], "kept": []}
         for bid in reversed(table.block_ids):
             block = self.blocks[bid]
             block.ref_count -= 1
@@ -258,15 +277,20 @@ class BlockAllocator:
                 else:
                     self._reset(block)
                     self.free_ids.append(bid)
+            fate["kept" if block.ref_count else "cached" if bid in self.evictable else "free"].append(bid)
+        self.note("free", table.seq_id, fate)
         table.block_ids = []
         del self.live[table.seq_id]
 
     # --- inside ----------------------------------------------------------------
 
-    def _new_table(self) -> BlockTable:
-        table = BlockTable(self._next_seq, self.block_size)
-        self._next_seq += 1
-        self.live[table.seq_id] = table
+    def _new_table(self, seq_id: int | None) -> BlockTable:
+        if seq_id is None:
+            seq_id, self._next_seq = self._next_seq, self._next_seq + 1
+        if seq_id in self.live:
+            raise ValueError(f"sequence {seq_id} already holds a table: free it first")
+        table = BlockTable(seq_id, self.block_size)
+        self.live[seq_id] = table
         return table
 
     def _check_live(self, table: BlockTable):
@@ -336,6 +360,12 @@ class BlockAllocator:
             self._next_prefix += 1
             if self.prefix_caching:
                 self.cached.setdefault(h, []).append(block)
+
+    def describe(self) -> str:
+        """The pool at a glance: blocks in use (×n: held by n tables), cached-and-free (oldest first), free."""
+        held = [f"{b.id}" + f"×{b.ref_count}" * (b.ref_count > 1) for b in self.blocks if b.ref_count]
+        ids = lambda blocks: " ".join(map(str, blocks)) or "-"
+        return f"in use {ids(held)} | cached {ids(self.evictable)} | free {ids(sorted(self.free_ids))}"
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the bookkeeping is consistent: every block is
