@@ -45,8 +45,8 @@ Decisions, and what they cost:
 * Prefill runs one sequence per forward pass (B = 1, T = its uncached tokens),
   reading any cached prefix through its table; all running sequences then
   decode in one pass. Prompts are not chunked: a long prompt stalls the
-  running sequences for one long step (1,186 tokens of SmolLM2 fp32: 4.4 s on
-  one busy core). Chunked prefill would split it across steps; it would also
+  running sequences for one long step (1,186 tokens of SmolLM2 fp32 took as
+  long as ~100 decode steps). Chunked prefill would split it across steps; it would also
   have to keep later requests from hitting the blocks of a prompt not yet
   computed, since the allocator enters them in the prefix cache on admission.
 * Prefix caching: a request whose leading blocks are cached (an earlier
