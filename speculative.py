@@ -503,17 +503,22 @@ SUMMARISE = "Summarise this text in a few sentences, keeping the key numbers:\n\
 # (`python bench.py speculative` compares every method on chat prompts).
 
 if __name__ == "__main__":
+    import results
     model, tok = load()
     text = (ROOT / "data" / "handbook.txt").read_text().strip()[:1500]
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": SUMMARISE + text}]), add_bos=False)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    runs = {}
+    rows, plain = [], None
     for name, proposer in (("plain", None), ("prompt lookup N=3, k=8", PromptLookup(3, 8))):
         stats, spec = GenerationStats(), SpecStats()
         out = list(generate_cached(model, prompt, params, stats) if proposer is None else
                    generate(model, prompt, params, proposer, stats, spec))
-        runs[name] = (out, (stats.new_tokens - 1) / stats.decode_s, spec)
-        print(f"{name:24} {runs[name][1]:6.1f} tok/s" + (f"  {spec.summary()}" if spec.steps else ""))
-    (a, plain_speed, _), (b, speed, _) = runs.values()
-    print(f"same tokens: {a == b}; {speed / plain_speed:.2f}x plain decoding on a {len(prompt)}-token "
-          f"summarise-this-text prompt, greedy, {params.max_new_tokens} tokens")
+        speed = (stats.new_tokens - 1) / stats.decode_s
+        plain = plain or (out, speed)
+        rows.append([name, f"{speed:.1f}", f"{speed / plain[1]:.2f}×",
+                     f"{spec.tokens_per_forward:.2f}" if spec.steps else "1", "yes" if out == plain[0] else "no"])
+    table = results.Table(f"a {len(prompt)}-token summarise-this-text prompt, greedy, {params.max_new_tokens} "
+                          f"new tokens, EOS ignored", ["method", "decode tok/s", "speedup", "tokens/forward",
+                                                       "same tokens"], rows)
+    print(table.markdown())
+    results.save("speculative-demo", "speculative", [table])

@@ -31,6 +31,7 @@ QUICK = {
 # Run by another test.
 COVERED = {
     "make chat": "test_chat_session.py (the runner in a terminal)",
+    'make chat ARGS="--dtype bf16"': "test_chat_session.py; --dtype in test_runner.py",
     "make test": "CI itself",
     "make exercise": "test_exercises.py",
     "make exercise E=flash": "test_exercises.py",
@@ -58,6 +59,7 @@ SLOW = {
     "python bench.py decode": "~25 min",
     "python bench.py quantize --eval": "~10 min",
     "python bench.py kv-bytes": "~30 s",
+    "python engine.py": "~1 min",
 }
 
 
@@ -67,7 +69,7 @@ def documented_commands() -> set[str]:
         text = (ROOT / doc).read_text()
         for block in re.findall(r"```bash\n(.*?)```", text, re.S):
             found |= {line.split("  #")[0].strip() for line in block.splitlines() if line.strip()}
-        found |= {c.strip() for c in re.findall(r"`((?:python|make) [^`]+)`", text)}
+        found |= {" ".join(c.split()) for c in re.findall(r"`((?:python|make) [^`]+)`", text)}
         found |= {c for c in re.findall(r"`(make \w+)`", text)}
     return {c for c in found if c.startswith(("python ", "make "))}
 
@@ -86,3 +88,20 @@ def test_quick_command_runs(command):
     assert rc == 0, err[-2000:]
     assert out.strip(), f"{command} printed nothing"
     assert "Traceback" not in err
+
+
+def test_read_first_names_exist():
+    """The course table's `file.py:function` (and the names after it) are real definitions."""
+    import importlib
+    text = (ROOT / "README.md").read_text()
+    pairs = []
+    for line in text.splitlines():
+        for m in re.finditer(r"`(\w+)\.py:([\w.]+)`", line):
+            pairs.append((m.group(1), m.group(2)))
+            tail = line[m.end():].split("|")[0]
+            pairs += [(m.group(1), n) for n in re.findall(r"`([\w.]+)`", tail)]
+    assert len(pairs) >= 14
+    for module, name in pairs:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
