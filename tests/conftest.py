@@ -157,6 +157,9 @@ def pytest_collection_modifyitems(config, items):
     missing = [t for t in ex.tests if t not in found and t.split("::")[0] in collected]
     if missing:
         raise pytest.UsageError(f"exercise {ex.name}: no test {', '.join(missing)} (fix exercises/__init__.py)")
+    if not keep:
+        raise pytest.UsageError(f"exercise {ex.name}: none of its tests were collected; run "
+                                f"pytest tests --exercise {ex.name}")
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
 
@@ -180,7 +183,7 @@ def exercise_swap(request):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     ex = config.exercise
-    if ex is None:
+    if ex is None or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         return
     write = terminalreporter.write_line
     if config.getoption("--exercise-solution"):
