@@ -7,10 +7,11 @@ feeds, preempting when the pool runs out of blocks.
 
 Run it:  make exercise E=engine    (or: .venv/bin/python -m pytest tests --exercise engine)
 
-Passing means the engine lesson's own tests pass with your scheduler step: requests
-preempted for lack of blocks produce exactly the tokens they produce alone, an idle
-parked conversation gives its blocks back before anyone is preempted, and a scheduler
-driven without a model (a fake KV storage) hands every sequence exactly its own tokens.
+Passing means the engine lesson's own tests pass with your scheduler step: when blocks
+run out, an idle parked conversation gives its blocks back first, else the newest
+sequence (and only it) is preempted; preempted requests still produce exactly the tokens
+they produce alone; and a scheduler driven without a model (a fake KV storage) hands
+every sequence exactly its own tokens.
 """
 
 from __future__ import annotations
