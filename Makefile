@@ -1,12 +1,16 @@
 # Two commands do everything on a fresh machine:
 #   make chat   installs the runtime into .venv and chats with the bundled model
 #   make test   installs the test dependencies and runs the whole suite
+# and the course's exercises (exercises/):
+#   make exercise E=flash   runs the flash lesson's tests on your exercises/flash.py
+#   make exercise           lists the exercises
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 ARGS   ?=
+E      ?=
 
-.PHONY: install install-test chat test clean
+.PHONY: install install-test chat test exercise clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +35,14 @@ chat: install
 
 test: install-test
 	$(BIN)/python -m pytest -q tests
+
+# Without E only the list is printed, so nothing needs installing for it.
+exercise: $(if $(E),install-test)
+ifeq ($(E),)
+	@$(PYTHON) -c 'import exercises; print(exercises.usage())'
+else
+	$(BIN)/python -m pytest -q -x tests --exercise $(E)
+endif
 
 clean:
 	rm -rf $(VENV)

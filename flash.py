@@ -42,7 +42,7 @@ The same running-(max, sum) algebra gives the other pieces built here:
   chunks instead, attend to every chunk independently (in parallel), merge.
 
 Compilation (``compiled=True``): the loop over tiles stays in Python and
-each tile step (``_tile_step``) is compiled once with torch.compile for its
+each tile step (``tile_step``) is compiled once with torch.compile for its
 static tile shapes; a ragged last tile is padded to full size and masked, and
 every tile is copied contiguous, so any N reuses the same two graphs (with and
 without a mask). What inductor fuses, per tile step, on a CPU (one C++ kernel
@@ -172,7 +172,7 @@ TILE_Q = 256     # query rows per tile (per head)
 TILE_K = 256     # keys per tile
 
 
-def _tile_step(q, k, v, m, s, acc, scale: float, allowed=None):
+def tile_step(q, k, v, m, s, acc, scale: float, allowed=None):
     """One K/V tile against one Q tile, updating each row's running max m,
     sum s and accumulator acc (all fp32, whatever q's dtype).
     q (B, H_kv, G, tq, d); k, v (B, H_kv, tk, d); m, s (B, H_kv, G, tq, 1); acc (B, H_kv, G, tq, d);
@@ -196,7 +196,7 @@ def _compiled_step():
     # Built on first use, so that importing this module (model.py does) never starts the compiler.
     # dynamic=False: tile shapes are fixed, so each (dtype, heads, group, d, tile) compiles once;
     # past dynamo's recompile limit (8 per function) further shapes fall back to eager.
-    return torch.compile(_tile_step, dynamic=False)
+    return torch.compile(tile_step, dynamic=False)
 
 
 def _rows(x, start: int, size: int):
@@ -264,7 +264,7 @@ def attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start:
     scale = d ** -0.5 if scale is None else scale
     q_start = k_start + L - T if q_start is None else q_start
     tq, tk = min(tile_q, T), min(tile_k, max(L, 1))
-    step = _compiled_step() if compiled and (tq, tk) == (tile_q, tile_k) else _tile_step
+    step = _compiled_step() if compiled and (tq, tk) == (tile_q, tile_k) else tile_step
     q5 = q.view(B, Hkv, G, T, d) if q.is_contiguous() else q.reshape(B, Hkv, G, T, d)
     out = torch.empty(B, Hkv, G, T, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hkv, G, T, dtype=torch.float32, device=q.device)

@@ -84,6 +84,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def write_rows(store: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The write of a static cache and a ring buffer: store (B, H, C, r), rows (T,)
+    long, new (B, H, T, r); row rows[i] of every (batch, head) gets new[:, :, i], in
+    place, and store is returned. The rows stay a tensor (index_copy_): no host sync,
+    and the same graph every step, which a compiled decode step needs."""
+    return store.index_copy_(2, rows, new)
+
+
 class _Shared:
     """A reference count on storage: forks share it until one of them writes."""
     def __init__(self):
@@ -236,10 +244,7 @@ class StaticCache(KVCache):
         return attention_mask(positions, self.slots, self.window)
 
     def _write(self, layer, k, v, positions):
-        # index_copy_ at tensor positions: no host sync, same graph every step
-        self.k[layer].index_copy_(2, positions, k)
-        self.v[layer].index_copy_(2, positions, v)
-        return self.k[layer], self.v[layer]
+        return write_rows(self.k[layer], positions, k), write_rows(self.v[layer], positions, v)
 
 
 class SlidingWindowCache(KVCache):
@@ -283,8 +288,8 @@ class SlidingWindowCache(KVCache):
         keys = torch.cat([self.k[layer], k], dim=2)
         values = torch.cat([self.v[layer], v], dim=2)
         n = self._rows.shape[0]
-        self.k[layer].index_copy_(2, self._rows, k[:, :, -n:])
-        self.v[layer].index_copy_(2, self._rows, v[:, :, -n:])
+        write_rows(self.k[layer], self._rows, k[:, :, -n:])
+        write_rows(self.v[layer], self._rows, v[:, :, -n:])
         return keys, values
 
 

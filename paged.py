@@ -93,6 +93,17 @@ def block_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((prev_hash, token_ids))
 
 
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The chain hash of every full block of ``token_ids``, in order: block i's is
+    block_hash(block i-1's, its tokens as a tuple), block 0's starts from 0. A
+    partial last block has none. Equal lists mean equal prefixes (up to a collision)."""
+    hashes, prev = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = block_hash(prev, tuple(token_ids[start:start + block_size]))
+        hashes.append(prev)
+    return hashes
+
+
 @dataclass(eq=False)
 class Block:
     """One physical block. The last four fields are set when the block is full."""
@@ -102,6 +113,10 @@ class Block:
     token_ids: tuple[int, ...] | None = None  # its 16 tokens, to verify a hash hit
     parent: int = 0                          # prefix id of the block before it (0: none)
     prefix_id: int = 0                       # names exactly the tokens up to here (never reused)
+
+    def forget(self):
+        """Drop the name: the block holds nothing a lookup may find (it is free, or about to be rewritten)."""
+        self.hash, self.token_ids, self.parent, self.prefix_id = None, None, 0, 0
 
 
 @dataclass(eq=False)
@@ -183,9 +198,7 @@ class BlockAllocator:
     def needs_block(self, table: BlockTable) -> bool:
         """Whether the next ``append_slot`` takes a block (a border, or a shared
         partial block to copy). A decode step needs at most one per sequence."""
-        if table.num_tokens % self.block_size == 0:
-            return True
-        return self.blocks[table.block_ids[-1]].ref_count > 1
+        return table.num_tokens % self.block_size == 0 or self.blocks[table.block_ids[-1]].ref_count > 1
 
     # --- the four operations -----------------------------------------------
 
@@ -240,7 +253,7 @@ class BlockAllocator:
             block = self.blocks[table.block_ids[-1]]
             if block.ref_count > 1:   # shared with a fork: write into a private copy
                 new = self._take()
-                block.ref_count -= 1
+                self.release(block.id)
                 table.block_ids[-1] = new.id
                 copy, block = (block.id, new.id), new
                 self.note("cow", table.seq_id, *copy)
@@ -260,27 +273,34 @@ class BlockAllocator:
         return twin
 
     def free(self, table: BlockTable) -> None:
-        """Drop the table's references. A block nobody holds goes back to the free
-        list, or, if the prefix cache knows it, to the end of the LRU. The table's
-        last blocks go first, so they are evicted before the prefix that leads to them.
+        """Release each of the table's blocks, the last ones first: those nobody else
+        holds then enter the LRU before the prefix that leads to them, and go first.
         The table keeps its token ids: to preempt by recompute, free it now and later
         readmit with ``allocate_sequence(table.token_ids)``, which finds whatever
         of its blocks is still cached."""
         self._check_live(table)
         fate = {"free": [], "cached": [], "kept": []}
         for bid in reversed(table.block_ids):
+            self.release(bid)
             block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if self._is_cached(block):
-                    self.evictable[bid] = None
-                else:
-                    self._reset(block)
-                    self.free_ids.append(bid)
             fate["kept" if block.ref_count else "cached" if bid in self.evictable else "free"].append(bid)
         self.note("free", table.seq_id, fate)
         table.block_ids = []
         del self.live[table.seq_id]
+
+    def release(self, block_id: int) -> None:
+        """Drop one reference to a block (a table stops pointing at it). The last one
+        out returns it: to the newest end of the LRU if the prefix cache can find it
+        (still reusable until evicted), else, forgotten, to the free list."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return
+        if self.is_cached(block):
+            self.evictable[block_id] = None
+        else:
+            block.forget()
+            self.free_ids.append(block_id)
 
     # --- inside ----------------------------------------------------------------
 
@@ -305,7 +325,7 @@ class BlockAllocator:
             self.cached[block.hash].remove(block)
             if not self.cached[block.hash]:
                 del self.cached[block.hash]
-            self._reset(block)
+            block.forget()
         else:
             raise self._out_of_blocks(1, 0)
         block.ref_count = 1
@@ -316,30 +336,24 @@ class BlockAllocator:
                            f"{available} of {self.num_blocks} free; finish, preempt or free a sequence "
                            f"first, or give the allocator more blocks")
 
-    @staticmethod
-    def _reset(block: Block):
-        block.hash, block.token_ids, block.parent, block.prefix_id = None, None, 0, 0
-
     def _match_prefix(self, tokens: list[int]) -> list[Block]:
         """The cached blocks that hold the leading full blocks of ``tokens`` (never the
         block of the last token, which must be computed)."""
-        bs, hits, prev_hash, parent = self.block_size, [], 0, 0
-        for i in range((len(tokens) - 1) // bs if self.prefix_caching else 0):
+        bs, hits, parent = self.block_size, [], 0
+        for i, h in enumerate(block_hashes(tokens[:-1] if self.prefix_caching else [], bs)):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            block = self._lookup(block_hash(prev_hash, chunk), parent, chunk)
+            block = self._lookup(h, parent, chunk)
             if block is None:
                 break
             hits.append(block)
-            prev_hash, parent = block.hash, block.prefix_id
+            parent = block.prefix_id
         return hits
 
     def _lookup(self, h: int, parent: int, chunk: tuple[int, ...]) -> Block | None:
-        for block in self.cached.get(h, ()):
-            if block.parent == parent and block.token_ids == chunk:
-                return block
-        return None
+        return next((b for b in self.cached.get(h, ()) if b.parent == parent and b.token_ids == chunk), None)
 
-    def _is_cached(self, block: Block) -> bool:
+    def is_cached(self, block: Block) -> bool:
+        """Whether a lookup by hash can find this block (it is in the hash → blocks map)."""
         return block.hash is not None and any(b is block for b in self.cached.get(block.hash, ()))
 
     def _register(self, block: Block, table: BlockTable):
@@ -631,15 +645,14 @@ def plot_simulation(results: list[SimResult], budget: int, path: Path) -> bool:
             ylim=(0, 105))
     ax1.legend(fontsize=8)   # the colours mean the same in both panels
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
-def run_simulation(n: int, budget: int, ctx: int, block_size: int, seed: int, plot: str | None = None):
+def run_simulation(n: int, budget: int, ctx: int, block_size: int, seed: int):
     """Prints the table and saves it (results/paged-simulation.json) with a plot of the runs
-    (plots/paged_simulation.png; ``plot``: another path, or "" for none)."""
+    (plots/paged_simulation.png)."""
     reqs, results = simulate(n, budget, ctx, block_size, seed)
     prompts, outputs = [r.prompt for r in reqs], [r.output for r in reqs]
     workload = [f"{n} chat requests (seed {seed}), all waiting at step 0; context {ctx}",
@@ -655,11 +668,10 @@ def run_simulation(n: int, budget: int, ctx: int, block_size: int, seed: int, pl
                     f"{results[0].steps / paged.steps:.1f}x the requests per step of max-length reservation"]
     table.notes += workload
     print(f"{table.title}\n\n{table.markdown()}")
-    path = plot_path("paged_simulation.png") if plot is None else Path(plot) if plot else None
-    drawn = path is not None and plot_simulation(results, budget, path)
-    if drawn:
-        print(f"plot: {path}")
-    print(f"saved {save('paged-simulation', 'paged', [table], plots=[path] if drawn and plot is None else [])}")
+    path = plot_path("paged_simulation.png")
+    drawn = plot_simulation(results, budget, path)
+    print(f"saved {save('paged-simulation', 'paged', [table], plots=[path] if drawn else [])}"
+          + f" and {path}" * drawn)
 
 
 def _main():
@@ -670,8 +682,6 @@ def _main():
     ap.add_argument("--ctx", type=int, default=2048, help="context length, the max-length reservation")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot", default=None, metavar="PNG",
-                    help="simulation: where the plot goes (default: plots/paged_simulation.png; '' for none)")
     args = ap.parse_args()
     for name in ("simulate", "budget", "ctx", "block_size"):
         value = getattr(args, name)
@@ -679,7 +689,7 @@ def _main():
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.simulate is not None:
         try:
-            run_simulation(args.simulate, args.budget, args.ctx, args.block_size, args.seed, args.plot)
+            run_simulation(args.simulate, args.budget, args.ctx, args.block_size, args.seed)
         except (ValueError, OutOfBlocks) as e:
             ap.exit(1, f"error: {e}\n")
     else:

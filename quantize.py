@@ -144,8 +144,10 @@ class KVCodec:
         d = rows.shape[-1] - self.extra
         if self.name == "fp8-plain":
             return rows.view(FP8).to(dtype)
-        values = rows[..., :d].view(torch.int8 if self.name == "int8" else FP8)
-        return (values.float() * rows[..., d:].view(torch.float16).float()).to(dtype)
+        values, scale = rows[..., :d], rows[..., d:].view(torch.float16)
+        if self.name == "int8":
+            return dequantize_int8(values.view(torch.int8), scale, dtype)
+        return dequantize_fp8(values.view(FP8), scale, dtype)
 
 
 KV_CODECS = {"int8": KVCodec("int8", 2), "fp8": KVCodec("fp8", 2), "fp8-plain": KVCodec("fp8-plain")}
@@ -388,7 +390,7 @@ if __name__ == "__main__":
         print(f"{name:24} {size:>16.3f} {float((back - w).norm() / w.norm()):>15.2e}")
     k = torch.randn(1, 3, 512, 64)              # KV rows: batch 1, 3 KV heads, 512 tokens, d_head 64
     k[..., 0] *= 20                              # real keys have a few large channels
-    print(f"\nKV rows (3 heads × 512 tokens, d_head 64, one channel 20× larger)\n")
+    print("\nKV rows (3 heads × 512 tokens, d_head 64, one channel 20× larger)\n")
     print(f"{'format':24} {'bytes per row':>16} {'relative error':>15}")
     print(f"{'bf16':24} {128:>16} {float((k.bfloat16().float() - k).norm() / k.norm()):>15.2e}")
     for name, codec in KV_CODECS.items():

@@ -98,7 +98,7 @@ ROOT = Path(__file__).resolve().parent
 # ----------------------------------------------------------------------------
 # 1. The rule, on probability vectors.
 
-def _accept(p: torch.Tensor, token: int, q: torch.Tensor | None, gen) -> bool:
+def accept(p: torch.Tensor, token: int, q: torch.Tensor | None, gen) -> bool:
     """Accept with probability min(1, p(d)/q(d)); q None is a point mass on d."""
     ratio = float(p[token]) / (float(q[token]) if q is not None else 1.0)
     if ratio >= 1 or ratio <= 0:            # greedy always lands here: no random number drawn
@@ -106,7 +106,7 @@ def _accept(p: torch.Tensor, token: int, q: torch.Tensor | None, gen) -> bool:
     return float(torch.rand((), generator=gen, device=p.device)) < ratio
 
 
-def _residual(p: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tensor:
+def residual(p: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tensor:
     """After rejecting d: normalize(max(0, p − q)) (q None: p with d removed)."""
     if q is None:
         r = p.clone()
@@ -141,11 +141,11 @@ def verify(target: list[torch.Tensor], candidates: list[list[int]], draft: torch
                 continue
             token = cands[c][depth]
             q = draft[depth] if draft is not None else None
-            if _accept(p, token, q, generator):
+            if accept(p, token, q, generator):
                 taken = token
                 break
             tried.add(token)
-            p = _residual(p, token, q)
+            p = residual(p, token, q)
         if taken is None:   # every guess rejected (or none left): the target's own token
             return live[0], depth, int(torch.multinomial(p, 1, generator=generator))
         live = [c for c in live if len(cands[c]) > depth and cands[c][depth] == taken]

@@ -106,3 +106,91 @@ def run_cli(*args, env=None, timeout=300):
     p = subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                        timeout=timeout, stdin=subprocess.DEVNULL)
     return p.returncode, p.stdout, p.stderr
+
+
+# ----------------------------------------------------------------------------
+# Exercises (exercises/__init__.py has the table): --exercise NAME runs that exercise's
+# tests with the learner's functions in place of the lesson's; --exercise-solution puts
+# the lesson's own functions through the same swap, counting their calls.
+
+def pytest_addoption(parser):
+    group = parser.getgroup("exercises", "the course's exercises (exercises/)")
+    group.addoption("--exercise", metavar="NAME", default=None,
+                    help="run only exercise NAME's tests, with exercises/NAME.py's functions swapped in")
+    group.addoption("--exercise-solution", action="store_true",
+                    help="with --exercise: swap in the lesson's own functions instead (checks the plumbing)")
+
+
+def chosen_exercise(config):
+    import exercises
+    name = config.getoption("--exercise")
+    if name is None:
+        if config.getoption("--exercise-solution"):
+            raise pytest.UsageError("--exercise-solution goes with --exercise NAME")
+        return None
+    if name not in exercises.EXERCISES:
+        raise pytest.UsageError(f"unknown exercise '{name}': use --exercise with one of "
+                                f"{', '.join(exercises.EXERCISES)}")
+    return exercises.EXERCISES[name]
+
+
+def pytest_configure(config):
+    config.exercise = chosen_exercise(config)
+    config.exercise_calls = {}
+
+
+def pytest_ignore_collect(collection_path, config):
+    """With --exercise, test files that hold none of its tests are not even imported."""
+    ex = config.exercise
+    if ex is not None and collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        return collection_path.name not in ex.files or None
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    ex = config.exercise
+    if ex is None:
+        return
+    keep = [item for item in items if ex.selects(item.path.name, item.name, item.originalname)]
+    found = {f"{item.path.name}::{n}" for item in keep for n in (item.name, item.originalname)}
+    collected = {item.path.name for item in items}
+    missing = [t for t in ex.tests if t not in found and t.split("::")[0] in collected]
+    if missing:
+        raise pytest.UsageError(f"exercise {ex.name}: no test {', '.join(missing)} (fix exercises/__init__.py)")
+    if not keep:
+        raise pytest.UsageError(f"exercise {ex.name}: none of its tests were collected; run "
+                                f"pytest tests --exercise {ex.name}")
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+
+
+@pytest.fixture(scope="session", autouse=True)
+def exercise_swap(request):
+    """Learner's functions (or, with --exercise-solution, the lesson's, counted) in, for the whole session."""
+    from exercises import counted
+    ex, config = request.config.exercise, request.config
+    if ex is None:
+        yield
+        return
+    if config.getoption("--exercise-solution"):
+        functions = {t: counted(fn, config.exercise_calls, t) for t, fn in ex.references().items()}
+    else:
+        functions = ex.stubs()
+    restore = ex.install(functions)
+    yield
+    restore()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    ex = config.exercise
+    if ex is None or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        return
+    write = terminalreporter.write_line
+    if config.getoption("--exercise-solution"):
+        write(f"exercise {ex.name}, the lesson's own code through the swap: " +
+              ", ".join(f"{t} ran {config.exercise_calls.get(t, 0)} times" for t in ex.replaces))
+    elif exitstatus == 0:
+        write(f"exercise {ex.name}: your {', '.join(t.rsplit('.', 1)[1] for t in ex.replaces)} "
+              f"passed the lesson's tests")
+    else:
+        write(f"exercise {ex.name}: not yet; the first failure above says where (edit exercises/{ex.name}.py)")

@@ -411,6 +411,45 @@ def test_scheduler_bookkeeping_without_a_model():
         assert seq.status == "finished" and seq.output == want, f"sequence {seq.id}"
 
 
+def test_out_of_blocks_frees_parked_conversations_first_then_preempts_the_newest():
+    """Three sequences whose last blocks fill up in the same step, with no block free: an idle
+    parked conversation gives its blocks back first; without one, the newest sequence is
+    preempted (back to the front of the queue) and the two oldest decode."""
+    for parked in (True, False):
+        alloc = BlockAllocator(9 if parked else 6, 4)
+        sched = Scheduler(alloc, max_batch=4)
+
+        def start(rid, prompt, session=None):
+            req = Request(rid, prompt, M.SamplingParams(max_new_tokens=50), session=session)
+            req.sequences.append(Sequence(rid, req))
+            sched.add(req.sequences[0])
+            return req.sequences[0]
+        if parked:
+            chat = start(0, [9] * 11, session="chat")
+            assert list(sched.admit()) == [chat]
+            chat.output.append(1)
+            sched.finish(chat, "stop")                     # its 3 blocks stay, parked for a next turn
+        seqs = [start(i, [i] * 4) for i in (1, 2, 3)]
+        assert list(sched.admit()) == seqs
+        batch = seqs
+        for _ in range(4):                                 # 4 decode steps: every table reaches 8 tokens
+            for s in batch:
+                s.output.append(7)
+            batch = sched.schedule_decode()
+            assert batch == seqs and sched.preemptions == 0
+        for s in batch:
+            s.output.append(7)
+        assert alloc.num_free == 0 and all(alloc.needs_block(s.table) for s in seqs)
+        batch = sched.schedule_decode()
+        if parked:
+            assert batch == seqs and not sched.parked and sched.preemptions == 0
+        else:
+            assert batch == seqs[:2] and sched.preemptions == 1
+            assert list(sched.waiting) == [seqs[2]] and seqs[2].table is None and seqs[2].status == "waiting"
+        assert all(s.table.num_tokens == 9 for s in batch) and not sched.copies
+        alloc.check_invariants()
+
+
 # --- the chat runner on the engine --------------------------------------------
 
 class InterruptAfter(io.StringIO):

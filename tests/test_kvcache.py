@@ -10,6 +10,9 @@ from conftest import make_checkpoint
 WINDOW = 16
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     m = M.Llama.from_pretrained(make_checkpoint(tmp_path_factory.mktemp("c") / "gqa"), "cpu", "float32")
@@ -38,6 +41,25 @@ def decode(model, prompt, cache, n):
 
 
 PROMPTS = [[0], [0, 5, 17, 42, 99, 3], list(range(10, 50))]
+
+
+def test_write_rows_puts_each_row_where_its_position_says():
+    """The write of the static cache (row = position) and the ring (row = position mod capacity)."""
+    store = torch.zeros(2, 3, 8, 4)
+    new = torch.arange(1, 2 * 3 * 3 * 4 + 1, dtype=torch.float32).view(2, 3, 3, 4)
+    assert K.write_rows(store, torch.tensor([6, 1, 4]), new) is store            # in place
+    assert torch.equal(store[:, :, [6, 1, 4]], new)
+    assert not store[:, :, [0, 2, 3, 5, 7]].any()                                # nothing else written
+    static = K.StaticCache(1, 1, 1, 2, max_len=6)
+    static.begin(torch.arange(3, 5))                                              # positions 3, 4
+    k = torch.tensor([[[[1., 2.], [3., 4.]]]])
+    keys, values = static.layers[0].update(k, -k, torch.arange(3, 5))
+    assert keys[0, 0].tolist() == [[0, 0], [0, 0], [0, 0], [1, 2], [3, 4], [0, 0]]
+    assert torch.equal(values, -keys)
+    ring = K.SlidingWindowCache(1, 1, 1, 1, window=3, slack=1)                    # 4 rows
+    ring.begin(torch.arange(6))                                                   # only 2..5 survive
+    ring.layers[0].update(torch.arange(10., 16.).view(1, 1, 6, 1), torch.zeros(1, 1, 6, 1), torch.arange(6))
+    assert ring.k[0].flatten().tolist() == [14, 15, 12, 13]                       # rows 0..3: positions 4, 5, 2, 3
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])

@@ -79,6 +79,18 @@ def test_slots_follow_the_block_table():
     d.free_all()
 
 
+def test_block_hashes_chain_every_full_block():
+    tokens = list(range(100, 140))                                 # 2 full blocks of 16, and 8 more
+    h0 = P.block_hash(0, tuple(range(100, 116)))
+    h1 = P.block_hash(h0, tuple(range(116, 132)))
+    assert P.block_hashes(tokens, 16) == [h0, h1]
+    assert P.block_hashes(tokens[:32], 16) == [h0, h1] and P.block_hashes(tokens[:31], 16) == [h0]
+    assert P.block_hashes(tokens[:15], 16) == []
+    other = [0] + tokens[1:]                                       # the first block differs: so does every name
+    assert all(a != b for a, b in zip(P.block_hashes(other, 16), [h0, h1]))
+    assert P.block_hashes(tokens[16:32], 16) != [h1]               # the same tokens after another prefix
+
+
 def test_prefix_cache_reuses_the_same_blocks_for_the_same_prefix():
     d = Driver(32, 16)
     system = list(range(100, 140))                     # 40 tokens: 2 full blocks + 8

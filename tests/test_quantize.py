@@ -114,7 +114,7 @@ def test_attention_over_a_quantized_cache_is_close():
 # --- weights -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_quantized_linear_equals_its_dequantized_matrix(scheme, dtype):
     torch.manual_seed(0)
     w, x = torch.randn(96, 128), torch.randn(5, 1, 128).to(dtype)

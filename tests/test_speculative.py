@@ -420,7 +420,7 @@ def test_sampling_matches_target(small_vocab, method, monkeypatch):
     assert observed.sum() >= (20000 if model else 5000)
     assert spec.accepted > 0.05 * spec.emitted, spec.summary()      # the rule is really exercised
     assert chi_square_p(observed, expected) > 1e-3, (observed, expected)
-    monkeypatch.setattr(S, "_accept", lambda p, token, q, gen: True)
+    monkeypatch.setattr(S, "accept", lambda p, token, q, gen: True)
     observed, expected, _ = sampled_counts(target, make, params, 40, 128)
     assert chi_square_p(observed, expected) < 1e-6
 
