@@ -16,7 +16,9 @@ per KV head:
     the same 70B with 64 KV heads (MHA):          80 GiB at 32K — GQA is an 8× cache saving
     SmolLM2-135M ( 3 KV heads, d_head 64, bf16): 768 B; × 30 layers = 22.5 KiB per token
 
-`python kvcache.py --config llama2-7b --seq 32768` prints these for any config.
+`python kvcache.py --config llama2-7b --seq 32768` prints these for any config;
+`python kvcache.py --plot` draws what each kind of cache below holds against
+the context, in fp16 and int8 (the end of this file says why they differ).
 
 Three contiguous caches and a paged one share one interface (quantized and
 speculative code build on it):
@@ -54,6 +56,8 @@ from pathlib import Path
 
 import torch
 
+import results
+
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_size: float) -> float:
     return n_layers * 2 * n_kv_heads * head_dim * dtype_size
@@ -72,6 +76,14 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None 
     if window is not None:
         ok = ok & (k > q - window)
     return ok
+
+
+def causal_scores(new: int, total: int) -> int:
+    """How many query·key scores one head computes in one layer when the last ``new``
+    of ``total`` positions each read every key up to their own (what the causal mask
+    above allows, without a window): new·(total − new) + new(new + 1)/2. A prefill of
+    L tokens: L(L+1)/2; one decode step at context L: L (model.py counts both)."""
+    return new * (total - new) + new * (new + 1) // 2
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -464,19 +476,130 @@ def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | N
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------
+# What each kind of cache holds as the context grows (`python kvcache.py --plot`).
+#
+# The formula says what one token costs; what a cache holds also depends on how it
+# allocates. With tokens arriving one at a time (a generation):
+#   dynamic   one chunk of 256 rows, then doubling: past 256 tokens, up to 2× the rows needed
+#   static    max_len rows from the start, whatever the context
+#   sliding   window + slack rows from the start, never more
+#   paged     whole 16-token blocks: at most 15 rows unused per sequence
+# An int8 row (quantize.py) is d_head values plus an fp16 scale: 66 B for d_head 64,
+# 52% of fp16's 128 B.
+
+KINDS = ("dynamic", "static", "sliding", "paged")
+
+
+def row_bytes(head_dim: int, dtype: str) -> int:
+    """One token's K (or V) for one KV head, as a cache stores it. int8 is
+    quantize.py's KV row: d_head int8 values, then the fp16 scale of that token and
+    head (the formula is written out here because the caches sit below quantize.py;
+    a test holds the two equal). The calculator above counts int8 values only."""
+    return head_dim + 2 if dtype == "int8" else head_dim * DTYPE_BYTES[dtype]
+
+
+def rows_held(kind: str, contexts: list[int], max_len: int, window: int, block_size: int = 16) -> list[int]:
+    """Rows per layer and KV head that a cache of ``kind`` holds once each of
+    ``contexts`` tokens has arrived, one at a time. The contiguous kinds are asked
+    directly: real caches of one layer, one head and d_head 1 on the meta device
+    (no memory, no arithmetic), so the curves follow the classes' own rules."""
+    tiny = dict(dtype=torch.float16, device="meta")
+    if kind == "dynamic":
+        cache, held = DynamicCache(1, 1, 1, 1, **tiny), {}
+        for n in sorted(contexts):
+            while cache.length < n:
+                cache.begin(torch.tensor([cache.length]))
+            held[n] = cache.capacity
+        return [held[n] for n in contexts]
+    if kind == "static":
+        return [StaticCache(1, 1, 1, 1, max_len, **tiny).capacity] * len(contexts)
+    if kind == "sliding":
+        return [SlidingWindowCache(1, 1, 1, 1, window, **tiny).capacity] * len(contexts)
+    if kind == "paged":   # the blocks one sequence holds; the pool they come from is shared (paged.py)
+        return [-(-n // block_size) * block_size for n in contexts]
+    raise ValueError(f"unknown cache kind '{kind}': use {', '.join(KINDS)}")
+
+
+def token_bytes(shape: tuple[int, int, int], dtype: str) -> int:
+    """One token's K and V in every layer and KV head: the formula at the top, one row
+    of row_bytes per head (for fp16, kv_bytes_per_token(layers, heads, d_head, 2))."""
+    layers, kv_heads, d_head = shape
+    return int(kv_bytes_per_token(layers, kv_heads, 1, row_bytes(d_head, dtype)))
+
+
+def held_bytes(kind: str, contexts: list[int], shape: tuple[int, int, int], dtype: str, max_len: int,
+               window: int, block_size: int = 16) -> list[int]:
+    """The bytes a cache of ``kind`` holds at each context, batch 1: the rows it holds
+    × token_bytes. Equals a real cache's ``nbytes`` (a test builds them)."""
+    return [rows * token_bytes(shape, dtype) for rows in rows_held(kind, contexts, max_len, window, block_size)]
+
+
+def plot_bytes(config: str, seq: int, window: int, block_size: int = 16) -> Path:
+    """Bytes held against context, 1 to ``seq`` tokens, for every kind in fp16/bf16
+    and int8: a plot (plots/kv_bytes.png) and a table at a few contexts (results/)."""
+    shape = shape_of(config)
+    if not 1 <= window <= seq:
+        raise ValueError(f"--plot draws contexts up to --seq {seq}: give a --window between 1 and that")
+    contexts = list(range(1, seq + 1))    # every one: each step of each staircase is drawn where it is
+    shown = [n for n in (100, 1000, 5000, 20000) if n < seq] + [seq]   # the table's columns
+    dtypes = {"fp16": "fp16/bf16", "int8": "int8 + scale"}
+    curves = {(kind, dtype): held_bytes(kind, contexts, shape, dtype, seq, window, block_size)
+              for kind in KINDS for dtype in dtypes}
+    labels = {"dynamic": "dynamic (doubling)", "static": f"static (max_len {seq})",
+              "sliding": f"sliding (window {window})", "paged": f"paged ({block_size}-token blocks)"}
+    rows = [[labels[kind], dtypes[dtype]] + [human(curve[contexts.index(n)]) for n in shown]
+            for (kind, dtype), curve in curves.items()]
+    table = results.Table(
+        f"{config}: bytes a cache holds, batch 1", ["cache", "dtype"] + [f"{n} tokens" for n in shown], rows,
+        [f"{shape[0]} layers, {shape[1]} KV heads, d_head {shape[2]}: {human(token_bytes(shape, 'fp16'))} per "
+         f"token in fp16, {human(token_bytes(shape, 'int8'))} in int8 (d_head values + a 2-byte scale per "
+         f"token and head).",
+         "Tokens arrive one at a time; a paged sequence holds whole blocks of a shared pool; static and "
+         "sliding allocate everything up front (sliding: window + 64 rows of slack for rollbacks)."])
+    print(table.markdown())
+    plots, plt = [], results.pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for (kind, dtype), curve in curves.items():
+            ax.plot(contexts, [b / 2 ** 20 for b in curve], drawstyle="steps-post", color=f"C{KINDS.index(kind)}",
+                    ls="-" if dtype == "fp16" else "--", lw=2 if dtype == "fp16" else 1.5,
+                    label=f"{labels[kind]}, {dtypes[dtype]}")
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="cache bytes held (MiB, log)",
+               title=f"KV cache memory against context: {config}, batch 1")
+        results.plain_ticks(ax.xaxis, [4 ** k for k in range(seq.bit_length()) if 4 ** k <= seq])
+        results.plain_ticks(ax.yaxis)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))   # beside the plot: no curve hidden
+        fig.savefig(path := results.plot_path("kv_bytes.png"), dpi=120, bbox_inches="tight")
+        plots.append(path)
+        print(f"\nplot: {path}")
+    return results.save("kv-bytes-by-kind", "kvcache", [table], plots=plots)
+
+
 def _main():
     ap = argparse.ArgumentParser(description="KV cache memory calculator: bytes per token, per sequence, per batch")
     ap.add_argument("--config", default="smollm2-135m", help=f"config.json path or preset: {', '.join(PRESETS)}")
-    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--seq", type=int, default=None, help="tokens (default 32768; with --plot the longest "
+                    "context drawn, default 8192, SmolLM2's context)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="fp16", choices=list(DTYPE_BYTES))
     ap.add_argument("--gpu-gib", type=float, default=None)
+    ap.add_argument("--plot", action="store_true", help="bytes held against context for every kind of cache, "
+                    "fp16 and int8: plots/kv_bytes.png and results/kv-bytes-by-kind.json")
+    ap.add_argument("--window", type=int, default=4096, help="--plot: the sliding window (Mistral-7B's: 4096)")
     args = ap.parse_args()
-    for name in ("seq", "batch", "gpu_gib"):
+    for name in ("seq", "batch", "gpu_gib", "window"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    print(calculator(args.config, args.seq, args.batch, args.dtype, args.gpu_gib))
+    if args.plot:
+        try:
+            plot_bytes(args.config, args.seq or 8192, args.window)
+        except ValueError as e:
+            ap.error(str(e))
+        return
+    print(calculator(args.config, args.seq or 32768, args.batch, args.dtype, args.gpu_gib))
 
 
 if __name__ == "__main__":

@@ -23,9 +23,17 @@ layer, so N tokens cost 1 + 2 + ... + N = N(N+1)/2 position-forwards (5050 for
 prompt once (prefill) and then one new position per step (decode): N forwards
 (100 for 100 tokens). Both produce the same tokens; `python model.py` shows it.
 
-Decoding one token reads every weight once: a memory-bound matrix-vector
-product. 135M parameters in fp32 are 540 MB per token, so at ~20 GB/s this CPU
-tops out near 40 tokens/s; halving the bytes (bf16, int8) raises that ceiling.
+What the cache does not remove is attention over the context. A pass over L
+positions computes L(L+1)/2 query·key scores per head and layer (causal): the
+naive loop computes Σ t(t+1)/2 = N(N+1)(N+2)/6 ≈ N³/6 of them (171,700 for 100
+tokens), the cached one still N(N+1)/2 (5,050), as each new token reads every
+earlier key: its attention grows with the context.
+
+Decoding one token reads every weight once (a memory-bound matrix-vector
+product: 540 MB for 135M parameters in fp32, so tokens/s ≤ bandwidth ÷ 540 MB;
+bf16 or int8 weights raise that cap) plus the cache so far. A prefill reads them
+once for all its positions, so it runs many more tokens per second. `python
+bench.py naive-vs-cached` and `python bench.py context` measure all this.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import checkpoint
 import flash
 import kernels
 import quantize
-from kvcache import DynamicCache, KVCache, SlidingWindowCache, StaticCache, attention_mask
+from kvcache import DynamicCache, KVCache, SlidingWindowCache, StaticCache, attention_mask, causal_scores
 from sampling import SamplingParams, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
 
@@ -196,11 +204,9 @@ def attend(q, k, v, mask, impl: str = "sdpa"):
         if q.shape[2] == 1:
             return flash.decode(q, k, v, mask, causal=mask is None)[0]
         return flash.attention(q, k, v, causal=mask is None, mask=mask, compiled=True)[0]
-    B, H, T, d = q.shape
-    n_kv = k.shape[1]
+    (B, H, T, d), n_kv = q.shape, k.shape[1]
     if T > 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              enable_gqa=H != n_kv)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=H != n_kv)
     scores = q.reshape(B, n_kv, H // n_kv, d) @ k.transpose(-1, -2) * d ** -0.5     # (B, H_kv, group, L)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -430,11 +436,9 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
     with torch.device("meta"):
         shapes = checkpoint_shapes(Llama(cfg))
     gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, shape in shapes.items():
-        state[name] = torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else \
-            torch.randperm(cfg.vocab_size, generator=gen)[:shape[0]].sort().values if name == "head_ids" else \
-            torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=gen)
+    state = {name: torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else
+             torch.randperm(cfg.vocab_size, generator=gen)[:shape[0]].sort().values if name == "head_ids" else
+             torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=gen) for name, shape in shapes.items()}
     return checkpoint.save(out_dir, state, hf_config)
 
 
@@ -486,6 +490,7 @@ class GenerationStats:
     prefill_s: float = 0.0      # wall time to the first new token (TTFT)
     decode_s: float = 0.0       # wall time of the rest
     positions_computed: int = 0  # query positions pushed through the model, all steps
+    scores_computed: int = 0    # query·key scores of one head in one layer, all steps (causal_scores)
     finish_reason: str | None = None   # why the answer ended: "stop" (EOS) or "length" (sampling.finish_reason)
 
     def clock(self, i: int, t0: float) -> float:
@@ -501,9 +506,8 @@ class GenerationStats:
 
 def context_limit(model: Llama, cache: KVCache | None = None) -> int:
     """The model's context, or less when the cache is preallocated smaller."""
-    if cache is None or cache.limit is None:
-        return model.config.max_seq_len
-    return min(model.config.max_seq_len, cache.limit)
+    limit = None if cache is None else cache.limit
+    return model.config.max_seq_len if limit is None else min(model.config.max_seq_len, limit)
 
 
 def check_context(model: Llama, n_tokens: int, cache: KVCache | None = None):
@@ -525,6 +529,7 @@ def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
         ids = torch.tensor([tokens], device=dev)
         logits = model(ids, torch.arange(len(tokens), device=dev), last_only=True)
         stats.positions_computed += len(tokens)
+        stats.scores_computed += causal_scores(len(tokens), len(tokens))
         nxt = sample(logits[0, -1], p, gen)
         t0 = stats.clock(i, t0)
         yield nxt
@@ -554,6 +559,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
     for i in range(p.max_new_tokens):
         logits = model(ids, pos, cache, last_only=True)
         stats.positions_computed += ids.shape[1]
+        stats.scores_computed += causal_scores(ids.shape[1], cache.length)
         nxt = sample(logits[0, -1], p, gen)
         t0 = stats.clock(i, t0)
         yield nxt
@@ -572,7 +578,7 @@ DECODERS = {"naive": generate_naive, "cached": generate_cached}
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(description="naive vs KV-cached decoding, side by side")
+    ap = argparse.ArgumentParser(description="naive vs KV-cached decoding: the same tokens, and the work each does")
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=100)
     args = ap.parse_args()
@@ -580,17 +586,15 @@ if __name__ == "__main__":
     # Start from the BOS token alone: the naive decoder's steps run 1, 2, ..., N positions.
     prompt = [tok.bos_id if tok.bos_id is not None else 0]
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)   # exactly N tokens
-    results = {}
-    for name, decode in DECODERS.items():
-        stats = GenerationStats()
-        t = time.perf_counter()
-        out = list(decode(model, prompt, params, stats))
-        results[name] = (out, stats, time.perf_counter() - t)
-    (a, sa, ta), (b, sb, tb) = results["naive"], results["cached"]
-    print(f"generated {len(b)} tokens from a 1-token prompt; identical: {a == b}")
-    print(f"text: {tok.decode(b)[:200]!r}")
-    print(f"{'decoder':8} {'positions computed':>19} {'time':>8} {'tok/s':>7}")
-    for name, (out, s, t) in results.items():
-        print(f"{name:8} {s.positions_computed:>19} {t:>7.2f}s {len(out) / t:>7.1f}")
-    print(f"the cache pushes {sa.positions_computed / sb.positions_computed:.1f}x fewer positions through "
-          f"the model and runs {ta / tb:.1f}x faster here")
+    stats = {name: GenerationStats() for name in DECODERS}
+    out = {name: list(decode(model, prompt, params, stats[name])) for name, decode in DECODERS.items()}
+    naive, cached = stats["naive"], stats["cached"]
+    print(f"generated {len(out['cached'])} tokens from a 1-token prompt; identical: {out['naive'] == out['cached']}")
+    print(f"text: {tok.decode(out['cached'])[:200]!r}")
+    print(f"{'decoder':8} {'positions computed':>19} {'attention scores per head and layer':>36}")
+    for name, s in stats.items():
+        print(f"{name:8} {s.positions_computed:>19} {s.scores_computed:>36}")
+    print(f"the cache computes {naive.positions_computed / cached.positions_computed:.1f}x fewer positions and "
+          f"{naive.scores_computed / cached.scores_computed:.1f}x fewer attention scores: it removes\nthe "
+          "recomputation, but each new token still reads every earlier key: attention per token grows with\nthe "
+          "context (timed against N and plotted: python bench.py naive-vs-cached)")

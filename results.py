@@ -171,3 +171,37 @@ def render(records: list[dict]) -> str:
                 out += ([f"**{table.title}**", ""] if table.title else []) + [table.markdown(), ""]
             out += [f"![{p}](plots/{p})" for p in r.get("plots", [])] + ([""] if r.get("plots") else [])
     return "\n".join(out).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------
+# Pictures.
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (Agg), or None after one line saying how
+    to get it: a demo prints and saves its tables either way (requirements-bench.txt)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: plot skipped (pip install -r requirements-bench.txt)")
+        return None
+    return plt
+
+
+def plain_ticks(axis, ticks=None):
+    """Label a log-scaled axis in plain numbers: at ``ticks`` when given (the sizes a
+    demo measured), else at 1, 10, 100, ... and, over a short range (under 2.5
+    decades), at 2, 5, 20, 50, ... too (matplotlib would write 2×10⁰)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
+    if ticks is not None:
+        axis.set_major_locator(FixedLocator(ticks))
+        axis.set_minor_locator(NullLocator())
+    else:
+        axis.set_minor_locator(LogLocator(subs=(2, 5)))
+
+        def minor(x, _):
+            lo, hi = sorted(axis.get_view_interval())
+            return f"{x:g}" if hi < 300 * lo else ""
+        axis.set_minor_formatter(FuncFormatter(minor))
+    axis.set_major_formatter("{x:g}")

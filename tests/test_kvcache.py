@@ -1,10 +1,14 @@
 """kvcache.py: every cache decodes exactly like the naive decoder; crop, fork, nbytes, the calculator."""
 
+import importlib.util
+import json
+
 import pytest
 import torch
 
 import kvcache as K
 import model as M
+import results
 from conftest import make_checkpoint
 
 WINDOW = 16
@@ -166,6 +170,56 @@ def test_calculator_prints_the_lesson_numbers():
     assert "per sequence of 32768: 80 GiB" in K.calculator("llama3-70b-mha", 32768, 1, "fp16", None)
     out = K.calculator("llama2-7b", 4096, 8, "int8", 80)
     assert "8192 B/token/layer" in out and "batch of 8:      8 GiB" in out and "at most 80 sequences" in out
+
+
+def test_bytes_by_kind_equal_real_caches():
+    """held_bytes against the nbytes of real caches of a tiny shape, fed one token at a
+    time, in fp16 and in quantize.py's int8 rows (d_head values + an fp16 scale)."""
+    import paged
+    import quantize
+    layers, heads, d = 2, 2, 8
+    shape, contexts = (layers, heads, d), [1, 100, 256, 257, 600]
+    assert K.row_bytes(d, "int8") == quantize.kv_codec("int8").row_bytes(d) == 10
+    for dtype, codec in (("fp16", None), ("int8", quantize.kv_codec("int8"))):
+        want = {kind: K.held_bytes(kind, contexts, shape, dtype, max_len=600, window=64) for kind in K.KINDS}
+        dynamic, kv = K.DynamicCache(layers, 1, heads, d, torch.float16, codec=codec), torch.ones(1, heads, 1, d)
+        for n, expected in zip(contexts, want["dynamic"]):
+            while dynamic.length < n:
+                pos = torch.tensor([dynamic.length])
+                dynamic.begin(pos)
+                for layer in dynamic.layers:
+                    layer.update(kv.half(), kv.half(), pos)
+            assert dynamic.nbytes == expected
+        fp16 = dict(dtype=torch.float16, codec=codec)
+        assert want["static"] == [K.StaticCache(layers, 1, heads, d, 600, **fp16).nbytes] * 5
+        assert want["sliding"] == [K.SlidingWindowCache(layers, 1, heads, d, 64, **fp16).nbytes] * 5
+        for n, expected in zip(contexts, want["paged"]):
+            table, _ = paged.BlockAllocator(64, 16).allocate_sequence(range(n))     # the blocks one sequence takes
+            assert K.PagedKVCache(layers, len(table.block_ids), 16, heads, d, **fp16).nbytes == expected
+    # by hand: a row is K and V × 2 layers × 2 heads × 16 B (fp16) = 128 B, or × 10 B (int8) = 80 B
+    assert K.held_bytes("dynamic", [1, 256, 257, 600], shape, "fp16", 600, 64) == [256 * 128, 256 * 128,
+                                                                                 512 * 128, 1024 * 128]
+    assert K.held_bytes("sliding", [1, 600], shape, "fp16", 600, 64) == [128 * 128] * 2      # window + 64 slack
+    assert K.held_bytes("paged", [1, 16, 17], shape, "int8", 600, 64) == [16 * 80, 16 * 80, 32 * 80]
+
+
+def test_kv_bytes_plot_saves_the_table_and_the_picture():
+    path = K.plot_bytes("smollm2-135m", 2048, 1024)
+    record = json.loads(path.read_text())
+    assert (path.name, record["name"], record["lesson"]) == ("kv-bytes-by-kind.json", "kv-bytes-by-kind", "kvcache")
+    (table,) = record["tables"]
+    assert table["columns"] == ["cache", "dtype", "100 tokens", "1000 tokens", "2048 tokens"]
+    rows = {(r[0], r[1]): r[2:] for r in table["rows"]}
+    assert len(rows) == 8
+    # SmolLM2: 30 layers × 2 × 3 KV heads × 128 B = 22.5 KiB per token in fp16, × 66 B = 11.6 KiB in int8
+    assert rows["dynamic (doubling)", "fp16/bf16"] == ["5.62 MiB", "22.50 MiB", "45 MiB"]       # 256, 1024, 2048 rows
+    assert rows["paged (16-token blocks)", "fp16/bf16"] == ["2.46 MiB", "22.15 MiB", "45 MiB"]   # 112, 1008, 2048
+    assert rows["static (max_len 2048)", "int8 + scale"] == [K.human(2048 * 11880)] * 3
+    assert rows["sliding (window 1024)", "fp16/bf16"] == [K.human(1088 * 23040)] * 3
+    if importlib.util.find_spec("matplotlib") is None:
+        assert record["plots"] == []
+    else:
+        assert record["plots"] == ["kv_bytes.png"] and results.plot_path("kv_bytes.png").stat().st_size > 10_000
 
 
 def test_calculator_reads_config_json(tmp_path, llama):

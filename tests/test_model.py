@@ -1,13 +1,17 @@
 """model.py against transformers' LlamaForCausalLM, and the two decoders against each other."""
 
+import importlib.util
+import json
 
 import pytest
 import torch
 
 import model as M
+import results
 import sampling
 import kernels
 from conftest import make_checkpoint
+from kvcache import causal_scores
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -77,7 +81,66 @@ def test_attention_work_counts_5050_vs_100(tiny_ckpt):
     b = list(M.generate_cached(model, [0], params, cached))
     assert a == b
     assert (naive.positions_computed, cached.positions_computed) == (5050, 100)
+    # q·k scores per head and layer: Σ t(t+1)/2 = N(N+1)(N+2)/6 against Σ t = N(N+1)/2
+    assert (naive.scores_computed, cached.scores_computed) == (171700, 5050)
     assert cached.new_tokens == 100 and cached.prompt_tokens == 1
+
+
+def test_attention_scores_with_a_longer_prompt(tiny_ckpt):
+    """A 6-token prompt, 5 new tokens: naive steps run 6..10 positions, each a causal
+    pass; the cached prefill is one 6-token causal pass, then one query per step."""
+    model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
+    model.config.eos_ids = []
+    naive, cached = M.GenerationStats(), M.GenerationStats()
+    params = M.SamplingParams(max_new_tokens=5)
+    list(M.generate_naive(model, [0, 5, 17, 42, 99, 3], params, naive))
+    list(M.generate_cached(model, [0, 5, 17, 42, 99, 3], params, cached))
+    assert naive.scores_computed == 21 + 28 + 36 + 45 + 55
+    assert cached.scores_computed == 21 + 7 + 8 + 9 + 10
+    assert [causal_scores(1, 7), causal_scores(3, 3), causal_scores(2, 5)] == [7, 6, 4 + 5]
+
+
+def test_bench_naive_vs_cached_counts_saves_and_plots(tiny_ckpt):
+    import bench
+    path = bench.bench_naive_vs_cached(str(tiny_ckpt), [4, 8])
+    record = json.loads(path.read_text())
+    assert (path.name, record["name"], record["lesson"]) == ("naive-vs-cached.json", "naive-vs-cached", "model")
+    work, ratios = record["tables"]
+    assert work["columns"] == ["N", "decoder", "positions computed", "q·k scores per head and layer", "time s",
+                               "ms/token"]
+    counts = {(r[0], r[1]): (r[2], r[3]) for r in work["rows"]}
+    for n in (4, 8):
+        assert counts[n, "naive"] == (n * (n + 1) // 2, n * (n + 1) * (n + 2) // 6)
+        assert counts[n, "cached"] == (n, n * (n + 1) // 2)
+    assert [r[1:3] + r[4:] for r in ratios["rows"]] == [["2.5×", "2.0×", "yes"], ["4.5×", "3.3×", "yes"]]
+    assert all(r[4] > 0 for r in work["rows"])
+    assert_plot(record, "naive_vs_cached.png")
+
+
+def test_bench_context_table_cost_model_and_plot(tiny_ckpt):
+    import bench
+    path = bench.bench_context(str(tiny_ckpt), "float32", [8, 64], steps=2, reps=1)
+    record = json.loads(path.read_text())
+    assert (path.name, record["name"], record["lesson"]) == ("context.json", "context", "model")
+    (table,) = record["tables"]
+    assert table["columns"][:5] == ["context", "prefill ms", "prefill tok/s", "decode ms/token", "decode tok/s"]
+    assert table["columns"][6:8] == ["weights MB read/step", "KV MB read/step"]
+    # the tiny model: 2 layers, 2 KV heads, d_head 16, fp32 -> 512 B of K and V per token
+    assert [r[0] for r in table["rows"]] == [8, 64]
+    assert [r[7] for r in table["rows"]] == [8 * 512 / 1e6, 64 * 512 / 1e6]
+    assert all(r[1] > 0 and r[3] > 0 for r in table["rows"])
+    assert_plot(record, "context.png")
+    with pytest.raises(ValueError, match="--contexts must be between 1 and"):
+        bench.bench_context(str(tiny_ckpt), "float32", [300], steps=2, reps=1)
+
+
+def assert_plot(record, name):
+    """The plot exists where results.plot_path puts it (the tests' scratch directory), when
+    matplotlib is installed (requirements-bench.txt; the tables are saved without it)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        assert record["plots"] == []
+    else:
+        assert record["plots"] == [name] and results.plot_path(name).stat().st_size > 10_000
 
 
 def test_generation_stops_on_any_eos(tiny_ckpt):
