@@ -99,8 +99,8 @@ def busy_machine_hint() -> str | None:
 # where MKL's grew 1.75-2.2x. It has no gradient, so only inference uses it.
 # `python kernels.py` measures both on this machine.
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# oneDNN's call costs ~15 µs before any work, so below 512×512 F.linear is faster
-# (64×32: 2 against 17 µs); from there up oneDNN wins or ties.
+# oneDNN's call has a fixed cost before any work, so below 512×512 F.linear is
+# faster (64×32: 8x); from there up oneDNN wins or ties.
 ONEDNN_MIN = 512 * 512
 
 

@@ -331,7 +331,7 @@ class SlidingWindowCache(KVCache):
 # SmolLM2 in fp32 that is 1.5 KiB per token per layer: a decode step of 16
 # sequences of ~200 tokens copies 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141
 # MiB over 30 layers, against 540 MB of weights the step reads anyway.
-# Measured in such a step (one thread): the gathers take 17 ms of 291, 6%. A
+# Measured in such a step (one thread): the gathers take 6% of it. A
 # paged-attention kernel (vLLM's, or torch.compile fusing the indexed load
 # into the attention loop; not tried here, the batch shape changes every step)
 # reads the blocks in place instead; flash.py's ``merge`` combines per-block
