@@ -581,10 +581,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="naive vs KV-cached decoding: the same tokens, and the work each does")
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=100)
-    args = ap.parse_args()
+    if (args := ap.parse_args()).tokens < 1:
+        ap.error(f"--tokens must be at least 1, got {args.tokens}")
     model, tok = load(args.model)
-    # Start from the BOS token alone: the naive decoder's steps run 1, 2, ..., N positions.
-    prompt = [tok.bos_id if tok.bos_id is not None else 0]
+    prompt = [tok.bos_id if tok.bos_id is not None else 0]   # BOS alone: naive steps run 1, 2, ..., N positions
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)   # exactly N tokens
     stats = {name: GenerationStats() for name in DECODERS}
     out = {name: list(decode(model, prompt, params, stats[name])) for name, decode in DECODERS.items()}
