@@ -21,7 +21,7 @@ QUICK = {
     "python quantize.py": 60,
     "python engine.py --trace": 120,
     "python sampling.py": 60,
-    "python serve_local.py --prompt \"What is the capital of France?\" --temperature 0": 120,
+    "python kernels.py": 60,
     "python serve_local.py --kv paged": 120,
     "python serve_local.py --weights int4 --kv-dtype int8": 120,
     "python serve_local.py --draft bundled --prompt-lookup 3": 120,
@@ -38,6 +38,8 @@ COVERED = {
     "python -m pytest tests --exercise flash": "test_exercises.py",
     "python -m pytest tests/test_flash.py": "CI itself",
     "python serve_local.py": "test_chat_session.py",
+    "python serve_local.py --prompt \"What is the capital of France?\" --temperature 0":
+        "test_gguf.py::test_runner_answers_paris",
     "python serve_local.py --model tinyllama --dtype bf16": "test_hub.py (a real HF cache layout, offline)",
     "python serve_local.py --model ./my-llama-dir": "test_model.py, test_errors.py (HF directories)",
     "python serve_local.py --model ./model.Q4_K_M.gguf": "test_gguf.py (GGUF files)",
@@ -82,11 +84,11 @@ def test_every_documented_command_has_a_place():
 
 
 @pytest.mark.parametrize("command", sorted(QUICK))
-def test_quick_command_runs(command):
+def test_quick_command_runs(command, cache_home):
     args = shlex.split(command)[1:]
     if args[0] == "serve_local.py" and "--prompt" not in args and "--help" not in args:
         args += ["--prompt", "Say hi.", "--max-new-tokens", "8", "--temperature", "0"]
-    rc, out, err = run_cli(*args, timeout=QUICK[command])
+    rc, out, err = run_cli(*args, env={"XDG_CACHE_HOME": str(cache_home)}, timeout=QUICK[command])
     assert rc == 0, err[-2000:]
     assert out.strip(), f"{command} printed nothing"
     assert "Traceback" not in err
