@@ -418,7 +418,7 @@ if __name__ == "__main__":
         if isinstance(r, Exception):
             raise SystemExit(f"error: {r}")
     split, whole = weight_bytes(one)
-    print(f"1 process: {split / 1e6:.1f} MB split-able + {whole / 1e6:.1f} MB replicated, KV "
+    print(f"1 process: {split / 1e6:.1f} MB to split + {whole / 1e6:.1f} MB replicated, KV "
           f"{one.new_cache('static', 1024).nbytes / 1e6:.1f} MB for 1,024 tokens")
     for r in ranks:
         print(f"{r['describe']}; KV {r['kv'] / 1e6:.1f} MB for 1,024 tokens; {r['comm'].calls} all-reduces, "
