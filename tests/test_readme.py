@@ -59,6 +59,7 @@ SLOW = {
     "python bench.py decode": "~25 min",
     "python bench.py quantize --eval": "~10 min",
     "python bench.py kv-bytes": "~30 s",
+    "python bench.py tp": "~1 min",
     "python engine.py": "~1 min",
 }
 
