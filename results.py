@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 # The course's reading order (README): RESULTS.md follows it, section by section.
-LESSONS = ["model", "kvcache", "flash", "paged", "engine", "speculative", "quantize", "kernels", "runner"]
+LESSONS = ["model", "kvcache", "flash", "paged", "engine", "speculative", "quantize", "tp", "kernels", "runner"]
 TITLES = {"model": "model.py — naive vs cached decoding, prefill vs decode",
           "kvcache": "kvcache.py — what a cache holds, and what reusing one buys",
           "flash": "flash.py — attention without the N×N matrix",
@@ -43,6 +43,7 @@ TITLES = {"model": "model.py — naive vs cached decoding, prefill vs decode",
           "engine": "engine.py — continuous batching and prefix caching",
           "speculative": "speculative.py — guessing tokens and checking them in one pass",
           "quantize": "quantize.py — fewer bits, measured against accuracy",
+          "tp": "tp.py — one model across several processes",
           "kernels": "kernels.py — which kernel runs each product on this machine",
           "runner": "The runner against its peers (batch-1 decode)"}
 

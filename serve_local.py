@@ -6,6 +6,7 @@ serve_local.py — chat with a Llama-family model on this machine, llama.cpp sty
     python serve_local.py --model tinyllama --dtype bf16
     python serve_local.py --dtype bf16 --cache static --compile   # fastest on a CPU with AVX512-BF16
     python serve_local.py --kv paged            # engine.py's block pool: prefix-cached turns and system prompts
+    torchrun --nproc-per-node 2 serve_local.py --tp 2 --prompt "Hi"   # every layer split across 2 processes (tp.py)
 
 What makes a chat turn cheap: the conversation's KV cache lives across turns.
 Each turn renders the whole conversation with the model's chat template,
@@ -21,6 +22,7 @@ Everything except the answer goes to stderr, so `--prompt` composes with pipes.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -35,6 +37,7 @@ import engine
 import kernels
 import quantize
 import speculative
+import tp
 from kvcache import common_prefix
 from model import (ATTN, DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
                    generate_cached, generate_naive, load)
@@ -331,6 +334,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-lookup", type=int, default=None, metavar="N", help="speculate by copying what "
                     "followed the latest earlier match of the last N..1 tokens; with --draft, copy where the "
                     "last N tokens occurred before (up to 2K tokens) and draft elsewhere")
+    ap.add_argument("--tp", type=int, default=None, metavar="N", help="tensor parallelism (tp.py): split every "
+                    "layer across N processes, one per GPU or CPU share; run under torchrun --nproc-per-node N "
+                    "with --prompt (rank 0 prints)")
     return ap.parse_args(argv)
 
 
@@ -459,6 +465,17 @@ def check_flags(args):
     if args.kv == "paged" and (args.cache != "dynamic" or args.compile or args.decoder != "cached"):
         raise ValueError("--kv paged runs the engine's own cached decoder on its block pool: "
                          "drop --cache, --compile and --decoder")
+    if args.tp is not None:
+        if args.tp < 1:
+            raise ValueError(f"--tp must be at least 1 process, got {args.tp}")
+        bad = [flag for flag, on in (("--kv paged", args.kv == "paged"), ("--compile", args.compile),
+                                     ("--weights", args.weights != "auto"), ("--draft", args.draft is not None),
+                                     ("--lookahead", args.lookahead is not None),
+                                     ("--prompt-lookup", args.prompt_lookup is not None)) if on]
+        if bad:
+            raise ValueError(f"--tp runs the plain decoders on float weights: drop {', '.join(bad)}")
+        if args.prompt is None:
+            raise ValueError("--tp answers one --prompt (a typed line would reach rank 0 alone): add --prompt")
     kernels.pick_device(args.device)        # a device this machine does not have: say so now
 
 
@@ -466,14 +483,25 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.prompt is None and hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")     # bytes that are not UTF-8 become U+FFFD, not an error
+    errors, rank = sys.stderr, 0
     try:
         check_flags(args)
+        dtype, seed = None if args.dtype == "auto" else args.dtype, args.seed
+        if args.tp:
+            rank, device = tp.start(args.tp, args.device)
+            if rank:        # rank 0 prints; the others compute the same tokens silently
+                sys.stdout = sys.stderr = open(os.devnull, "w")
+            seed = tp.shared_seed(seed)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  seed=args.seed, max_new_tokens=args.max_new_tokens)
+                                  seed=seed, max_new_tokens=args.max_new_tokens)
         t0 = time.perf_counter()
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        model, tok = load(args.model, args.device, None if args.dtype == "auto" else args.dtype, args.weights,
-                          args.group_size or quantize.GROUP, attn=args.attn, prepacked=not args.no_prepack)
+        if args.tp:
+            model, tok = tp.load(args.model, device, dtype, args.attn, prepacked=not args.no_prepack)
+            print(tp.describe(model), file=sys.stderr)
+        else:
+            model, tok = load(args.model, args.device, dtype, args.weights, args.group_size or quantize.GROUP,
+                              attn=args.attn, prepacked=not args.no_prepack)
         w = model.embed_tokens.weight
         quant = f", weights {model.quantization['weights']}" if model.quantization else ""
         packed = kernels.prepacked_bytes(model)
@@ -504,16 +532,18 @@ def main(argv=None) -> int:
         if args.prompt is None:
             interactive(chat)
             return 0
-        stats = chat.turn(args.prompt)
+        stats = chat.turn(args.prompt, out=sys.stdout)   # sys.stdout now: a follower rank's is devnull
         report(chat, stats, interactive=False)
         return 0
     except (ValueError, OSError) as e:
-        # Every expected failure (bad weights, bad flags, context overflow) is one line.
-        print(f"error: {e}", file=sys.stderr)
+        # Every expected failure (bad weights, bad flags, context overflow, a lost rank) is one line.
+        print(f"error: {f'rank {rank}: ' if rank else ''}{e}", file=errors)
         return 1
     except KeyboardInterrupt:   # Ctrl-C while loading or converting
-        print(file=sys.stderr)
+        print(file=errors)
         return 130
+    finally:
+        tp.stop()
 
 
 if __name__ == "__main__":
