@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# The speculative tests' models and checks (test_speculative.py, test_drafting.py).
+pytest_plugins = ["spec_common"]
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Demos and benchmarks the tests run save their results and plots here, never into the

@@ -1,0 +1,198 @@
+"""drafting.py's proposers, the ones that are models (a draft model, an EAGLE head, a
+tree of its guesses, lookup then draft): exact like every proposer — greedy tokens equal
+to plain decoding's, sampled tokens distributed as the target's own — plus what each
+needs of its own (a head over a subset of the vocabulary, features read at the right
+positions, the committed draft, compiled drafting)."""
+
+import pytest
+import torch
+
+import model as M
+import drafting as D
+import sampling
+import serve_local
+import speculative as S
+from conftest import make_checkpoint
+from spec_common import PROMPTS, SMALL, check_cache_lengths, check_greedy, check_sampling, head_subset, plain
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_identical_to_plain(models, subset_draft, eagle_head, k):
+    target, draft = models
+    check_greedy(target, {
+        "draft": lambda: D.DraftModel(draft, target, k),
+        "eagle head": lambda: D.EagleDraft(eagle_head, target, k),
+        "adaptive eagle head": lambda: D.EagleDraft(eagle_head, target, k, adaptive=True),
+        "tree eagle head": lambda: D.EagleDraft(eagle_head, target, k, tree=(3, 2 * k)),
+        "lookup then tree eagle": lambda: D.LookupThenDraft(D.EagleDraft(eagle_head, target, k, tree=(2, 6)), 2),
+        "lookup then draft": lambda: D.LookupThenDraft(D.DraftModel(draft, target, k, adaptive=True), 2),
+        "lookup then eagle": lambda: D.LookupThenDraft(D.EagleDraft(eagle_head, target, k), 2),
+        "subset-head draft": lambda: D.DraftModel(subset_draft, target, k),
+        "adaptive draft": lambda: D.DraftModel(draft, target, k, adaptive=True),
+        "self draft": lambda: D.DraftModel(target, target, k)}, k, n=64 if k == 1 else 128)
+
+
+@pytest.mark.parametrize("method", ["draft", "subset-head draft", "eagle head", "eagle tree head", "lookup then draft"])
+def test_sampling_matches_target(small_vocab, method, monkeypatch):
+    """Each model proposer: 6,144 emitted tokens against the target's exact distributions
+    (speculative.py's rule alone is checked on 20,000 draws in test_speculative.py)."""
+    target, draft, part, eagle = small_vocab
+    make = {"draft": lambda: D.DraftModel(draft, target, 3),
+            "subset-head draft": lambda: D.DraftModel(part, target, 3),
+            "eagle head": lambda: D.EagleDraft(eagle, target, 3),
+            "eagle tree head": lambda: D.EagleDraft(eagle, target, 2, tree=(3, 4)),
+            "lookup then draft": lambda: D.LookupThenDraft(D.DraftModel(draft, target, 3), 2)}[method]
+    check_sampling(target, make, monkeypatch, n_seqs=48, n_control=16)
+
+
+def test_head_subset_logits(models, subset_draft, tmp_path):
+    """A head over part of the vocabulary gives the full head's logits on its
+    tokens and −inf (probability 0) on every other; tied, its rows are the
+    embedding's."""
+    target, _ = models
+    ids = list(range(0, 320, 3))
+    full = M.Llama.from_pretrained(make_checkpoint(tmp_path / "full", **SMALL), "cpu", torch.float32)
+    part = M.Llama.from_pretrained(head_subset(tmp_path / "full", tmp_path / "part", ids), "cpu", torch.float32)
+    tokens = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        want, got = (m(tokens, torch.arange(tokens.shape[1])) for m in (full, part))
+    torch.testing.assert_close(got[..., ids], want[..., ids])
+    assert torch.isneginf(got).sum() == got[..., :1].numel() * (320 - len(ids))
+    d = subset_draft
+    assert d.head_ids.shape == (96,) and torch.equal(d.lm_head.weight, d.embed_tokens.weight[d.head_ids])
+    with torch.inference_mode():
+        probs = sampling.sampling_probs(d(tokens, torch.arange(tokens.shape[1]))[0], M.SamplingParams(temperature=1.0))
+    outside = torch.ones(320, dtype=torch.bool)
+    outside[d.head_ids] = False
+    assert (probs[:, outside] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(len(probs)))
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle", "bf16 eagle"])
+def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
+    """A draft model (or an EAGLE head) with compile=True drafts on a static
+    cache through the compiled one-token step; the output is still the
+    target's own, and the cache resets when it is too small. Both have subset
+    heads, like the bundled one. A bf16 head under the fp32 target (what
+    load_draft makes of the bundled one here) reads fp32 embeddings and
+    features and keeps a bf16 cache."""
+    import copy
+    target, _ = models
+    draft = copy.deepcopy(subset_draft if kind == "draft" else eagle_head)  # its compiled step stays off the fixture
+    if kind != "draft":
+        draft.to(torch.bfloat16 if kind == "bf16 eagle" else torch.float32).share_target(target)
+        assert draft.lm_head.weight.dtype == draft.fc.weight.dtype == draft.new_cache().spec[3]
+    proposer = D.draft_proposer(draft, target, 4, compile=True)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
+    for prompt in PROMPTS[:2]:
+        spec = S.SpecStats()
+        assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == plain(target, prompt, 64)
+        check_cache_lengths(prompt, spec, kind)
+    assert draft.compiled_step is not None and proposer.cache.limit == 512     # the smallest size
+    long = list(range(1, 300)) * 3
+    proposer = D.draft_proposer(draft, target, 4, compile=True)
+    assert list(S.generate(target, long, greedy, proposer)) == plain(target, long, 64)
+    assert proposer.cache.limit == 1024          # the next power of two: the model's whole context here
+
+
+def test_lookup_then_draft_chooses(models):
+    """The lookup proposes only after an exact match of all N tokens, up to 2k of
+    what followed; otherwise the draft guesses; adaptive k follows the draft's own
+    guesses only."""
+    target, draft = models
+    greedy = M.SamplingParams(temperature=0)
+    hybrid = D.LookupThenDraft(D.DraftModel(draft, target, 3, adaptive=True), 3)
+    with torch.inference_mode():
+        repeat = [0, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 7, 8, 9]
+        assert hybrid.propose(repeat, 6, 100, greedy, None).candidates == [[10, 11, 12, 13, 14, 15]]
+        assert hybrid.looked_up and hybrid.k == 6
+        hybrid.update(repeat + [10, 11, 12, 13, 14, 15, 16], 6, 6, None)
+        assert hybrid.draft.k == 3                       # a fully accepted lookup step: no growth
+        once = [0, 7, 8, 9, 10, 5, 6, 9]                 # only "9" repeats: a 1-token match, not 3
+        prop = hybrid.propose(once, 6, 100, greedy, None)
+        assert not hybrid.looked_up and len(prop.candidates[0]) == 3
+        assert prop.candidates == D.DraftModel(draft, target, 3).propose(once, 3, 100, greedy, None).candidates
+
+
+def test_eagle_reads_the_right_features(models, eagle_head):
+    """The head's cache, built step by step from the features each verify pass
+    reported (and only the accepted ones), equals one fresh pass of the head over
+    the whole context with the target's features from one fresh forward: entry j
+    reads (token j+1, feature j). Its next guess is that pass's argmax."""
+    target, _ = models
+    proposer = D.EagleDraft(eagle_head, target, 4)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=48)
+    prompt = PROMPTS[1]
+    context = prompt + list(S.generate(target, prompt, greedy, proposer))
+    with torch.inference_mode():
+        guess = proposer.propose(context, 1, 100, greedy, None).candidates[0][0]
+    t = len(context) - 1
+    with torch.inference_mode():
+        _, feats = target(torch.tensor([context]), torch.arange(t + 1), hidden=True)
+        fresh = eagle_head.new_cache()
+        logits = eagle_head(torch.tensor([context[1:]]), torch.arange(t), fresh, features=feats[:, :t])
+    assert proposer.cache.length == t
+    for layer in range(len(fresh.k)):
+        torch.testing.assert_close(proposer.cache.k[layer][:, :, :t], fresh.k[layer][:, :, :t], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(proposer.cache.v[layer][:, :, :t], fresh.v[layer][:, :, :t], atol=1e-4, rtol=1e-4)
+    assert guess == int(logits[0, -1].argmax())
+    # a wrong alignment (feature j+1 with token j+1) builds a different cache
+    with torch.inference_mode():
+        wrong = eagle_head.new_cache()
+        eagle_head(torch.tensor([context[1:]]), torch.arange(t), wrong, features=feats[:, 1:])
+    assert not torch.allclose(proposer.cache.k[0][:, :, :t], wrong.k[0][:, :, :t], atol=1e-3)
+
+
+def test_draft_vocabulary_checked_at_load(tmp_path):
+    tgt_dir = make_checkpoint(tmp_path / "t")
+    bad_dir = make_checkpoint(tmp_path / "d", vocab_size=352)
+    target, tok = M.load(str(tgt_dir))
+    with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
+        D.load_draft(str(bad_dir), target, tok)
+    assert D.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+    # train.py's drafts carry no tokenizer files: they load with the target's, vocabulary still checked
+    for d in (tgt_dir, bad_dir):
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (d / f).unlink(missing_ok=True)
+    assert D.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+    with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
+        D.load_draft(str(bad_dir), target, tok)
+
+
+def test_committed_draft(bundled_dir):
+    """drafts/ holds train.py's EAGLE head for the bundled model: within the 25 MB
+    budget, no tokenizer, embedding or LM head of its own (it uses the target's),
+    a head over part of the vocabulary; speculative output with it is still the
+    target's own, and it guesses well (a random head gives ~1.0 token per forward)."""
+    files = list(D.BUNDLED_DRAFT.iterdir())
+    assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
+                                                                                          "model.safetensors"}
+    target, tok = M.load(str(bundled_dir), "cpu", "float32")
+    head = D.load_draft("bundled", target, tok)
+    assert head.config.eagle and head.embed_tokens is target.embed_tokens
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()       # stored in bf16: run in bf16 where the CPU can
+    assert head.fc.weight.dtype == head.lm_head.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    assert head.head_ids is not None and len(head.head_ids) < target.config.vocab_size
+    text = "Write a short poem about a lighthouse keeper."     # bench.py's second chat prompt
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
+    want = list(M.generate_cached(target, prompt, greedy))
+    per_forward = []
+    for proposer in (D.EagleDraft(head, target, 3), D.LookupThenDraft(D.EagleDraft(head, target, 3), 3),
+                     serve_local.make_proposer(target, tok, "bundled", 3, tree="4,10")):
+        spec = S.SpecStats()
+        assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == want
+        per_forward.append(spec.tokens_per_forward)
+    # measured: 1.85 (head alone), 2.62 (a tree of 10 from the same head)
+    assert min(per_forward) > 1.5 and per_forward[2] > per_forward[0] + 0.3, per_forward
+
+
+def test_narrow_draft():
+    """A bf16-stored draft runs in bf16 only under an fp32 target on a CPU that computes bf16."""
+    cpu = torch.device("cpu")
+    assert D.narrow_draft("bfloat16", cpu, torch.float32) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not D.narrow_draft("float32", cpu, torch.float32)
+    assert not D.narrow_draft(None, cpu, torch.float32)
+    assert not D.narrow_draft("bfloat16", torch.device("cuda"), torch.float32)
