@@ -69,8 +69,8 @@ def make_checkpoint(path: Path, tokenizer: bool = True, classic_config: bool = F
 def one_thread():
     """For test modules of many tiny forward passes (they check values, not speed): with two
     OpenMP threads every small op is a fork and a join that cost more than the op, and on a
-    shared 2-core machine a descheduled thread stalls the other (a tiny model's token: 73 ms
-    with 2 threads, 0.7 ms with 1). Use with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    shared 2-core machine a descheduled thread stalls the other (a tiny model's token took
+    ~100x longer with 2 threads than with 1). Use with pytestmark = pytest.mark.usefixtures("one_thread")."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
