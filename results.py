@@ -76,19 +76,26 @@ def cell(v) -> str:
 # ----------------------------------------------------------------------------
 # Where a number came from.
 
+ISA = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
+
+
 def machine() -> dict:
     """The facts a reader needs to weigh a measurement: CPU, cores, threads, versions."""
     import torch
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
     info = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
+            "torch": torch.__version__, "python": platform.python_version(),
+            # what decides the fast paths (kernels.py): bf16 and int8 arithmetic in hardware
+            "isa": " ".join(f for f in ISA if f in flags)}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -164,7 +171,8 @@ def render(records: list[dict]) -> str:
         out += [f"## {TITLES[lesson]}", ""]
         for r in mine:
             m = r["machine"]
-            where = f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}"
+            where = f"{m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}" + \
+                (f"; {m['isa']}" if m.get("isa") else "")
             out += [f"### `{r['command']}`", "",
                     f"commit {r['commit']}, {r['date']}; {where}", ""]
             for t in r["tables"]:
