@@ -64,6 +64,7 @@ SLOW = {
     "python bench.py speculative": "~15 min",
     "python bench.py decode": "~25 min",
     "python bench.py decode --models smollm2-135m --dtypes bfloat16": "~4 min",
+    "python bench.py decode --models smollm2-135m --dtypes float32": "~4 min",
     "python bench.py quantize --eval": "~10 min",
     "python bench.py kv-bytes": "~30 s",
     "python bench.py tp": "~1 min",
