@@ -252,7 +252,14 @@ def start(world: int | None = None, device=None, timeout_s: float = TIMEOUT_S) -
 
 
 def stop():
+    """Leave the group together: a barrier first, so that no rank tears down its
+    connections while a peer still uses them (gloo then aborts the process at exit:
+    "terminate called without an active exception")."""
     if dist.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass            # a peer is gone: there is nobody left to wait for
         dist.destroy_process_group()
 
 
