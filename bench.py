@@ -354,9 +354,7 @@ def bench_naive_vs_cached(name: str, sizes: list[int]) -> Path:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         fig.suptitle(f"naive vs cached decoding: {setup}")
-        fig.savefig(path := results.plot_path("naive_vs_cached.png"), dpi=120, bbox_inches="tight")
-        plots.append(path)
-        print(f"\nplot: {path}")
+        plots.append(results.save_plot(fig, "naive_vs_cached.png", dpi=120, bbox_inches="tight"))
     return results.save("naive-vs-cached", "model", tables, plots=plots)
 
 
@@ -427,9 +425,7 @@ def bench_context(name: str, dtype: str, contexts: list[int], steps: int = 8, re
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         fig.suptitle(f"prefill vs decode against context: {setup}")
-        fig.savefig(path := results.plot_path("context.png"), dpi=120, bbox_inches="tight")
-        plots.append(path)
-        print(f"\nplot: {path}")
+        plots.append(results.save_plot(fig, "context.png", dpi=120, bbox_inches="tight"))
     return results.save("context", "model", [table], plots=plots)
 
 
@@ -549,11 +545,7 @@ def plot_batching(runs: list[RunResult], title: str) -> Path | None:
         ax.margins(y=0.15)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path = results.plot_path("batching.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"plot: {path}")
-    return path
+    return results.save_plot(fig, "batching.png", dpi=100)
 
 
 def bench_batching(args):
@@ -700,11 +692,7 @@ def plot_accepted(groups: dict[str, list[dict]], title: str = "") -> Path | None
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path = results.plot_path("speculative_accepted.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"plot: {path}")
-    return path
+    return results.save_plot(fig, "speculative_accepted.png", dpi=100)
 
 
 CHAT_PROMPTS = [
@@ -1072,9 +1060,9 @@ def main():
     args = ap.parse_args()
     try:
         if args.cmd == "report":
-            out = Path(results.ROOT / "RESULTS.md")
-            out.write_text(results.render(results.load(results.ROOT / "results")))
-            print(f"wrote {out.name} from {len(results.load(results.ROOT / 'results'))} result files")
+            out, records = results.ROOT / "RESULTS.md", results.load(results.ROOT / "results")
+            out.write_text(results.render(records))
+            print(f"wrote {out.name} from {len(records)} result files")
         elif args.cmd == "speculative":
             bench_speculative(args)
         elif args.cmd == "batching":

@@ -571,9 +571,7 @@ def plot_bytes(config: str, seq: int, window: int, block_size: int = 16) -> Path
         results.plain_ticks(ax.yaxis)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))   # beside the plot: no curve hidden
-        fig.savefig(path := results.plot_path("kv_bytes.png"), dpi=120, bbox_inches="tight")
-        plots.append(path)
-        print(f"\nplot: {path}")
+        plots.append(results.save_plot(fig, "kv_bytes.png", dpi=120, bbox_inches="tight"))
     return results.save("kv-bytes-by-kind", "kvcache", [table], plots=plots)
 
 

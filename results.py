@@ -137,6 +137,15 @@ def pyplot():
     return matplotlib.pyplot
 
 
+def save_plot(fig, filename: str, **savefig) -> Path:
+    """Write a demo's figure to plot_path(filename), close it, and say where it went."""
+    fig.savefig(path := plot_path(filename), **savefig)
+    import matplotlib.pyplot
+    matplotlib.pyplot.close(fig)
+    print(f"plot: {path}")
+    return path
+
+
 def save(name: str, lesson: str, tables: list[Table], command: str | None = None,
          plots: list[str] = ()) -> Path:
     """Write results/<name>.json: the tables with the command, commit, date and machine."""
