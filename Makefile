@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make chat   installs the runtime into .venv and chats with the bundled model
 #   make test   installs the test dependencies and runs the whole suite
+#   make serve  the OpenAI-compatible server (server.py) with its chat page on http://127.0.0.1:8080/
 # and the course's exercises (exercises/):
 #   make exercise E=flash   runs the flash lesson's tests on your exercises/flash.py
 #   make exercise           lists the exercises
@@ -10,7 +11,7 @@ BIN    := $(VENV)/bin
 ARGS   ?=
 E      ?=
 
-.PHONY: install install-test chat test exercise clean
+.PHONY: install install-test chat serve test exercise clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ install-test: $(VENV)/.test
 
 chat: install
 	$(BIN)/python serve_local.py $(ARGS)
+
+serve: install
+	$(BIN)/python server.py $(ARGS)
 
 test: install-test
 	$(BIN)/python -m pytest -q tests

@@ -72,9 +72,8 @@ Decisions, and what they cost:
 
 `python engine.py` shows requests joining and leaving the batch step by step,
 `python engine.py --trace` the blocks each step takes, shares, copies and frees;
-`python bench.py batching` measures continuous against static batching on 64
-chat-like requests, and prefix caching on a long shared system prompt
-(RESULTS.md, engine section, has the tables).
+`python bench.py batching` measures continuous against static batching and
+prefix caching (RESULTS.md); server.py serves the engine over HTTP.
 """
 
 from __future__ import annotations
@@ -137,15 +136,14 @@ class Sequence:
     forks: int = 0                    # branches to fork from this one right after its first prefill
     n_cached: int = 0                 # tokens of the table already computed when admitted
     generator: object = None          # the engine's sampling state (a torch.Generator or None)
-    logprobs: list = field(default_factory=list)   # per output token, with params.logprobs: (values, ids)
+    logprobs: list = field(default_factory=list)   # per output token, with params.logprobs: (top values, ids, chosen's)
 
     @property
     def tokens(self) -> list[int]:
         return self.request.prompt + self.output
 
 
-class Event(NamedTuple):
-    """One new token: ``step()`` returns one per running sequence."""
+class Event(NamedTuple):       # one new token: ``step()`` returns one per running sequence
     request_id: int
     token: int
     finished: bool          # this branch is done
@@ -390,15 +388,18 @@ class Engine:
     def request(self, request_id: int) -> Request | None:
         return self.requests.get(request_id)
 
-    def cancel(self, request_id: int) -> bool:
-        """Stop a request now and free its blocks. Unknown or finished: a no-op (False)."""
-        req = self.requests.pop(request_id, None)
+    def cancel(self, request_id: int, branch: int | None = None) -> bool:
+        """Stop a request now and free its blocks; with ``branch``, that branch alone (a
+        stop string matched: its finish reason is "stop"). Unknown or finished: False."""
+        req = self.requests.get(request_id)
         if req is None:
             return False
         for seq in req.sequences:
-            if seq.status != FINISHED:
-                self.scheduler.finish(seq, "cancelled")
-        req.finish = time.perf_counter()
+            if seq.status != FINISHED and branch in (None, seq.branch):
+                self.scheduler.finish(seq, "cancelled" if branch is None else "stop")
+        if req.finished:
+            del self.requests[request_id]
+            req.finish = time.perf_counter()
         return True
 
     def end_session(self, session) -> bool:
@@ -469,7 +470,8 @@ class Engine:
         token = sample(logits, p, seq.generator)
         seq.output.append(token)
         if p.logprobs:
-            seq.logprobs.append(torch.log_softmax(logits.float(), dim=-1).topk(p.logprobs))
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            seq.logprobs.append((*lp.topk(p.logprobs), lp[token]))
         now = time.perf_counter()
         req.first_token = req.first_token or now
         reason = finish_reason(token, len(seq.output), len(req.prompt) + len(seq.output), p,
@@ -593,8 +595,7 @@ class LLM:
         decode = (lambda ids: self.tokenizer.decode([t for t in ids if t not in self.model.config.eos_ids],
                                                     skip_special=True)) if self.tokenizer else (lambda ids: None)
         seqs = sorted(req.sequences, key=lambda s: s.branch)
-        top = (lambda s: (torch.stack([v for v, _ in s.logprobs]), torch.stack([i for _, i in s.logprobs]))
-               if s.logprobs else None)
+        top = lambda s: tuple(torch.stack(x) for x in list(zip(*s.logprobs))[:2]) if s.logprobs else None
         return Output(req.id, prompt, req.prompt,
                       [Completion(s.output, decode(s.output), s.finish_reason, top(s)) for s in seqs],
                       req.cached_tokens, req.first_token - req.arrival, req.finish - req.arrival)
