@@ -249,7 +249,8 @@ def bench_decode(args):
         table.notes.append(f"{torch.cuda.get_device_name()}: a device-to-device copy streams {peak:.0f} GB/s "
                            f"(read + write); best row {max(r[6] for r in rows) / peak:.0%} of it")
     print(f"\n{table.title}\n\n{table.markdown()}")
-    print(f"saved {results.save(decode_name(args.models, args.dtypes), 'runner', [table])}")
+    name = decode_name(args.models, args.dtypes) + ("" if args.device == "cpu" else f"-{args.device}")
+    print(f"saved {results.save(name, 'runner', [table])}")
 
 
 def decode_table(rows: list[list], args) -> results.Table:

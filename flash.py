@@ -556,7 +556,7 @@ def bench(quick: bool = False, dtype: str = "float32", plot: str | None = None, 
     import subprocess
     import sys
     import time
-    sizes, dims = (QUICK_N, [64]) if quick else (BENCH_N, [64, 128])
+    sizes, dims = (QUICK_N if device == "cpu" else [2048, 16384], [64]) if quick else (BENCH_N, [64, 128])
     rows, t_start, load = [], time.perf_counter(), os.getloadavg()[0]
     for d in dims:
         for n in sizes:
