@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 ARGS   ?=
 E      ?=
 
-.PHONY: install install-test chat serve test exercise clean
+.PHONY: install install-test chat serve test exercise gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ ifeq ($(E),)
 else
 	$(BIN)/python -m pytest -q -x tests --exercise $(E)
 endif
+
+# On a machine with a CUDA GPU: the Triton and CUDA tests, then the GPU benchmarks (scripts/gpu_check.sh;
+# ARGS=--dry-run prints the steps anywhere)
+gpu-check:
+	bash scripts/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -161,13 +161,14 @@ def run_ours(model, prompt, new_tokens, cache=None):
 
 
 def run_transformers(hf, prompt, new_tokens):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     t0 = time.perf_counter()
-    hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    kernels.synchronize(hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw).device)
     ttft = time.perf_counter() - t0
     t0 = time.perf_counter()
     out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    kernels.synchronize(out.device)     # a GPU runs ahead of the host: stop the clock when it is done
     total = time.perf_counter() - t0
     assert out.shape[1] == len(prompt) + new_tokens
     return ttft, max(total - ttft, 1e-9)
@@ -184,7 +185,7 @@ def bench_decode(args):
     for name in args.models:
         path = model_dir(name)
         for dtype in args.dtypes:
-            model = build(path, "cpu", dtype)        # as the runner builds it (run_ours ignores EOS)
+            model = build(path, args.device, dtype)        # as the runner builds it (run_ours ignores EOS)
             prompt = torch.randint(100, model.config.vocab_size - 100, (args.prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
             per_token = bytes_per_token(model, args.prompt_tokens + args.new_tokens // 2)
@@ -195,7 +196,7 @@ def bench_decode(args):
             for weights in ([] if args.no_compile else args.weights):
                 # More instances: compile_decode() switches every one-token step to the compiled graph;
                 # int8/int4 quantize every Linear first (quantize.py), activations stay in `dtype`.
-                fast = build(path, "cpu", dtype, weights)      # quantized, prepacked: the prefill runs eagerly
+                fast = build(path, args.device, dtype, weights)      # quantized, prepacked: the prefill runs eagerly
                 static = fast.new_cache("static", max_len=n_ctx)
                 t0 = time.perf_counter()
                 fast.compile_decode()
@@ -211,12 +212,12 @@ def bench_decode(args):
             if not args.no_peers:
                 try:
                     from transformers import LlamaForCausalLM
-                    hf = LlamaForCausalLM.from_pretrained(path, dtype=kernels.DTYPES[dtype]).eval()
+                    hf = LlamaForCausalLM.from_pretrained(path, dtype=kernels.DTYPES[dtype]).to(args.device).eval()
                     impls["transformers generate"] = (dtype, per_token, lambda warmup: run_transformers(
                         hf, prompt, 8 if warmup else args.new_tokens))
                 except ImportError:
                     print("transformers not installed: skipping it (pip install -r requirements-bench.txt)")
-            if not args.no_peers and dtype == args.dtypes[0]:    # GGUF rows do not depend on our dtype
+            if not args.no_peers and dtype == args.dtypes[0] and args.device == "cpu":    # GGUF rows do not depend on our dtype
                 try:
                     import llama_cpp
                 except ImportError:
@@ -243,8 +244,13 @@ def bench_decode(args):
             rows += [r + [r[5] / base] for r in group]
             del model
     table = decode_table(rows, args)
+    if args.device != "cpu":    # what the GB/s column is to be read against on a GPU
+        peak = kernels.copy_bandwidth(torch.device(args.device)) / 1e9
+        table.notes.append(f"{torch.cuda.get_device_name()}: a device-to-device copy streams {peak:.0f} GB/s "
+                           f"(read + write); best row {max(r[6] for r in rows) / peak:.0%} of it")
     print(f"\n{table.title}\n\n{table.markdown()}")
-    print(f"saved {results.save(decode_name(args.models, args.dtypes), 'runner', [table])}")
+    name = decode_name(args.models, args.dtypes) + ("" if args.device == "cpu" else f"-{args.device}")
+    print(f"saved {results.save(name, 'runner', [table])}")
 
 
 def decode_table(rows: list[list], args) -> results.Table:
@@ -993,6 +999,7 @@ def main():
     d.add_argument("--prompt-tokens", type=int, default=128)
     d.add_argument("--new-tokens", type=int, default=128)
     d.add_argument("--reps", type=int, default=3)
+    d.add_argument("--device", default="cpu", help="cpu, or cuda (compiled rows: CUDA graphs; no llama.cpp rows)")
     d.add_argument("--no-peers", action="store_true", help="skip the peers (transformers, llama.cpp)")
     d.add_argument("--no-compile", action="store_true", help="skip the compiled static-cache configuration")
     d.add_argument("--weights", nargs="+", default=["auto", "int8", "int4"], choices=["auto", "int8", "int4"],

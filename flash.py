@@ -72,7 +72,8 @@ Smaller tiles pay the per-call overhead more often, larger ones fall out of
 L2; 256×256 it is. The decode chunk (256 keys) is the same size.
 
 `python flash.py` shows the idea with numbers; `python flash.py --bench`
-measures time and peak memory of naive, tiled (eager and compiled) and SDPA.
+measures time and peak memory of naive, tiled (eager and compiled) and SDPA
+(`--device cuda`: and the Triton kernel of section 5, the GPU version).
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ from pathlib import Path
 
 import torch
 
+import kernels
 import results
+from kernels import jit, tl      # Triton's decorator and language, when it is installed (section 5)
 from kvcache import attention_mask
 
 NEG_INF = float("-inf")
@@ -370,7 +373,109 @@ def decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_sta
 
 
 # ----------------------------------------------------------------------------
-# 5. The benchmark: naive (the N×N matrix, one head at a time), tiled eager,
+# 5. The same algorithm as a GPU kernel, in Triton (optional: kernels.py imports it if installed). Read it
+# beside tile_step: one program (a thread block) owns one Q tile of one KV head's group, holds m, s and
+# acc in registers, and streams K/V tiles through SRAM. Causal tiles above the diagonal are never
+# visited (the loop's upper bound), the window's older tiles neither (its lower bound); masks are
+# computed from positions in registers. A third grid axis splits the keys into chunks: flash-decoding.
+# Each chunk's program writes its partial (out, lse), and merge_many, in torch, combines them: the
+# partials are S·B·H·T·d floats (a few KB for a decode step), so a merge kernel would save one tiny
+# launch and add a second kernel to read.
+#
+# What changes on a GPU. HBM (3-5 TB/s on a data-centre GPU, ~1 TB/s on a consumer one) holds Q, K, V;
+# each SM has ~100-228 KB of SRAM (shared memory and registers) at ~10× that. A program reads its Q tile
+# once and each K/V tile once, so for causal prefill HBM traffic is ~N²·d/BLOCK_M elements of K/V
+# instead of the N² scores a materialised S writes and reads back. The tile sizes trade: a larger
+# BLOCK_M reads K/V fewer times but needs more registers (fewer programs resident per SM to hide
+# latency); BLOCK_N sets the size of each tl.dot (tensor cores want multiples of 16) and of the score
+# tile in registers. Decode has one query row per head: BLOCK_M is padded to 16 (the smallest tl.dot)
+# and holds the group's G heads, and with B·H_kv programs a GPU of 100+ SMs would sit idle; split-K puts
+# L/chunk programs on every head. With TRITON_INTERPRET=1 they run on CPU tensors (numpy): the tests.
+
+@jit
+def flash_kernel(Q, K, V, Out, Lse, Mask, sq_b, sq_h, sq_t, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
+                 so_s, so_b, so_h, so_t, sl_s, sl_b, sl_h, sm_b, sm_t, Hkv, G, T, L, q_start, k_start,
+                 window, scale, chunk, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    tile, bk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, kv = bk // Hkv, bk % Hkv
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)        # rows = (group member g, query t), g-major
+    real = r < G * T
+    t, h = r % T, kv * G + r // T                      # GQA by index: query head h reads KV head h // G
+    dims = tl.arange(0, D)
+    q = tl.load(Q + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + dims[None, :], mask=real[:, None], other=0.)
+    q_pos = q_start + t
+    lo, hi = split * chunk, tl.minimum(L, split * chunk + chunk)
+    if CAUSAL:      # keys after the tile's last query position: never read
+        hi = tl.minimum(hi, tl.max(tl.where(real, q_pos, 0), 0) + 1 - k_start)
+    if WINDOW:      # keys older than the window of the tile's first query: never read
+        lo = tl.maximum(lo, tl.min(tl.where(real, q_pos, q_start + T), 0) - window + 1 - k_start)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = tl.load(K + b * sk_b + kv * sk_h + cols[:, None] * sk_l + dims[None, :], mask=cols[:, None] < hi, other=0.)
+        v = tl.load(V + b * sv_b + kv * sv_h + cols[:, None] * sv_l + dims[None, :], mask=cols[:, None] < hi, other=0.)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
+        ok = cols[None, :] < hi
+        if CAUSAL:
+            ok &= k_start + cols[None, :] <= q_pos[:, None]
+        if WINDOW:
+            ok &= k_start + cols[None, :] > q_pos[:, None] - window
+        if HAS_MASK:
+            ok &= tl.load(Mask + b * sm_b + t[:, None] * sm_t + cols[None, :], mask=ok, other=0) != 0
+        scores = tl.where(ok, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))                  # from here on, tile_step line by line
+        base = tl.where(m_new == float("-inf"), 0., m_new)
+        p = tl.exp(scores - base[:, None])
+        shrink = tl.exp(m - base)
+        s = s * shrink + tl.sum(p, 1)
+        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
+        m = m_new
+    out = acc / tl.where(s > 0, s, 1.)[:, None]
+    tl.store(Out + split * so_s + b * so_b + h[:, None] * so_h + t[:, None] * so_t + dims[None, :],
+             out.to(Out.dtype.element_ty), mask=real[:, None])
+    tl.store(Lse + split * sl_s + b * sl_b + h * sl_h + t, m + tl.log(s), mask=real)   # s = 0: -inf
+
+
+def triton_attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int = 0,
+                     window: int | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
+                     block_m: int = 64, block_n: int = 64, chunk: int | None = None):
+    """``attention``'s arguments and results, computed by flash_kernel (CUDA tensors, or CPU ones
+    under TRITON_INTERPRET=1). ``chunk``: split the keys into chunks of that many, one program
+    each, and merge the partial results (flash-decoding; ``triton_decode``)."""
+    kernels.check_triton(q.device)
+    (B, H, T, d), Hkv, L = q.shape, k.shape[1], k.shape[2]
+    G, S = H // Hkv, max(1, -(-L // chunk)) if chunk else 1
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"the Triton kernel needs a head_dim that is a power of two >= 16, got {d}")
+    q_start = k_start + L - T if q_start is None else q_start
+    block_m = max(16, min(block_m, 1 << (G * T - 1).bit_length()))     # decode: G rows, padded to 16
+    out = torch.empty(S, B, H, T, d, dtype=q.dtype if S == 1 else torch.float32, device=q.device)
+    lse = torch.empty(S, B, H, T, dtype=torch.float32, device=q.device)
+    if mask is not None:        # (T, L) or (B, 1, T, L) bool -> bytes, batch stride 0 when shared
+        mask = _as_4d(mask).expand(-1, 1, T, L).to(torch.uint8).contiguous()
+    m_args = (mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2)) if mask is not None else (q, 0, 0)
+    flash_kernel[(-(-G * T // block_m), B * Hkv, S)](
+        q, k, v, out, lse, m_args[0], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:4],
+        *lse.stride()[:3], *m_args[1:], Hkv, G, T, L, q_start, k_start, window or 0,
+        d ** -0.5 if scale is None else scale, chunk or max(L, 1), D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, WINDOW=window is not None, HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32)
+    if S == 1:
+        return out[0], lse[0]
+    out, lse = merge_many(out, lse, dim=0)
+    return out.to(q.dtype), lse
+
+
+def triton_decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_start: int | None = None,
+                  k_start: int = 0, window: int | None = None, scale: float | None = None, chunk: int = CHUNK):
+    """``decode``'s arguments and results: flash_kernel with the keys split into chunks."""
+    return triton_attention(q, k, v, causal, q_start, k_start, window, mask, scale, chunk=chunk)
+
+
+# ----------------------------------------------------------------------------
+# 6. The benchmark: naive (the N×N matrix, one head at a time), tiled eager,
 # tiled compiled and PyTorch's fused kernel, causal, 8 heads, batch 1. Each
 # configuration runs in a fresh process, so that one configuration's peak
 # memory (RSS, including the output tensor; the inputs are allocated before
@@ -388,16 +493,15 @@ def _proc_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def _measure(method: str, n: int, d: int, dtype: torch.dtype, reps: int) -> dict:
+def _measure(method: str, n: int, d: int, dtype: torch.dtype, reps: int, device: str = "cpu") -> dict:
     """One configuration, in this (fresh) process: best time of ``reps`` calls and
-    the peak RSS growth of the first one."""
+    the peak RSS growth of the first one (on CUDA: of allocated GPU memory)."""
     import gc
     import time
-    import torch.nn.functional as F
 
     def inputs(length):
         g = torch.Generator().manual_seed(0)
-        return [torch.randn(1, HEADS, length, d, generator=g).to(dtype) for _ in range(3)]
+        return [torch.randn(1, HEADS, length, d, generator=g).to(device, dtype) for _ in range(3)]
 
     def run(q, k, v):
         if method == "naive":   # all heads at once would hold 8 score matrices (8 GiB each in fp32 at 16K)
@@ -406,7 +510,9 @@ def _measure(method: str, n: int, d: int, dtype: torch.dtype, reps: int) -> dict
                 out[:, h:h + 1] = naive(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1])[0]
             return out
         if method == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if method == "triton":
+            return triton_attention(q, k, v)[0]
         return attention(q, k, v, compiled=method == "tiled compiled")[0]
 
     with torch.inference_mode():
@@ -419,13 +525,18 @@ def _measure(method: str, n: int, d: int, dtype: torch.dtype, reps: int) -> dict
             base = _proc_kib("VmRSS")
         except OSError:
             base = None
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() / 1024
         times = []
         for i in range(reps):
             t0 = time.perf_counter()
             out = run(q, k, v)
+            kernels.synchronize(q.device)
             times.append(time.perf_counter() - t0)
             if i == 0:
-                peak = (_proc_kib("VmHWM") - base) / 1024 if base is not None else float("nan")
+                used = torch.cuda.max_memory_allocated() / 1024 if device == "cuda" else _proc_kib("VmHWM")
+                peak = (used - base) / 1024 if base is not None else float("nan")
             del out
     return {"time_s": min(times), "peak_mib": peak}
 
@@ -436,22 +547,23 @@ def _reps(method: str, n: int) -> int:
     return 3
 
 
-def bench(quick: bool = False, dtype: str = "float32", plot: str | None = None) -> list[dict]:
+def bench(quick: bool = False, dtype: str = "float32", plot: str | None = None, device: str = "cpu") -> list[dict]:
     """Every configuration in its own subprocess; prints the table, saves it (results/attention.json,
-    attention-quick.json) and a plot (plots/flash.png; ``plot``: another path, or "" for none)."""
+    attention-quick.json; on CUDA attention-cuda*.json, with the Triton kernel) and a plot (plots/flash.png;
+    ``plot``: another path, or "" for none)."""
     import json
     import os
     import subprocess
     import sys
     import time
-    sizes, dims = (QUICK_N, [64]) if quick else (BENCH_N, [64, 128])
+    sizes, dims = (QUICK_N if device == "cpu" else [2048, 16384], [64]) if quick else (BENCH_N, [64, 128])
     rows, t_start, load = [], time.perf_counter(), os.getloadavg()[0]
     for d in dims:
         for n in sizes:
             row = {"n": n, "d": d}
-            for method in METHODS:
+            for method in METHODS + (["triton"] if device == "cuda" else []):
                 cmd = [sys.executable, os.path.abspath(__file__), "--measure", method, str(n), str(d), dtype,
-                       str(_reps(method, n))]
+                       str(_reps(method, n)), device]
                 p = subprocess.run(cmd, capture_output=True, text=True)
                 if p.returncode != 0:
                     print(f"  {method} N={n} d={d}: failed: {p.stderr.strip().splitlines()[-1:]}", flush=True)
@@ -461,32 +573,36 @@ def bench(quick: bool = False, dtype: str = "float32", plot: str | None = None) 
                 print(f"  N={n:>5} d={d:>3} {method:>14}: {row[method]['time_s'] * 1e3:9.1f} ms "
                       f"{row[method]['peak_mib']:9.1f} MiB", flush=True)
             rows.append(row)
-    table = bench_table(rows, dtype, [
+    table = bench_table(rows, dtype, device, [
         f"total {time.perf_counter() - t_start:.0f} s; load average {load:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end (other processes on the cores slow the tiled loop far more "
         "than SDPA)"])
     print(f"\n{table.title}\n\n{table.markdown()}")
     path = results.plot_path("flash.png") if plot is None else Path(plot) if plot else None
     drawn = path is not None and _plot(rows, dtype, path)
-    saved = results.save("attention-quick" if quick else "attention", "flash", [table],
+    name = ("attention" if device == "cpu" else f"attention-{device}") + ("-quick" if quick else "")
+    saved = results.save(name, "flash", [table],
                          plots=[path] if drawn and plot is None else [])
     print(f"saved {saved}")
     return rows
 
 
-def bench_table(rows: list[dict], dtype: str, notes: list[str] = ()) -> results.Table:
+def bench_table(rows: list[dict], dtype: str, device: str = "cpu", notes: list[str] = ()) -> results.Table:
     """Per N and d: each method's best time and peak memory, compiled tiles against SDPA, naive's memory
-    against the tiles'."""
+    against the tiles'; on CUDA the Triton kernel's time too, and against SDPA."""
     columns = ["N", "d", "naive ms", "tiled eager ms", "tiled compiled ms", "SDPA ms", "compiled / SDPA",
                "naive MiB", "tiled eager MiB", "tiled compiled MiB", "SDPA MiB", "naive / compiled MiB"]
-    cells = []
+    cells, gpu = [], device == "cuda"
     for r in rows:
         t = [r[m]["time_s"] * 1e3 for m in METHODS]
         mem = [r[m]["peak_mib"] for m in METHODS]
         cells.append([r["n"], r["d"]] + [f"{x:.1f}" for x in t] + [f"{t[2] / t[3]:.2f}×"]
-                     + [f"{x:.0f}" for x in mem] + [f"{mem[0] / max(mem[2], 1e-9):.0f}×"])
+                     + [f"{x:.0f}" for x in mem] + [f"{mem[0] / max(mem[2], 1e-9):.0f}×"]
+                     + ([f"{r['triton']['time_s'] * 1e3:.2f}", f"{r['triton']['time_s'] * 1e3 / t[3]:.2f}×"] if gpu else []))
     return results.Table(
-        f"causal attention, {HEADS} heads, batch 1, {dtype}, {torch.get_num_threads()} threads", columns, cells,
+        f"causal attention, {HEADS} heads, batch 1, {dtype}, "
+        f"{torch.cuda.get_device_name() if gpu else f'{torch.get_num_threads()} threads'}",
+        columns + (["Triton ms", "Triton / SDPA"] if gpu else []), cells,
         ["time: best of 1-3 calls; memory: peak RSS growth during one call (inputs allocated before, output "
          "included), each configuration in a fresh process; naive runs the heads one after another (one N×N "
          "matrix at a time)"] + list(notes))
@@ -563,14 +679,19 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a smaller sweep (N = 512, 2048, 8192; d 64)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--plot", default=None, help="where the PNG goes (default: plots/flash.png; '' for none)")
-    ap.add_argument("--measure", nargs=5, metavar=("METHOD", "N", "D", "DTYPE", "REPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (adds the Triton kernel of section 5)")
+    ap.add_argument("--measure", nargs=6, metavar=("METHOD", "N", "D", "DTYPE", "REPS", "DEVICE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         import json
-        method, n, d, dtype, reps = args.measure
-        print(json.dumps(_measure(method, int(n), int(d), getattr(torch, dtype), int(reps))))
+        method, n, d, dtype, reps, device = args.measure
+        print(json.dumps(_measure(method, int(n), int(d), getattr(torch, dtype), int(reps), device)))
     elif args.bench or args.quick:
-        bench(args.quick, args.dtype, args.plot)
+        try:
+            kernels.pick_device(args.device)
+        except ValueError as e:                # --device cuda without a GPU: one line
+            ap.error(str(e))
+        bench(args.quick, args.dtype, args.plot, args.device)
     else:
         demo()
 

@@ -25,10 +25,34 @@ attacks and what it measured (`python bench.py decode` reruns the whole step).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+try:    # Triton (GPU kernels written in Python): optional, used by flash.py's kernels and paged_decode below
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+
+def jit(fn):
+    """triton.jit where Triton is installed (TRITON_INTERPRET=1 must be set before this runs, i.e. before
+    the import, to get the CPU interpreter); without it the kernel stays a plain function that nothing
+    launches (check_triton stops its callers first), so every module imports without Triton."""
+    return fn if triton is None else triton.jit(fn)
+
+
+def check_triton(device: torch.device):
+    """Triton kernels run on a CUDA GPU (or on a CPU in Triton's interpreter); elsewhere, one line."""
+    if triton is None:
+        raise ValueError("the Triton kernels need triton: pip install triton==3.9.0 (CUDA builds of torch "
+                         "ship with it)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"--attn triton runs on a CUDA GPU, not on {device.type}: use --attn flash (the "
+                         f"same algorithm in PyTorch) or sdpa")
 
 
 # ----------------------------------------------------------------------------
@@ -77,6 +101,27 @@ def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def synchronize(device: torch.device):
+    """Wait for the device's queued work (a GPU's kernels run after the host moves on): call before
+    reading a clock. A CPU computes as it goes."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), best of 5: the practical
+    ceiling that a memory-bound decode step's GB/s is compared with on a GPU."""
+    x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    y, best = torch.empty_like(x), float("inf")
+    for _ in range(5):
+        synchronize(device)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
 
 
 def busy_machine_hint() -> str | None:
@@ -193,11 +238,87 @@ def prepacked_bytes(model: nn.Module) -> int:
 
 
 # ----------------------------------------------------------------------------
+# Paged attention in place: a decode step's attention read straight from the
+# block pool (kvcache.PagedKVCache), on a GPU.
+#
+# The gather path copies every row's blocks into a contiguous (B, H_kv, L, d)
+# tensor per layer, then attends: the K/V bytes cross memory three times
+# (read, write, read again). This kernel reads them once: for key j of row b
+# it looks up block tables[b, j // block_size] and reads slot j % block_size
+# of it, so rows of different lengths share one launch with no padding read.
+# One program per (row, KV head); the G query heads of the group are the rows
+# of its tile (padded to 16), as in flash.flash_kernel, whose running
+# (max, sum) loop this repeats. Positions say what is visible: keys 0 … p for
+# a query at position p (within the window, if any). Quantized pools (a codec's
+# bytes) keep the gather path, which decodes the rows after gathering them.
+
+@jit
+def paged_decode_kernel(Q, K, V, Out, Tables, Pos, sq_b, sq_h, sk_blk, sk_slot, sk_h, so_b, so_h, st_b,
+                        Hkv, G, block_size, window, scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    b, kv = tl.program_id(0) // Hkv, tl.program_id(0) % Hkv
+    g, dims = tl.arange(0, BLOCK_M), tl.arange(0, D)
+    h = kv * G + g
+    q = tl.load(Q + b * sq_b + h[:, None] * sq_h + dims[None, :], mask=g[:, None] < G, other=0.)
+    pos = tl.load(Pos + b)
+    lo = tl.maximum(pos - window + 1, 0) if WINDOW else 0
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, pos + 1, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        ok = j <= pos
+        block = tl.load(Tables + b * st_b + j // block_size, mask=ok, other=0)
+        at = block * sk_blk + (j % block_size) * sk_slot + kv * sk_h          # K and V share strides
+        k = tl.load(K + at[:, None] + dims[None, :], mask=ok[:, None], other=0.)
+        v = tl.load(V + at[:, None] + dims[None, :], mask=ok[:, None], other=0.)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
+        scores = tl.where(ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))             # every row sees key `pos`: m_new is finite
+        p = tl.exp(scores - m_new[:, None])
+        shrink = tl.exp(m - m_new)
+        s = s * shrink + tl.sum(p, 1)
+        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
+        m = m_new
+    tl.store(Out + b * so_b + h[:, None] * so_h + dims[None, :], (acc / s[:, None]).to(Out.dtype.element_ty),
+             mask=g[:, None] < G)
+
+
+def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None, block_n: int = 64):
+    """One query per row against a paged pool, in place. q (B, H, 1, d); k_pool, v_pool
+    [num_blocks, block_size, H_kv, d] (one layer's, with this step's K/V already written);
+    tables (B, n) int block ids; positions (B,) each row's query position -> (B, H, 1, d)."""
+    check_triton(q.device)
+    B, H, _, d = q.shape
+    block_size, Hkv = k_pool.shape[1], k_pool.shape[2]
+    out = torch.empty_like(q)
+    paged_decode_kernel[(B * Hkv,)](
+        q, k_pool, v_pool, out, tables, positions, q.stride(0), q.stride(1), *k_pool.stride()[:3], out.stride(0),
+        out.stride(1), tables.stride(0), Hkv, H // Hkv, block_size, window or 0, d ** -0.5, D=d,
+        BLOCK_M=max(16, 1 << (H // Hkv - 1).bit_length()), BLOCK_N=block_n, WINDOW=window is not None,
+        IEEE=q.dtype == torch.float32)
+    return out
+
+
+# ----------------------------------------------------------------------------
 # Compiling a decode step.
 
-def compile_step(step):
+def compile_step(step, device: torch.device = torch.device("cpu")):
     """torch.compile a one-token decode step whose shapes never change (a static
-    cache), so it compiles once. On a CPU inductor emits C++ loops that fuse the
+    cache), so it compiles once, for the device its weights are on.
+
+    On CUDA: mode="reduce-overhead", i.e. the compiled step's kernels are
+    recorded once as a CUDA graph and replayed with one launch per token. A
+    small model's step is a few hundred short kernels whose launch costs (~5 µs
+    each from Python) rival their work; a graph removes them. Chosen over an
+    explicit torch.cuda.CUDAGraph capture because torch.compile already keeps
+    the inputs' static copies and re-records when a shape or address changes
+    (an explicit capture would have to redo that by hand, and replays garbage if
+    an input moves); the cache's tensors are marked static (static_address) so
+    writing into them does not stop the replay. The CPU settings below do not
+    apply there: F.linear and cuBLAS handle the matrix-vector products.
+
+    On a CPU inductor emits C++ loops that fuse the
     elementwise work between matmuls (RMSNorm, RoPE, SiLU·up, residual adds, the
     softmax) and removes the per-op dispatch that dominates a small model's
     eager step; the matrix-vector products become `matvec_sum`'s fused loops.
@@ -214,12 +335,21 @@ def compile_step(step):
 
     The first compile takes 1-2.5 minutes on 2 cores; inductor caches it on disk
     (TORCHINDUCTOR_CACHE_DIR), and later runs start in ~20 s."""
+    if torch.device(device).type == "cuda":
+        return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)
     return torch.compile(step, dynamic=False, fullgraph=True,
                          options={"cpp_wrapper": True, "realize_opcount_threshold": 0})
 
 
+def static_address(t: torch.Tensor) -> torch.Tensor:
+    """A preallocated tensor that a compiled step writes into and that keeps its address (a static
+    cache's K/V): on CUDA, tell torch.compile so, or its CUDA graph is skipped for mutating an input."""
+    if t.device.type == "cuda":
+        torch._dynamo.mark_static_address(t)
+    return t
+
+
 if __name__ == "__main__":
-    import time
     import results
     dev = pick_device("cpu")
     print(f"device {dev}, {torch.get_num_threads()} threads; oneDNN: {ONEDNN}; computes bf16: "

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 import results
 
 
@@ -242,6 +243,8 @@ class StaticCache(KVCache):
                  window=None, codec=None):
         super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window, codec)
         self.slots = torch.arange(max_len, device=device)
+        for t in self.k + self.v:   # written in place by a compiled step replayed as a CUDA graph
+            kernels.static_address(t)
 
     @property
     def limit(self) -> int:
@@ -331,11 +334,11 @@ class SlidingWindowCache(KVCache):
 # SmolLM2 in fp32 that is 1.5 KiB per token per layer: a decode step of 16
 # sequences of ~200 tokens copies 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141
 # MiB over 30 layers, against 540 MB of weights the step reads anyway.
-# Measured in such a step (one thread): the gathers take 6% of it. A
-# paged-attention kernel (vLLM's, or torch.compile fusing the indexed load
-# into the attention loop; not tried here, the batch shape changes every step)
-# reads the blocks in place instead; flash.py's ``merge`` combines per-block
-# partial results (out, lse) exactly, which is how such a kernel splits the work.
+# Measured in such a step (one thread): the gathers take 6% of it. On a GPU a
+# decode step reads the blocks in place instead (kernels.paged_decode, a Triton
+# kernel that follows the block table per key): the layer's ``attend`` then
+# replaces update + the model's attention. Prefill and verification passes
+# (T > 1), CPU pools and quantized pools (a codec) keep the gather.
 
 
 class PagedKVCache:
@@ -350,11 +353,15 @@ class PagedKVCache:
     here: forks, crops and frees are the allocator's; the pool only holds data.
     ``dtype`` is the storage type; a ``codec`` (quantize.py's int8/fp8 KV rows, each
     with its scale) stores rows of bytes instead, encoded on the way in and decoded
-    after the gather, so a block carries its scales wherever it is copied."""
+    after the gather, so a block carries its scales wherever it is copied. ``in_place``:
+    one-token passes read the pool in place (default: on CUDA, plain rows, Triton installed)."""
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=None, device="cpu", window: int | None = None, codec=None):
+                 dtype=None, device="cpu", window: int | None = None, codec=None, in_place: bool | None = None):
         self.block_size, self.window, self.codec = block_size, window, codec
+        if in_place is None:
+            in_place = torch.device(device).type == "cuda" and codec is None and kernels.triton is not None
+        self.in_place, self.reading_in_place = in_place, False
         if codec is not None:
             dtype, head_dim = torch.uint8, codec.row_bytes(head_dim)
         # [layer, K|V, block, slot in block, KV head, d_head]; zeros, not empty: a masked key
@@ -400,16 +407,24 @@ class PagedKVCache:
                                    device=dev)
         # Short tables are padded with block 0: its keys sit past the row's last position, so masked.
         self._read = torch.tensor([t.block_ids + [0] * (n - len(t.block_ids)) for t in self.tables], device=dev)
+        self.reading_in_place = self.in_place and T == 1
+        if self.reading_in_place:     # each row's query position, for kernels.paged_decode
+            self._pos = torch.tensor([t.num_tokens - 1 for t in self.tables], device=dev)
         # key j of a row is its token at position j: the mask is the plain positional one
         return attention_mask(positions, torch.arange(n * self.block_size, device=dev), self.window)[:, None]
 
-    def _update(self, layer: int, k, v):
+    def _scatter(self, layer: int, k, v):
         B, H, T, d = k.shape
         pool = self.pool[layer]                                       # [2, blocks, block_size, H, d]
         new = torch.stack([k, v]).transpose(2, 3).reshape(2, B * T, H, d)
         new = new.to(pool.dtype) if self.codec is None else self.codec.encode(new)
-        row = new.shape[-1]                                           # d, or d + the scale's bytes
-        pool.view(2, -1, H, row).index_copy_(1, self._write, new)    # scatter to the slots
+        pool.view(2, -1, H, new.shape[-1]).index_copy_(1, self._write, new)    # to the slots
+        return pool
+
+    def _update(self, layer: int, k, v):
+        B, H = k.shape[:2]
+        pool = self._scatter(layer, k, v)
+        row = pool.shape[-1]                                          # d, or d + the scale's bytes
         kv = pool.index_select(1, self._read.flatten())               # gather whole blocks, table order
         kv = kv.view(2, B, -1, H, row).transpose(2, 3)                # (2, B, H, L, row)
         kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
@@ -423,6 +438,17 @@ class _PagedLayer:
     def update(self, k, v, positions):
         """k, v (B, n_kv, T, d) -> K, V (B, n_kv, L, d) through the bound block tables."""
         return self.cache._update(self.index, k, v)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether this pass's attention is ``attend`` (in place) rather than update + attention."""
+        return self.cache.reading_in_place
+
+    def attend(self, q, k, v):
+        """q (B, H, 1, d), this step's k, v (B, n_kv, 1, d) -> attention output (B, H, 1, d),
+        with K/V read from the pool where they lie (kernels.paged_decode)."""
+        pool = self.cache._scatter(self.index, k, v)
+        return kernels.paged_decode(q, pool[0], pool[1], self.cache._read, self.cache._pos, self.cache.window)
 
 
 # ----------------------------------------------------------------------------

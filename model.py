@@ -172,24 +172,25 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache_layer is not None:
+        in_place = getattr(cache_layer, "in_place", False)     # a paged decode step on a GPU (kvcache.py)
+        if cache_layer is not None and not in_place:
             k, v = cache_layer.update(k, v, positions)   # all K/V so far: (B, n_kv, L, d)
-        y = attend(q, k, v, mask, attn)
+        y = cache_layer.attend(q, k, v) if in_place else attend(q, k, v, mask, attn)
         return kernels.linear(y.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 
-ATTN = ("sdpa", "flash", "naive")   # attend()'s implementations: --attn
+ATTN = ("sdpa", "flash", "naive", "triton")   # attend()'s implementations: --attn
 
 
 def attend(q, k, v, mask, impl: str = "sdpa"):
     """softmax(q·kᵀ/√d)·v for q (B, H, T, d) over k, v (B, H_kv, L, d); mask (T, L) or None = causal.
 
-    impl "sdpa" (the default) is described below. "flash" runs flash.py's own
-    kernels: Q×K/V tiles with causal tile skipping for prefill (compiled once a
-    prompt fills a 256×256 tile; the first such prompt waits for the compile),
-    flash-decoding (split keys, merged partials) for one token; a cache's mask
-    is taken as it is, and its empty tiles are skipped too. "naive" builds the
-    whole T×L score matrix (flash.naive), the reference the others must match.
+    impl "sdpa" (the default) is described below. "flash" runs flash.py's own kernels:
+    Q×K/V tiles with causal tile skipping for prefill (compiled once a prompt fills a
+    256×256 tile; the first such prompt waits for the compile), flash-decoding (split keys,
+    merged partials) for one token; a cache's mask is taken as it is, and its empty tiles
+    are skipped too. "triton": the same two as Triton kernels (flash.py section 5; CUDA).
+    "naive" builds the whole T×L score matrix (flash.naive), the reference the others must match.
 
     Prefill (T > 1) uses PyTorch's fused SDPA kernel, which never builds the
     T×L score matrix; enable_gqa lets each group of H/H_kv query heads read one
@@ -200,9 +201,11 @@ def attend(q, k, v, mask, impl: str = "sdpa"):
     keys) and compiles into two matmuls and one fused softmax."""
     if impl == "naive":
         return flash.naive(q, k, v, causal=mask is None, mask=mask)[0]
-    if impl == "flash":    # mask None: causal, the T queries being the last T positions
+    if impl in ("flash", "triton"):    # mask None: causal, the T queries being the last T positions
         if q.shape[2] == 1:
-            return flash.decode(q, k, v, mask, causal=mask is None)[0]
+            return (flash.decode if impl == "flash" else flash.triton_decode)(q, k, v, mask, causal=mask is None)[0]
+        if impl == "triton":
+            return flash.triton_attention(q, k, v, causal=mask is None, mask=mask)[0]
         return flash.attention(q, k, v, causal=mask is None, mask=mask, compiled=True)[0]
     (B, H, T, d), n_kv = q.shape, k.shape[1]
     if T > 1:
@@ -392,7 +395,7 @@ class Llama(nn.Module):
         change, so it compiles once): the elementwise work between the matrix
         products fuses into a few loops and the per-op dispatch of the eager step
         goes away (kernels.compile_step says how, and what each setting buys)."""
-        self.compiled_step = kernels.compile_step(self.step)
+        self.compiled_step = kernels.compile_step(self.step, self.norm.weight.device)
         return self
 
     @classmethod
@@ -506,13 +509,12 @@ class GenerationStats:
 
 def context_limit(model: Llama, cache: KVCache | None = None) -> int:
     """The model's context, or less when the cache is preallocated smaller."""
-    limit = None if cache is None else cache.limit
-    return model.config.max_seq_len if limit is None else min(model.config.max_seq_len, limit)
+    limit = model.config.max_seq_len
+    return limit if cache is None or cache.limit is None else min(limit, cache.limit)
 
 
 def check_context(model: Llama, n_tokens: int, cache: KVCache | None = None):
-    limit = context_limit(model, cache)
-    if n_tokens >= limit:
+    if n_tokens >= (limit := context_limit(model, cache)):
         raise ContextOverflow(f"prompt is {n_tokens} tokens but the context holds {limit}")
 
 
@@ -554,8 +556,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
     dev = model.embed_tokens.weight.device
     gen = seeded_generator(p.seed, dev)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
-    ids = torch.tensor([prompt], device=dev)
-    pos = torch.arange(start, start + len(prompt), device=dev)
+    ids, pos = torch.tensor([prompt], device=dev), torch.arange(start, start + len(prompt), device=dev)
     for i in range(p.max_new_tokens):
         logits = model(ids, pos, cache, last_only=True)
         stats.positions_computed += ids.shape[1]
@@ -566,8 +567,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
         stats.finish_reason = finish_reason(nxt, i + 1, cache.length + 1, p, model.config.eos_ids, limit)
         if stats.finish_reason:
             return
-        ids = torch.tensor([[nxt]], device=dev)
-        pos = torch.tensor([cache.length], device=dev)
+        ids, pos = torch.tensor([[nxt]], device=dev), torch.tensor([cache.length], device=dev)
 
 
 DECODERS = {"naive": generate_naive, "cached": generate_cached}

@@ -307,8 +307,8 @@ def parse_args(argv=None):
                          "stays in its blocks between turns, and full blocks are shared by prefix caching")
     ap.add_argument("--block-size", type=int, default=None, help="--kv paged: tokens per block (default: 16)")
     ap.add_argument("--attn", choices=list(ATTN), default="sdpa",
-                    help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, or the naive "
-                         "full score matrix")
+                    help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, the naive "
+                         "full score matrix, or flash.py's Triton kernels (a CUDA GPU)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the decode step (needs --cache static; warm-up is printed)")
     ap.add_argument("--no-prepack", action="store_true",
@@ -476,7 +476,9 @@ def check_flags(args):
             raise ValueError(f"--tp runs the plain decoders on float weights: drop {', '.join(bad)}")
         if args.prompt is None:
             raise ValueError("--tp answers one --prompt (a typed line would reach rank 0 alone): add --prompt")
-    kernels.pick_device(args.device)        # a device this machine does not have: say so now
+    device = kernels.pick_device(args.device)        # a device this machine does not have: say so now
+    if args.attn == "triton":
+        kernels.check_triton(device)
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,11 @@ sys.path.insert(0, str(ROOT))
 # Demos and benchmarks the tests run save their results and plots here, never into the
 # committed results/ and plots/ (see results.py); subprocesses inherit it.
 os.environ.setdefault("NANOINFER_RESULTS", str(Path(__import__("tempfile").mkdtemp(prefix="nanoinfer-results-"))))
+# Without a GPU the Triton kernels (flash.py, kernels.py) run in Triton's interpreter, on CPU tensors.
+# triton.jit reads this variable when it wraps a kernel, i.e. when those modules are first imported:
+# so it is set here, before any test imports them (and subprocesses inherit it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
         "def add(a, b):\n    return a + b\n"
@@ -138,8 +143,14 @@ def chosen_exercise(config):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped without one (scripts/gpu_check.sh runs them)")
     config.exercise = chosen_exercise(config)
     config.exercise_calls = {}
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on a machine with one)")
 
 
 def pytest_ignore_collect(collection_path, config):
