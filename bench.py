@@ -14,6 +14,7 @@ markdown tables and saves them with results.save (results/<name>.json; plots und
     python bench.py quantize [--eval]             # quantize.py: perplexity and bytes per format on the model
     python bench.py quantize --weights int4 --out DIR   # write a quantized checkpoint
     python bench.py tp                            # tp.py: decode step with 1 process and 2 ranks, time in all-reduce
+    python bench.py serve                         # server.py against llama-server: 1-32 streaming clients
     python bench.py report                        # RESULTS.md from results/*.json
 
 decode: batch 1, greedy, a fixed 128-token prompt, 128 new tokens with EOS
@@ -990,6 +991,176 @@ def bench_tp(models: list[str], dtype: str, prompt_tokens: int, steps: int) -> P
     return results.save("tp", "tp", [table])
 
 
+# ----------------------------------------------------------------------------
+# serve: our HTTP server against llama.cpp's llama-server, many streaming clients at once.
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(cmd: list[str], port: int, log: Path, timeout: float = 600):
+    """Start a server process (its output to ``log``) and wait until /health answers."""
+    import subprocess
+    import httpx
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise OSError(f"{cmd[0]} exited with {proc.returncode}: see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise OSError(f"{cmd[0]} did not answer /health within {timeout:.0f} s: see {log}")
+
+
+def serve_requests(n: int) -> list[list[dict]]:
+    """A fixed mix of chat requests: short questions alone, and questions after a shared
+    ~400-token system prompt (the handbook), alternating."""
+    system = "You are a helpful assistant. Answer from the handbook below in one short sentence.\n\n" + HANDBOOK
+    return [[{"role": "system", "content": system}] * (i % 2) + [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+            for i in range(n)]
+
+
+async def serve_load(url: str, concurrency: int, requests: list, max_tokens: int) -> dict:
+    """``concurrency`` clients, each streaming its share of ``requests`` one after another
+    (greedy, answers stopping at EOS). Per request: time to first token, the gaps between
+    tokens (one SSE chunk each), the tokens."""
+    import asyncio
+    import json
+    import httpx
+    ttft, itl, tokens = [], [], 0
+
+    async def client(c: httpx.AsyncClient, share):
+        nonlocal tokens
+        for messages in share:
+            body = {"model": "x", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            t0 = last = time.perf_counter()
+            first = True
+            async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise OSError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if not choices[0].get("delta", {}).get("content"):
+                        continue
+                    now = time.perf_counter()
+                    (ttft if first else itl).append(now - last)
+                    first, last, tokens = False, now, tokens + 1
+
+    # A fresh connection per request, for both servers: llama-server closes idle keep-alive
+    # connections, and a request sent on one just closed fails.
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c, requests[i::concurrency]) for i in range(concurrency)))
+        wall = time.perf_counter() - t0
+    q = lambda xs, p: float(np.percentile(xs, p)) * 1000 if xs else float("nan")
+    return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "req_s": len(requests) / wall, "ttft_p50": q(ttft, 50), "ttft_p95": q(ttft, 95),
+            "itl_p50": q(itl, 50), "itl_p95": q(itl, 95)}
+
+
+def llama_server_binary() -> Path | None:
+    import os
+    import shutil
+    found = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    built = checkpoint.cache_root() / "llama-server" / "build" / "bin" / "llama-server"
+    return Path(found) if found else built if built.is_file() else None
+
+
+def bench_serve(args):
+    import asyncio
+    if hint := kernels.busy_machine_hint():
+        print(hint)
+    path = model_dir(args.model)
+    slots, threads = max(args.concurrency), torch.get_num_threads()
+    log_dir = checkpoint.cache_root() / "bench"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    ours = start_server([sys.executable, "server.py", "--model", str(path), "--port", str(port),
+                         "--max-batch", str(slots)], port, log_dir / "server.log")
+    servers = [("nanoinfer server.py", ours, port)]
+    dtype = next(line for line in (log_dir / "server.log").read_text().splitlines() if "loaded in" in line)
+    dtype = "bf16" if "bfloat16" in dtype else "f32"
+    binary = llama_server_binary()
+    if binary is None:
+        print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
+    else:
+        gguf = log_dir / f"{path.name}-{dtype}.gguf"       # the same weights at our bits
+        if not gguf.is_file():
+            print(f"writing {gguf} (once)", flush=True)
+            checkpoint.export_gguf(path, gguf, LlamaConfig.from_hf(checkpoint.read_config(path)), dtype)
+        port2 = free_port()
+        peer = start_server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port2),
+                             "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
+                             "-c", str(slots * 1024), "--jinja"], port2, log_dir / "llama-server.log")
+        servers.append((f"llama-server {dtype.upper()}", peer, port2))
+    rows = []
+    try:
+        for name, proc, p in servers:
+            url = f"http://127.0.0.1:{p}"
+            asyncio.run(serve_load(url, 2, serve_requests(2), 8))           # warm-up: first calls of every kernel
+            for c in args.concurrency:
+                reqs = serve_requests(max(args.requests_per_client * c, 8))
+                r = asyncio.run(serve_load(url, c, reqs, args.max_tokens))
+                rows.append({"server": name, **r})
+                print(f"  {name}, {c:2} clients: {r['tok_s']:6.1f} tok/s, TTFT p50/p95 {r['ttft_p50']:.0f}/"
+                      f"{r['ttft_p95']:.0f} ms, ITL p50/p95 {r['itl_p50']:.0f}/{r['itl_p95']:.0f} ms", flush=True)
+    finally:
+        for _, proc, _ in servers:
+            proc.terminate()
+            proc.wait(60)
+    single = {r["server"]: r["tok_s"] for r in rows if r["concurrency"] == min(args.concurrency)}
+    table = results.Table(
+        f"{args.model} served over HTTP, {threads} threads each, {slots} parallel slots each: C streaming clients, "
+        f"each sending its share of a fixed mix of chat requests (half with a shared ~400-token system prompt) "
+        f"one after another; greedy, answers stop at EOS (at most {args.max_tokens} tokens)",
+        ["server", "clients", "requests", "output tok/s", "× its 1 client", "req/s", "TTFT p50 ms", "TTFT p95 ms",
+         "ITL p50 ms", "ITL p95 ms"],
+        [[r["server"], r["concurrency"], r["requests"], f"{r['tok_s']:.1f}",
+          f"{r['tok_s'] / single[r['server']]:.2f}×", f"{r['req_s']:.2f}", f"{r['ttft_p50']:.0f}",
+          f"{r['ttft_p95']:.0f}", f"{r['itl_p50']:.0f}", f"{r['itl_p95']:.0f}"] for r in rows])
+    notes = []
+    if len(servers) > 1:
+        for c in args.concurrency:
+            a, b = ([r for r in rows if r["concurrency"] == c and r["server"] == s[0]][0] for s in servers[:2])
+            notes.append(f"{c} clients: ours {a['tok_s'] / b['tok_s']:.2f}× llama-server's tok/s, "
+                         f"TTFT p95 {a['ttft_p95'] / b['ttft_p95']:.2f}× its")
+    table.notes = notes
+    print(f"\n{table.markdown()}")
+    plot = plot_serve(rows, args.model)
+    print(f"saved {results.save('serve', 'engine', [table], plots=[plot] if plot else [])}")
+
+
+def plot_serve(rows: list[dict], model: str) -> Path | None:
+    plt = results.pyplot()
+    if plt is None:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == name]
+        xs = [r["concurrency"] for r in mine]
+        ax1.plot(xs, [r["tok_s"] for r in mine], "o-", label=name)
+        ax2.plot(xs, [r["ttft_p95"] / 1000 for r in mine], "o-", label=name)
+    for ax, label in ((ax1, "total output tokens/s"), (ax2, "time to first token, p95 (s)")):
+        ax.set_xscale("log", base=2)
+        results.plain_ticks(ax.xaxis)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax1.legend()
+    fig.suptitle(f"{model}: our server against llama-server, answers stopping at EOS")
+    return results.save_plot(fig, "serve.png")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1063,6 +1234,11 @@ def main():
     tq.add_argument("--dtype", default="float32", choices=list(kernels.DTYPES))
     tq.add_argument("--prompt-tokens", type=int, default=128)
     tq.add_argument("--steps", type=int, default=32)
+    sv = sub.add_parser("serve", help="server.py against llama-server: many streaming clients, tok/s, TTFT, ITL")
+    sv.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    sv.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    sv.add_argument("--requests-per-client", type=int, default=2)
+    sv.add_argument("--max-tokens", type=int, default=128)
     sub.add_parser("report", help="render RESULTS.md from results/*.json (what every benchmark saves)")
     args = ap.parse_args()
     try:
@@ -1089,6 +1265,8 @@ def main():
                 bench_context(args.model, args.dtype, args.contexts, args.steps, args.reps)
             else:
                 bench_naive_vs_cached(args.model, args.tokens)
+        elif args.cmd == "serve":
+            bench_serve(args)
         elif args.cmd == "tp":
             bench_tp(args.models, args.dtype, args.prompt_tokens, args.steps)
         elif args.cmd == "quantize":

@@ -46,6 +46,11 @@ COVERED = {
     "python serve_local.py --model ./model.Q4_K_M.gguf": "test_gguf.py (GGUF files)",
     "python tokenizer.py PATH": "test_tokenizer.py",
     "python bench.py report": "test_results.py (RESULTS.md is what results/*.json render to)",
+    "make serve": "test_server.py::test_sigterm_finishes_streams_and_exits_0 (python server.py)",
+    "python server.py": "test_server.py::test_sigterm_finishes_streams_and_exits_0",
+    "python server.py --api-key secret --port 8080": "test_server.py (--api-key: test_api_key_body_cap_and_full_queue)",
+    "make gpu-check": "test_gpu_check.py (its dry run; the real run needs a CUDA GPU)",
+    "bash scripts/gpu_check.sh --dry-run": "test_gpu_check.py",
 }
 # Another project's command, shown for comparison (not installed here).
 EXTERNAL = {"python -m sglang.launch_server --model-path TinyLlama/TinyLlama-1.1B-Chat-v1.0 --tp 2"}
@@ -69,6 +74,7 @@ SLOW = {
     "python bench.py kv-bytes": "~30 s",
     "python bench.py tp": "~1 min",
     "python engine.py": "~1 min",
+    "python bench.py serve": "~6 min (llama-server beside it: scripts/build_llama_server.sh, ~10 min once)",
 }
 
 
