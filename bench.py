@@ -6,6 +6,7 @@ markdown tables and saves them with results.save (results/<name>.json; plots und
     python bench.py decode --model tinyllama-random --dtypes bfloat16
     python bench.py attention [--quick]           # flash.py: naive vs tiled vs SDPA, time and peak memory
     python bench.py batching                      # engine.py: static vs continuous batching; prefix caching
+    python bench.py engine-step                   # engine.py: one batched decode step, eager vs compiled
     python bench.py speculative                   # speculative.py: draft, lookahead, prompt lookup vs plain
     python bench.py prefix                        # kvcache.py: a shared prompt prefilled once and forked
     python bench.py kv-bytes                      # kvcache.py: a real cache's bytes against the formula
@@ -34,6 +35,12 @@ batching: engine.py's continuous batching against static batching (batches of
 rows, or finished rows dropping out) on 64 chat-like requests queued at once,
 then time to first token for requests sharing a 1,171-token system prompt with
 the prefix cache off and on. Same engine, same kernels; only scheduling differs.
+
+engine-step: one engine.py decode step (B rows, one token each, ~200 tokens
+of context per row, keys read through the paged pool) timed eagerly and
+compiled with kernels.compile_step for that one batch shape (the question:
+would compiled steps per bucketed batch size, as vLLM captures CUDA graphs,
+pay on this CPU?). Eager and compiled steps alternate; medians.
 
 speculative: greedy, 256 new tokens with EOS ignored, 8 chat prompts and a
 summarise-this-text prompt; plain decoding and each proposer in the same run
@@ -1160,6 +1167,56 @@ def plot_serve(rows: list[dict], model: str) -> Path | None:
     fig.suptitle(f"{model}: our server against llama-server, answers stopping at EOS")
     return results.save_plot(fig, "serve.png")
 
+def bench_engine_step(args):
+    """One batched decode step of engine.Engine, eager against compiled for a fixed
+    batch size (one compile per bucket), at each thread count."""
+    model, _ = load(args.model, dtype=args.dtype)
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for B in args.batches:
+            # the tightest pool that holds the rows (a compiled step writes into it; see the notes)
+            need = math.ceil((args.context + 1) / engine.BLOCK_SIZE)
+            eng = engine.Engine(model, num_blocks=B * need, max_batch=B)
+            tables = [eng.allocator.allocate_sequence(list(range(i, i + args.context)))[0] for i in range(B)]
+            ids = torch.randint(0, model.config.vocab_size, (B, 1))
+            pos = torch.tensor([[t.num_tokens - 1] for t in tables])
+
+            def run(step):       # what Engine._decode does, with the step chosen
+                return step(ids, pos, eng.cache.bind(tables).begin(pos), eng.cache, False)
+            eager, compiled, times = model.step, None, {"eager": [], "compiled": []}
+            with torch.inference_mode():
+                run(eager)
+                if B in args.compile_batches:
+                    t0 = time.perf_counter()
+                    compiled = kernels.compile_step(model.step)
+                    diff = (run(compiled) - run(eager)).abs().max().item()
+                    compile_s = time.perf_counter() - t0
+                for _ in range(args.reps):
+                    for name, step in (("eager", eager), ("compiled", compiled)):
+                        if step is not None:
+                            t0 = time.perf_counter()
+                            run(step)
+                            times[name].append((time.perf_counter() - t0) * 1e3)
+            e = statistics.median(times["eager"])
+            if compiled is None:
+                rows.append([threads, B, f"{e:.1f}", "", "", "", ""])
+            else:
+                c = statistics.median(times["compiled"])
+                rows.append([threads, B, f"{e:.1f}", f"{c:.1f}", f"{e / c:.2f}×", f"{compile_s:.0f}", f"{diff:.1e}"])
+            print(f"  {threads} threads, B={B}: {rows[-1][2:]}", flush=True)
+    table = results.Table(
+        f"{args.model} ({dtype}): one engine decode step, B rows of one token, {args.context} tokens of context "
+        f"per row (paged pool, block {engine.BLOCK_SIZE}); median ms of {args.reps} steps, eager and compiled "
+        f"alternating",
+        ["threads", "B", "eager ms", "compiled ms", "eager / compiled", "compile s", "max |Δ logit|"], rows,
+        notes=["compiled: kernels.compile_step(model.step), dynamic=False, one compile per batch size (inductor's "
+              "disk cache may shorten a rerun's compile). The pool is the smallest that holds the rows: the step "
+              "writes into it, and a compiled graph that mutates its input may copy it."])
+    print(f"\n{table.markdown()}")
+    print(f"saved {results.save('engine-step', 'engine', [table])}")
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1187,6 +1244,15 @@ def main():
     b.add_argument("--skip-dropped", action="store_true", help="skip the static run whose finished rows drop out")
     b.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); on a busy shared machine 1 avoids OpenMP stalls")
+    es = sub.add_parser("engine-step", help="engine.py: one batched decode step, eager vs compiled per batch size")
+    es.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    es.add_argument("--dtype", default="float32", choices=list(kernels.DTYPES))
+    es.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    es.add_argument("--compile-batches", type=int, nargs="+", default=[1, 4],
+                    help="the batch sizes also compiled (each compile: 1-3 min on 2 busy cores)")
+    es.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    es.add_argument("--context", type=int, default=200)
+    es.add_argument("--reps", type=int, default=5)
     sp = sub.add_parser("speculative", help="speculative.py: draft model, lookahead, prompt lookup vs plain")
     sp.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     sp.add_argument("--dtype", default="float32", choices=list(kernels.DTYPES))
@@ -1250,6 +1316,8 @@ def main():
             bench_speculative(args)
         elif args.cmd == "batching":
             bench_batching(args)
+        elif args.cmd == "engine-step":
+            bench_engine_step(args)
         elif args.cmd == "decode":
             bench_decode(args)
         elif args.cmd == "attention":

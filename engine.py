@@ -68,7 +68,9 @@ Decisions, and what they cost:
   logits (up to ~30) differ from the contiguous cache's by up to 1e-4, 3e-5
   for a paged prefill and 9e-5 for a 16-row decode step. Greedy tokens change
   only on a near-tie; the tests compare tokens and find none.
-* Everything runs eagerly (no torch.compile: the batch shape changes every step).
+* Everything runs eagerly. Compiled steps per bucketed batch size (vLLM's CUDA graphs) lose on
+  a CPU: inductor turns each layer's in-place write into the pool into a copy of that layer's
+  whole pool, and its fused one-row product reads the weights once per row (bench.py engine-step).
 
 `python engine.py` shows requests joining and leaving the batch step by step,
 `python engine.py --trace` the blocks each step takes, shares, copies and frees;
@@ -325,8 +327,7 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, kv_dtype,
                                   w.device, c.sliding_window, codec)
-        self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit)
-        self.watermark = watermark
+        self.max_len, self.watermark = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit), watermark
         self.scheduler = Scheduler(self.allocator, max_batch, watermark)
         self.requests: dict[int, Request] = {}     # unfinished ones
         self._ids = itertools.count(1)             # request and sequence ids
@@ -453,11 +454,10 @@ class Engine:
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         self._apply_copies()
-        tables = [s.table for s in batch]
         ids = torch.tensor([[s.output[-1]] for s in batch], device=self.device)
-        pos = torch.tensor([[t.num_tokens - 1] for t in tables], device=self.device)
+        pos = torch.tensor([[s.table.num_tokens - 1] for s in batch], device=self.device)
         self.stats["decode_tokens"] += len(batch)
-        return self.model(ids, pos, self.cache.bind(tables))[:, -1]
+        return self.model(ids, pos, self.cache.bind([s.table for s in batch]))[:, -1]
 
     def _apply_copies(self):
         for src, dst in self.scheduler.copies:

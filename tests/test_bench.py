@@ -108,3 +108,16 @@ def test_batching_plot_or_one_line(capsys, monkeypatch):
     capsys.readouterr()
     assert bench.plot_batching(fake_runs(), "two runs") is None
     assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_engine_step_table(tmp_path):
+    """Eager rows only (a compile takes minutes): one row per thread count and batch size."""
+    args = argparse.Namespace(model=str(make_checkpoint(tmp_path / "tiny")), dtype="float32", batches=[1, 3],
+                              compile_batches=[], threads=[1], context=40, reps=2)
+    bench.bench_engine_step(args)
+    r = record("engine-step")
+    assert (r["name"], r["lesson"]) == ("engine-step", "engine")
+    table = r["tables"][0]
+    assert table["columns"][:4] == ["threads", "B", "eager ms", "compiled ms"]
+    assert [row[:2] for row in table["rows"]] == [[1, 1], [1, 3]]
+    assert all(float(row[2]) > 0 and row[3] == "" for row in table["rows"])
