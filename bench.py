@@ -199,7 +199,7 @@ def bench_decode(args):
             per_token = bytes_per_token(model, args.prompt_tokens + args.new_tokens // 2)
             n_ctx = args.prompt_tokens + args.new_tokens + 16   # a static cache sized to the job, as gpt-fast does
             # implementation -> (dtype column, bytes read per decode step, fn(warmup) -> (ttft_s, decode_s))
-            impls = {"nanoinfer cached": (dtype, per_token, lambda warmup: run_ours(
+            impls = {"nanoinfer cached": (dtype, per_token, lambda warmup, model=model: run_ours(
                 model, prompt, 8 if warmup else args.new_tokens))}
             for weights in ([] if args.no_compile else args.weights):
                 # More instances: compile_decode() switches every one-token step to the compiled graph;
@@ -1048,7 +1048,7 @@ async def serve_load(url: str, concurrency: int, requests: list, max_tokens: int
         nonlocal tokens
         for messages in share:
             body = {"model": "x", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-            t0 = last = time.perf_counter()
+            last = time.perf_counter()
             first = True
             async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
