@@ -425,10 +425,11 @@ class PagedKVCache:
         B, H = k.shape[:2]
         pool = self._scatter(layer, k, v)
         row = pool.shape[-1]                                          # d, or d + the scale's bytes
-        kv = pool.index_select(1, self._read.flatten())               # gather whole blocks, table order
-        kv = kv.view(2, B, -1, H, row).transpose(2, 3)                # (2, B, H, L, row)
+        # Gather whole blocks in table order, head-major: (2, H, B, L, row) comes out contiguous,
+        # and model.attend batches over (H, B), so the keys are copied once, here, not twice.
+        kv = pool.permute(0, 3, 1, 2, 4).index_select(2, self._read.flatten()).view(2, H, B, -1, row)
         kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
-        return kv[0], kv[1]
+        return kv[0].transpose(0, 1), kv[1].transpose(0, 1)              # (B, H, L, d) views
 
 
 class _PagedLayer:
