@@ -1035,43 +1035,49 @@ def serve_requests(n: int) -> list[list[dict]]:
             for i in range(n)]
 
 
-async def serve_load(url: str, concurrency: int, requests: list, max_tokens: int) -> dict:
-    """``concurrency`` clients, each streaming its share of ``requests`` one after another
-    (greedy, answers stopping at EOS). Per request: time to first token, the gaps between
-    tokens (one SSE chunk each), the tokens."""
+async def serve_load(url: str, concurrency: int, requests: list, max_tokens: int, seconds: float) -> dict:
+    """``concurrency`` clients, each sending requests from ``requests`` (client i starts at
+    the i-th and walks the list) one after another for ``seconds``, greedy, answers stopping
+    at EOS: C requests in flight all the time. When the time is up, the answers in flight are
+    dropped (their clients disconnect). Per request: time to first token, the gaps between
+    its tokens (one SSE chunk each); the tokens received within the time and the requests
+    completed."""
     import asyncio
     import json
     import httpx
-    ttft, itl, tokens = [], [], 0
+    ttft, itl, tokens, done = [], [], 0, 0
+    end = time.perf_counter() + seconds
 
-    async def client(c: httpx.AsyncClient, share):
-        nonlocal tokens
-        for messages in share:
+    async def client(c: httpx.AsyncClient, i: int):
+        nonlocal tokens, done
+        while True:
+            messages, i = requests[i % len(requests)], i + concurrency
             body = {"model": "x", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-            last = time.perf_counter()
-            first = True
+            last, first = time.perf_counter(), True
             async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     raise OSError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]}")
                 async for line in r.aiter_lines():
+                    now = time.perf_counter()
+                    if now > end:
+                        return
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     choices = json.loads(line[6:]).get("choices") or [{}]
                     if not choices[0].get("delta", {}).get("content"):
                         continue
-                    now = time.perf_counter()
                     (ttft if first else itl).append(now - last)
                     first, last, tokens = False, now, tokens + 1
+            done += 1
 
     # A fresh connection per request, for both servers: llama-server closes idle keep-alive
     # connections, and a request sent on one just closed fails.
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(c, requests[i::concurrency]) for i in range(concurrency)))
-        wall = time.perf_counter() - t0
+        await asyncio.gather(*(client(c, i) for i in range(concurrency)))
+    await asyncio.sleep(2)        # let the server notice the dropped streams before the next level
     q = lambda xs, p: float(np.percentile(xs, p)) * 1000 if xs else float("nan")
-    return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall, "req_s": len(requests) / wall, "ttft_p50": q(ttft, 50), "ttft_p95": q(ttft, 95),
+    return {"concurrency": concurrency, "requests": done, "tokens": tokens, "wall_s": seconds,
+            "tok_s": tokens / seconds, "req_s": done / seconds, "ttft_p50": q(ttft, 50), "ttft_p95": q(ttft, 95),
             "itl_p50": q(itl, 50), "itl_p95": q(itl, 95)}
 
 
@@ -1097,10 +1103,10 @@ def bench_serve(args):
     servers = [("nanoinfer server.py", ours, port)]
     dtype = next(line for line in (log_dir / "server.log").read_text().splitlines() if "loaded in" in line)
     dtype = "bf16" if "bfloat16" in dtype else "f32"
-    binary = llama_server_binary()
-    if binary is None:
+    binary = None if args.no_peer else llama_server_binary()
+    if binary is None and not args.no_peer:
         print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
-    else:
+    elif binary is not None:
         gguf = log_dir / f"{path.name}-{dtype}.gguf"       # the same weights at our bits
         if not gguf.is_file():
             print(f"writing {gguf} (once)", flush=True)
@@ -1114,10 +1120,9 @@ def bench_serve(args):
     try:
         for name, proc, p in servers:
             url = f"http://127.0.0.1:{p}"
-            asyncio.run(serve_load(url, 2, serve_requests(2), 8))           # warm-up: first calls of every kernel
+            asyncio.run(serve_load(url, 2, serve_requests(2), 8, 5))        # warm-up: first calls of every kernel
             for c in args.concurrency:
-                reqs = serve_requests(max(args.requests_per_client * c, 8))
-                r = asyncio.run(serve_load(url, c, reqs, args.max_tokens))
+                r = asyncio.run(serve_load(url, c, serve_requests(16), args.max_tokens, args.seconds))
                 rows.append({"server": name, **r})
                 print(f"  {name}, {c:2} clients: {r['tok_s']:6.1f} tok/s, TTFT p50/p95 {r['ttft_p50']:.0f}/"
                       f"{r['ttft_p95']:.0f} ms, ITL p50/p95 {r['itl_p50']:.0f}/{r['itl_p95']:.0f} ms", flush=True)
@@ -1127,10 +1132,10 @@ def bench_serve(args):
             proc.wait(60)
     single = {r["server"]: r["tok_s"] for r in rows if r["concurrency"] == min(args.concurrency)}
     table = results.Table(
-        f"{args.model} served over HTTP, {threads} threads each, {slots} parallel slots each: C streaming clients, "
-        f"each sending its share of a fixed mix of chat requests (half with a shared ~400-token system prompt) "
-        f"one after another; greedy, answers stop at EOS (at most {args.max_tokens} tokens)",
-        ["server", "clients", "requests", "output tok/s", "× its 1 client", "req/s", "TTFT p50 ms", "TTFT p95 ms",
+        f"{args.model} served over HTTP, {threads} threads each, {slots} parallel slots each: C streaming clients "
+        f"for {args.seconds:.0f} s, each sending chat requests from a fixed mix (half with a shared ~400-token system "
+        f"prompt) one after another; greedy, answers stop at EOS (at most {args.max_tokens} tokens)",
+        ["server", "clients", "requests done", "output tok/s", "× its 1 client", "req/s", "TTFT p50 ms", "TTFT p95 ms",
          "ITL p50 ms", "ITL p95 ms"],
         [[r["server"], r["concurrency"], r["requests"], f"{r['tok_s']:.1f}",
           f"{r['tok_s'] / single[r['server']]:.2f}×", f"{r['req_s']:.2f}", f"{r['ttft_p50']:.0f}",
@@ -1303,7 +1308,8 @@ def main():
     sv = sub.add_parser("serve", help="server.py against llama-server: many streaming clients, tok/s, TTFT, ITL")
     sv.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     sv.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    sv.add_argument("--requests-per-client", type=int, default=2)
+    sv.add_argument("--seconds", type=float, default=40, help="how long each concurrency level runs")
+    sv.add_argument("--no-peer", action="store_true", help="our server alone (no llama-server)")
     sv.add_argument("--max-tokens", type=int, default=128)
     sub.add_parser("report", help="render RESULTS.md from results/*.json (what every benchmark saves)")
     args = ap.parse_args()
