@@ -10,6 +10,7 @@ markdown tables and saves them with results.save (results/<name>.json; plots und
     python bench.py speculative                   # speculative.py: draft, lookahead, prompt lookup vs plain
     python bench.py prefix                        # kvcache.py: a shared prompt prefilled once and forked
     python bench.py kv-bytes                      # kvcache.py: a real cache's bytes against the formula
+    python bench.py offload                       # kvcache.py: the context an offloaded cache fits, its cost
     python bench.py naive-vs-cached               # model.py: naive vs cached decoding against N, counted and timed
     python bench.py context [--dtype bfloat16]    # model.py: decode ms/token against context; prefill vs decode
     python bench.py quantize [--eval]             # quantize.py: perplexity and bytes per format on the model
@@ -69,6 +70,7 @@ import drafting
 import engine
 import flash
 import kernels
+import kvcache
 import quantize
 import results
 import speculative
@@ -844,6 +846,69 @@ def bench_kv_bytes(model_name: str = checkpoint.DEFAULT_MODEL, new_tokens: int =
     print(f"saved {results.save('kv-bytes', 'kvcache', [table])}")
 
 
+def bench_offload(model_name: str = checkpoint.DEFAULT_MODEL, contexts=(256, 1024, 2048), steps: int = 12,
+                  device_gib=(0.75, 1.0, 2.0)) -> Path:
+    """kvcache.OffloadedCache on a real model: the longest context that fits a device's memory with the whole
+    cache on it and with two layers' K/V on it (the rest in host memory), then the measured cost: a decode step
+    at each context on a dynamic and an offloaded cache, steps alternating between the two (the same prompt,
+    greedy), with the bytes the offloaded one moved per step."""
+    if min(contexts) < 1 or steps < 2 or min(device_gib) <= 0:
+        raise ValueError(f"--contexts must be positive, --steps at least 2 and --device-gib positive, got "
+                         f"{list(contexts)}, {steps} and {list(device_gib)}")
+    model, _ = load(model_name)
+    c, dev = model.config, model.embed_tokens.weight.device
+    if max(contexts) + steps + 1 > c.max_seq_len:
+        raise ValueError(f"--contexts must leave {steps + 1} tokens of the model's {c.max_seq_len}-token context")
+    per_token = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.embed_tokens.weight.element_size())
+    weights = quantize.weight_bytes(model)
+    fits = []
+    for gib in device_gib:
+        room = gib * 2**30 - weights
+        whole, offloaded = (max(0, int(room // per_token)), max(0, int(room // (2 * per_token / c.n_layers))))
+        fits.append([f"{gib:g} GiB", f"{weights / 2**20:.0f} MiB", whole, offloaded,
+                     f"{offloaded / whole:.1f}×" if whole else "—"])
+    fit_table = results.Table(
+        f"{model_name}: the longest context whose KV cache fits beside the weights on a device",
+        ["device memory", "weights", "whole cache on the device (tokens)", "offloaded: 2 layers on it (tokens)",
+         "gain"], fits,
+        [f"{per_token / 1024:.1f} KiB per token ({c.n_layers} layers); offloaded, the device holds 2 layers' K/V "
+         f"and host memory the whole cache. The model's own context is {c.max_seq_len} tokens."])
+    gen, rows = torch.Generator().manual_seed(0), []
+    for n in contexts:
+        prompt = torch.randint(100, c.vocab_size - 100, (1, n), generator=gen).to(dev)
+        caches = {kind: model.new_cache(kind) for kind in ("dynamic", "offloaded")}
+        tokens, times = {kind: [] for kind in caches}, {kind: [] for kind in caches}
+        with torch.inference_mode():
+            for kind, cache in caches.items():       # the prefill, not timed
+                logits = model(prompt, torch.arange(n, device=dev), cache, last_only=True)
+                tokens[kind].append(int(logits[0, -1].argmax()))
+            for _ in range(steps):
+                for kind, cache in caches.items():
+                    t0 = time.perf_counter()
+                    logits = model(torch.tensor([[tokens[kind][-1]]], device=dev),
+                                   torch.tensor([cache.length], device=dev), cache, last_only=True)
+                    tokens[kind].append(int(logits[0, -1].argmax()))
+                    times[kind].append(time.perf_counter() - t0)
+        dyn, off = (statistics.median(times[kind][1:]) for kind in caches)   # the first: growth, warm-up
+        moved = caches["offloaded"].step_moved
+        rows.append([n, 1000 * dyn, 1000 * off, f"{off / dyn:.2f}×", moved / 1e6,
+                     moved / (off - dyn) / 1e9 if off > dyn else "—", 1000 * moved / (kvcache.PCIE_GBPS * 1e9),
+                     moved == caches["offloaded"].length * per_token, tokens["dynamic"] == tokens["offloaded"]])
+        print(f"  context {n}: dynamic {1000 * dyn:.1f} ms/step, offloaded {1000 * off:.1f} ms/step", flush=True)
+    speed_table = results.Table(
+        f"{run_setup(model_name, model)}: a decode step on a dynamic and an offloaded cache",
+        ["context", "dynamic ms/step", "offloaded ms/step", "slowdown", "MB moved/step", "GB/s implied",
+         f"ms at {kvcache.PCIE_GBPS} GB/s (PCIe 4 x16)", "moved = length × B/token", "same tokens"], rows,
+        [f"Median of {steps - 1} steps each, alternating between the two caches. The offloaded cache's store and "
+         f"working buffers are both in this machine's memory ({dev.type}): the copy is a memcpy, which stands in "
+         "for the PCIe link; GB/s implied = bytes moved ÷ the extra time per step.",
+         f"Bytes moved per step = the whole cache at the step's length ({per_token / 1024:.1f} KiB per token), "
+         "every layer copied in and its new row copied out."])
+    for table in (fit_table, speed_table):
+        print(f"\n{table.title}\n\n{table.markdown()}")
+    return results.save("offload", "kvcache", [fit_table, speed_table])
+
+
 # ----------------------------------------------------------------------------
 # quantize: what each format costs a real model; writing a quantized checkpoint.
 
@@ -1276,6 +1341,13 @@ def main():
     pr.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     kb = sub.add_parser("kv-bytes", help="kvcache.py: the bytes a real cache holds after a generation vs the formula")
     kb.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    of = sub.add_parser("offload", help="kvcache.py: the longest context that fits a device with and without "
+                                        "offloading the cache, and the slowdown per decode step")
+    of.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    of.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
+    of.add_argument("--steps", type=int, default=12, help="decode steps timed per cache and context")
+    of.add_argument("--device-gib", type=float, nargs="+", default=[0.75, 1.0, 2.0], help="device memories")
+    of.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     nc = sub.add_parser("naive-vs-cached", help="model.py: naive vs cached decoding against N, the work each "
                                                "computes and its time; a table and a plot")
     nc.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
@@ -1332,6 +1404,10 @@ def main():
             bench_prefix(args.model)
         elif args.cmd == "kv-bytes":
             bench_kv_bytes(args.model)
+        elif args.cmd == "offload":
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            bench_offload(args.model, args.contexts, args.steps, args.device_gib)
         elif args.cmd in ("naive-vs-cached", "context"):
             if args.threads:
                 torch.set_num_threads(args.threads)

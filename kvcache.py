@@ -1,51 +1,56 @@
 """
 The KV cache: remember K and V of past tokens instead of recomputing them.
 
-In a decoder, token t attends to the keys and values of tokens 0..t. Those
-depend only on earlier tokens, so once computed they never change. A decoder
-without a cache re-runs the whole prefix every step (step t pushes t positions
-through every layer); with a cache, step t runs one position and reads t cached
-rows. Generating N tokens drops from N(N+1)/2 position-forwards to N.
+In a decoder, token t attends to the keys and values of tokens 0..t. Those depend only on earlier
+tokens, so once computed they never change. A decoder without a cache re-runs the whole prefix every
+step (step t pushes t positions through every layer); with a cache, step t runs one position and reads t
+cached rows. Generating N tokens drops from N(N+1)/2 position-forwards to N.
 
-The price is memory. Per token and layer the cache holds one K and one V row
-per KV head:
+The price is memory. Per token and layer the cache holds one K and one V row per KV head:
 
-    bytes per token per layer = 2 · n_kv_heads · d_head · dtype_size
-    Llama-2-7B   (32 KV heads, d_head 128, fp16): 16 KiB; × 32 layers = 512 KiB per token, 16 GiB at 32K
-    Llama-3-70B  ( 8 KV heads, GQA):               4 KiB; × 80 layers = 10 GiB at 32K, 40 GiB at 128K
-    the same 70B with 64 KV heads (MHA):          80 GiB at 32K — GQA is an 8× cache saving
-    SmolLM2-135M ( 3 KV heads, d_head 64, bf16): 768 B; × 30 layers = 22.5 KiB per token
+    bytes per token per layer = 2 · n_kv_heads · d_head · dtype_size Llama-2-7B   (32 KV heads, d_head
+    128, fp16): 16 KiB; × 32 layers = 512 KiB per token, 16 GiB at 32K Llama-3-70B  ( 8 KV heads, GQA):
+    4 KiB; × 80 layers = 10 GiB at 32K, 40 GiB at 128K the same 70B with 64 KV heads (MHA):          80
+    GiB at 32K — GQA is an 8× cache saving SmolLM2-135M ( 3 KV heads, d_head 64, bf16): 768 B; × 30
+    layers = 22.5 KiB per token
 
-`python kvcache.py --config llama2-7b --seq 32768` prints these for any config;
-`python kvcache.py --plot` draws what each kind of cache below holds against
-the context, in fp16 and int8 (the end of this file says why they differ).
+MLA (DeepSeek-V2/V3's multi-head latent attention) caches no per-head K or V. Per token and layer it
+stores one latent vector c, from which every head's K and V are up-projections (folded into the query
+and output matrices at inference, so c is read as it is), plus one RoPE key shared by all heads (a
+rotation by position cannot be folded into a fixed matrix, so it is kept apart):
 
-Three contiguous caches and a paged one share one interface (quantized and
-speculative code build on it):
+    bytes per token per layer = (d_latent + d_rope) · dtype_size DeepSeek-V3  (latent 512, RoPE key 64,
+    bf16): (512 + 64) · 2 = 1,152 B; × 61 layers = 68.6 KiB per token the same 128 heads as MHA (K 192
+    wide with its RoPE part, V 128): 80 KiB per layer, 71× more
 
-* ``DynamicCache`` grows as tokens arrive, doubling its capacity, so appending
-  is an amortised O(1) copy rather than a ``torch.cat`` of the whole history.
-* ``StaticCache`` is preallocated to ``max_len``: every decode step sees the
-  same tensor shapes, so ``torch.compile`` compiles the step once, and the
-  memory is known up front. Unwritten rows are hidden by the mask.
-* ``SlidingWindowCache`` (Mistral-style ``sliding_window`` configs) is a ring
-  buffer of the last W positions (plus a little slack so speculative decoding
-  can roll back): memory O(W) however long the conversation.
-* ``PagedKVCache`` is one pool of fixed-size blocks that many sequences share,
-  each reading its rows through a block table (paged.py keeps the books;
-  engine.py batches sequences on it).
+`python kvcache.py --config llama2-7b --seq 32768` prints these for any config; `python kvcache.py
+--plot` draws what each kind of cache below holds against the context, in fp16 and int8 (the end of this
+file says why they differ).
 
-The interface. A cache has ``layers``; per forward pass the model calls
-``cache.begin(positions)`` once (host-side bookkeeping: grow, copy-on-write,
-advance ``length``) which returns the attention mask over the keys that each
-layer's ``update(k, v, positions)`` will return; ``crop(n)`` rolls back to the
-first n tokens (a chat turn that diverges, rejected speculative tokens);
-``fork()`` makes a branch that shares the prefix until either side writes;
-``nbytes`` is the memory the cache's tensors really occupy.
+Four contiguous caches and a paged one share one interface (quantized and speculative code build on it):
 
-Any of them can store K and V quantized (``codec``, from quantize.py: int8 or
-fp8 with a scale per token and head): rows of bytes instead of numbers, about
-half of bf16's, decoded one layer at a time when attention reads them.
+* ``DynamicCache`` grows as tokens arrive, doubling its capacity, so appending is an amortised O(1) copy
+  rather than a ``torch.cat`` of the whole history.
+* ``StaticCache`` is preallocated to ``max_len``: every decode step sees the same tensor shapes, so
+  ``torch.compile`` compiles the step once, and the memory is known up front. Unwritten rows are hidden
+  by the mask.
+* ``SlidingWindowCache`` (Mistral-style ``sliding_window`` configs) is a ring buffer of the last W
+  positions (plus a little slack so speculative decoding can roll back): memory O(W) however long the
+  conversation.
+* ``OffloadedCache`` keeps the cache in host memory and brings one layer's K/V at a time to the device:
+  capacity for the price of moving the whole cache every step.
+* ``PagedKVCache`` is one pool of fixed-size blocks that many sequences share, each reading its rows
+  through a block table (paged.py keeps the books; engine.py batches sequences on it).
+
+The interface. A cache has ``layers``; per forward pass the model calls ``cache.begin(positions)`` once
+(host-side bookkeeping: grow, copy-on-write, advance ``length``) which returns the attention mask over
+the keys that each layer's ``update(k, v, positions)`` will return; ``crop(n)`` rolls back to the first
+n tokens (a chat turn that diverges, rejected speculative tokens); ``fork()`` makes a branch that shares
+the prefix until either side writes; ``nbytes`` is the memory the cache's tensors really occupy.
+
+Any of them can store K and V quantized (``codec``, from quantize.py: int8 or fp8 with a scale per token
+and head): rows of bytes instead of numbers, about half of bf16's, decoded one layer at a time when
+attention reads them.
 """
 
 from __future__ import annotations
@@ -66,12 +71,10 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_size
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
                    causal: bool = True) -> torch.Tensor:
-    """The one mask rule (the caches, paged.py, flash.py and speculative.py use it):
-    q_pos (..., T) and k_pos (L,) -> (..., T, L) bool, True where the query at
-    q_pos[i] may read the key at k_pos[j]: causal (a key at or before the query),
-    and with a sliding window only the last ``window`` positions. Key slots that
-    hold no token carry position -1 (ring) or a position beyond every query
-    (static, paged), so they are never visible."""
+    """The one mask rule (the caches, paged.py, flash.py and speculative.py use it): q_pos (..., T) and k_pos (L,)
+    -> (..., T, L) bool, True where the query at q_pos[i] may read the key at k_pos[j]: causal (a key at or before
+    the query), and with a sliding window only the last ``window`` positions. Key slots that hold no token carry
+    position -1 (ring) or a position beyond every query (static, paged), so they are never visible."""
     q, k = q_pos[..., None], k_pos
     ok = (k >= 0) & ((k <= q) if causal else torch.ones_like(q, dtype=torch.bool))
     if window is not None:
@@ -80,28 +83,21 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None 
 
 
 def causal_scores(new: int, total: int) -> int:
-    """How many query·key scores one head computes in one layer when the last ``new``
-    of ``total`` positions each read every key up to their own (what the causal mask
-    above allows, without a window): new·(total − new) + new(new + 1)/2. A prefill of
-    L tokens: L(L+1)/2; one decode step at context L: L (model.py counts both)."""
+    """How many query·key scores one head computes in one layer when the last ``new`` of ``total`` positions each
+    read every key up to their own (what the causal mask above allows, without a window): new·(total − new) +
+    new(new + 1)/2. A prefill of L tokens: L(L+1)/2; one decode step at context L: L (model.py counts both)."""
     return new * (total - new) + new * (new + 1) // 2
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens two sequences share: what a cache of ``a`` can keep for ``b``."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def write_rows(store: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """The write of a static cache and a ring buffer: store (B, H, C, r), rows (T,)
-    long, new (B, H, T, r); row rows[i] of every (batch, head) gets new[:, :, i], in
-    place, and store is returned. The rows stay a tensor (index_copy_): no host sync,
-    and the same graph every step, which a compiled decode step needs."""
+    """The write of a static cache and a ring buffer: store (B, H, C, r), rows (T,) long, new (B, H, T, r); row
+    rows[i] of every (batch, head) gets new[:, :, i], in place, and store is returned. The rows stay a tensor
+    (index_copy_): no host sync, and the same graph every step, which a compiled decode step needs."""
     return store.index_copy_(2, rows, new)
 
 
@@ -182,9 +178,8 @@ class KVCache:
             self._reallocate(self.capacity, rows)
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """Called once per forward pass with the new tokens' positions (T,).
-        Returns the (T, L) mask for the keys that update() will return, or None
-        when every returned key is visible (one new token, no window)."""
+        """Called once per forward pass with the new tokens' positions (T,). Returns the (T, L) mask for the keys
+        that update() will return, or None when every returned key is visible (one new token, no window)."""
         raise NotImplementedError
 
     def _write(self, layer: int, k, v, positions):
@@ -228,16 +223,14 @@ class DynamicCache(KVCache):
 
     def _write(self, layer, k, v, positions):
         end = self._start + k.shape[2]
-        self.k[layer][:, :, self._start:end] = k
-        self.v[layer][:, :, self._start:end] = v
+        self.k[layer][:, :, self._start:end], self.v[layer][:, :, self._start:end] = k, v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class StaticCache(KVCache):
-    """Preallocated to ``max_len``; position p lives in row p. Attention always
-    reads all ``max_len`` rows and the mask hides rows past the query, so the
-    shapes of a decode step never change (one compilation) and a crop is free:
-    stale rows sit beyond every future query until they are overwritten."""
+    """Preallocated to ``max_len``; position p lives in row p. Attention always reads all ``max_len`` rows and
+    the mask hides rows past the query, so the shapes of a decode step never change (one compilation) and a crop
+    is free: stale rows sit beyond every future query until they are overwritten."""
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu",
                  window=None, codec=None):
@@ -309,36 +302,104 @@ class SlidingWindowCache(KVCache):
 
 
 # ----------------------------------------------------------------------------
+# Offloading: a cache bigger than the device, paid for in transfers.
+
+PCIE_GBPS = 25   # PCIe 4.0 x16, host to GPU: what a copy reaches of its 32 GB/s
+
+
+class OffloadedCache(DynamicCache):
+    """The cache lives in a big, slow memory (the store); each layer's K/V visit the device only while it runs.
+
+    On a GPU the store is pinned host memory (the copy engine reads it directly, so copies run on a side stream
+    while the GPU computes) and the device holds two layers' K/V: the one computing and the next one arriving.
+    Before layer i's attention, layer i+1's stored rows are already being copied (prefetch); the rows a pass
+    writes go back to the store. The rest is DynamicCache's: rows, growth, crop, fork, move, the mask.
+
+    Cost model. Device memory: 2/n_layers of the cache (SmolLM2's 30 layers: 15× the context). Transfers: a pass
+    copies every layer's stored rows in and its new rows out, so
+
+        bytes moved per step (``step_moved``) = length after the step · bytes per token (the formula at the top)
+
+    the whole cache, every step. Llama-3-70B at 32K in fp16: 10 GiB per token, 0.43 s at 25 GB/s (PCIe 4 x16),
+    where reading it from HBM at 3.35 TB/s (H100) takes 3.2 ms: it buys capacity and costs time, unless compute
+    as long hides the copy (a big batch, a long prefill; never batch-1 decode).
+
+    On a CPU the store is a plain CPU tensor and the working buffers share its RAM: each copy is a memcpy that
+    reads and writes every byte, some GB/s like PCIe, so the slowdown measured (`python bench.py offload`) is
+    that of moving the cache once per step, every byte counted (a memory-mapped file would only add page faults:
+    the page cache serves it from the same RAM). The prefetch is a synchronous copy at the same point in the
+    code: copy and attention share the cores and the memory bus, so a thread buys no overlap."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                 window=None, chunk=256, codec=None):
+        self.compute = device = torch.device(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # the side stream
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, "cpu", window, chunk, codec)
+        self.work, self.ready = [], [None, None]   # the device's working buffers, and their copies' events
+
+    def _alloc(self, capacity):
+        """Rows outermost ((C, B, H, r) seen as (B, H, C, r)): n rows are one block, one DMA copy; pinned on a GPU."""
+        b, h, d, dtype, _ = self.spec
+        r, dtype = (d, dtype) if self.codec is None else (self.codec.row_bytes(d), torch.uint8)
+        return torch.zeros(capacity, b, h, r, dtype=dtype, pin_memory=self.stream is not None).permute(1, 2, 0, 3)
+
+    def begin(self, positions):
+        mask, self.step_moved = super().begin(positions), 0
+        if not self.work or self.work[0][0].shape[2] < self.capacity:    # (K, V) of 2 layers, grown with the store
+            self.work = [[torch.empty_like(self.k[0], device=self.compute) for _ in "kv"] for _ in range(2)]
+        self._copy(0, slice(0, self._start), to_store=False)     # layer 0's, before anything computes
+        return mask
+
+    def _copy(self, layer: int, rows: slice, to_store: bool):
+        """Stored rows -> the layer's working buffer, or (to_store) the buffer's rows -> the store."""
+        side, work = self.stream is not None, self.work[layer % 2]
+        if side:   # after the main stream's work so far: its last read (or its write) of the buffer
+            self.stream.wait_stream(torch.cuda.current_stream(self.compute))
+        with torch.cuda.stream(self.stream):     # a no-op for None: the copy runs here and now
+            for store, buf in zip((self.k[layer], self.v[layer]), work):
+                store, buf = store[:, :, rows], buf[:, :, rows]
+                (store if to_store else buf).copy_(buf if to_store else store, non_blocking=side)
+                self.step_moved += store.numel() * store.element_size()
+            self.ready[layer % 2] = self.stream.record_event() if side else None
+
+    def _write(self, layer, k, v, positions):
+        if self.stream is not None:        # this layer's rows have arrived
+            torch.cuda.current_stream(self.compute).wait_event(self.ready[layer % 2])
+        if layer + 1 < len(self.layers):   # the next layer's travel while this one computes
+            self._copy(layer + 1, slice(0, self._start), to_store=False)
+        (K, V), end = self.work[layer % 2], self._start + k.shape[2]
+        K[:, :, self._start:end], V[:, :, self._start:end] = k, v
+        self._copy(layer, slice(self._start, end), to_store=True)
+        if self.stream is not None and layer + 1 == len(self.layers):
+            self.stream.synchronize()      # the store is whole before the host reads it (crop, move, growth)
+        return K[:, :, :end], V[:, :, :end]
+
+
+# ----------------------------------------------------------------------------
 # Paged storage: the tensors behind paged.py's bookkeeping.
 #
-# One pool per layer for K and one for V,
-# each [num_blocks, block_size, n_kv_heads, d_head], allocated once. A forward
-# pass runs a batch of sequences, one per row, each with its own block table:
+# One pool per layer for K and one for V, each [num_blocks, block_size, n_kv_heads, d_head], allocated
+# once. A forward pass runs a batch of sequences, one per row, each with its own block table:
 #
-#   scatter  the new K/V rows go to their slots, table.slot(p) for each new
-#            position p, viewing the pool as [num_blocks * block_size, ...];
-#   gather   each row's keys are read through its table, block by block:
-#            pool[block_ids] is [n_blocks, block_size, ...] = the sequence's
-#            tokens in order; rows are padded to the longest table;
-#   mask     key j is visible to a query at position p iff j <= p, so a
-#            shorter row's padding (j beyond its length) and the unwritten
-#            tail of its last block are hidden; positions say it all.
+#   scatter  the new K/V rows go to their slots, table.slot(p) for each new position p, viewing the pool
+#            as [num_blocks * block_size, ...];
+#   gather   each row's keys are read through its table, block by block: pool[block_ids] is [n_blocks,
+#            block_size, ...] = the sequence's tokens in order; rows are padded to the longest table;
+#   mask     key j is visible to a query at position p iff j <= p, so a shorter row's padding (j beyond
+#            its length) and the unwritten tail of its last block are hidden; positions say it all.
 #
-# The model does not change: the cache keeps the interface above
-# (``begin(positions)`` returns the mask once per pass, each layer's
-# ``update(k, v, positions)`` returns (B, n_kv, L, d) keys and values), and
+# The model does not change: the cache keeps the interface above (``begin(positions)`` returns the mask
+# once per pass, each layer's ``update(k, v, positions)`` returns (B, n_kv, L, d) keys and values), and
 # attend() takes a (B, 1, T, L) mask as it takes a (T, L) one.
 #
-# What the gather costs. It copies every row's K and V once per layer per
-# step: B · L · 2 · n_kv · d · dtype bytes, L the longest table in tokens. For
-# SmolLM2 in fp32 that is 1.5 KiB per token per layer: a decode step of 16
-# sequences of ~200 tokens copies 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141
-# MiB over 30 layers, against 540 MB of weights the step reads anyway.
-# Measured in such a step (one thread): the gathers take 6% of it. On a GPU a
-# decode step reads the blocks in place instead (kernels.paged_decode, a Triton
-# kernel that follows the block table per key): the layer's ``attend`` then
-# replaces update + the model's attention. Prefill and verification passes
-# (T > 1), CPU pools and quantized pools (a codec) keep the gather.
+# What the gather costs. It copies every row's K and V once per layer per step: B · L · 2 · n_kv · d ·
+# dtype bytes, L the longest table in tokens. For SmolLM2 in fp32 that is 1.5 KiB per token per layer: a
+# decode step of 16 sequences of ~200 tokens copies 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141 MiB over
+# 30 layers, against 540 MB of weights the step reads anyway. Measured in such a step (one thread): the
+# gathers take 6% of it. On a GPU a decode step reads the blocks in place instead (kernels.paged_decode,
+# a Triton kernel that follows the block table per key): the layer's ``attend`` then replaces update +
+# the model's attention. Prefill and verification passes (T > 1), CPU pools and quantized pools (a
+# codec) keep the gather.
 
 
 class PagedKVCache:
@@ -462,6 +523,7 @@ PRESETS = {  # name: (layers, KV heads, d_head)
     "tinyllama": (22, 4, 64),
     "smollm2-135m": (30, 3, 64),
 }
+MLA_PRESETS = {"deepseek-v2": (60, 512, 64), "deepseek-v3": (61, 512, 64)}   # (layers, latent, RoPE key width)
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 
 
@@ -486,51 +548,58 @@ def shape_of(config: str) -> tuple[int, int, int]:
 
 
 def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | None) -> str:
-    layers, kv_heads, d_head = shape_of(config)
     size = DTYPE_BYTES[dtype]
-    per_layer = kv_bytes_per_token(1, kv_heads, d_head, size)
-    per_token = per_layer * layers
-    lines = [f"{config}: {layers} layers, {kv_heads} KV heads, d_head {d_head}, {dtype}",
-             f"  per token per layer: 2 · {kv_heads} · {d_head} · {size} = {per_layer:.0f} B/token/layer",
-             f"  per token:           {human(per_token)}/token",
-             f"  per sequence of {seq}: {human(per_token * seq)}",
-             f"  batch of {batch}:      {human(per_token * seq * batch)}"]
+    if config in MLA_PRESETS:
+        layers, latent, rope = MLA_PRESETS[config]
+        per_layer = (latent + rope) * size      # the docstring's MLA formula
+        lines = [f"{config}: {layers} layers, MLA: a {latent}-wide latent + a {rope}-wide RoPE key, {dtype}",
+                 f"  per token per layer: ({latent} + {rope}) · {size} = {per_layer:.0f} B/token/layer"]
+    else:
+        layers, kv_heads, d_head = shape_of(config)
+        per_layer = kv_bytes_per_token(1, kv_heads, d_head, size)
+        lines = [f"{config}: {layers} layers, {kv_heads} KV heads, d_head {d_head}, {dtype}",
+                 f"  per token per layer: 2 · {kv_heads} · {d_head} · {size} = {per_layer:.0f} B/token/layer"]
+    per_token, total = per_layer * layers, per_layer * layers * seq * batch
+    lines += [f"  per token:           {human(per_token)}/token",
+              f"  per sequence of {seq}: {human(per_token * seq)}",
+              f"  batch of {batch}:      {human(total)}",
+              f"  offloaded (OffloadedCache): all of it crosses the link every decode step, "
+              f"{1e3 * total / (PCIE_GBPS * 1e9):.0f} ms at {PCIE_GBPS} GB/s (PCIe 4 x16)"]
     if gpu_gib:
-        total = per_token * seq * batch
-        fits = int(gpu_gib * 2**30 // (per_token * seq))
-        lines.append(f"  on a {gpu_gib:g} GiB GPU: the cache alone takes {100 * total / (gpu_gib * 2**30):.0f}% "
-                     f"of memory; at most {fits} sequences of {seq} fit (before weights)")
+        room, fits = gpu_gib * 2**30, int(gpu_gib * 2**30 // (per_token * seq))
+        lines += [f"  on a {gpu_gib:g} GiB GPU: the cache alone takes {100 * total / room:.0f}% "
+                  f"of memory; at most {fits} sequences of {seq} fit (before weights)",
+                  f"  longest context there, batch {batch}: {int(room // (per_token * batch))} tokens; offloaded "
+                  f"(2 layers on the GPU): {int(room // (2 * per_layer * batch))}"]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------
 # What each kind of cache holds as the context grows (`python kvcache.py --plot`).
 #
-# The formula says what one token costs; what a cache holds also depends on how it
-# allocates. With tokens arriving one at a time (a generation):
+# The formula says what one token costs; what a cache holds also depends on how it allocates. With
+# tokens arriving one at a time (a generation):
 #   dynamic   one chunk of 256 rows, then doubling: past 256 tokens, up to 2× the rows needed
 #   static    max_len rows from the start, whatever the context
 #   sliding   window + slack rows from the start, never more
 #   paged     whole 16-token blocks: at most 15 rows unused per sequence
-# An int8 row (quantize.py) is d_head values plus an fp16 scale: 66 B for d_head 64,
-# 52% of fp16's 128 B.
+# An int8 row (quantize.py) is d_head values plus an fp16 scale: 66 B for d_head 64, 52% of fp16's 128
+# B.
 
 KINDS = ("dynamic", "static", "sliding", "paged")
 
 
 def row_bytes(head_dim: int, dtype: str) -> int:
-    """One token's K (or V) for one KV head, as a cache stores it. int8 is
-    quantize.py's KV row: d_head int8 values, then the fp16 scale of that token and
-    head (the formula is written out here because the caches sit below quantize.py;
-    a test holds the two equal). The calculator above counts int8 values only."""
+    """One token's K (or V) for one KV head, as a cache stores it. int8 is quantize.py's KV row: d_head int8
+    values, then the fp16 scale of that token and head (the formula is written out here because the caches sit
+    below quantize.py; a test holds the two equal). The calculator above counts int8 values only."""
     return head_dim + 2 if dtype == "int8" else head_dim * DTYPE_BYTES[dtype]
 
 
 def rows_held(kind: str, contexts: list[int], max_len: int, window: int, block_size: int = 16) -> list[int]:
-    """Rows per layer and KV head that a cache of ``kind`` holds once each of
-    ``contexts`` tokens has arrived, one at a time. The contiguous kinds are asked
-    directly: real caches of one layer, one head and d_head 1 on the meta device
-    (no memory, no arithmetic), so the curves follow the classes' own rules."""
+    """Rows per layer and KV head that a cache of ``kind`` holds once each of ``contexts`` tokens has arrived,
+    one at a time. The contiguous kinds are asked directly: real caches of one layer, one head and d_head 1 on
+    the meta device (no memory, no arithmetic), so the curves follow the classes' own rules."""
     tiny = dict(dtype=torch.float16, device="meta")
     if kind == "dynamic":
         cache, held = DynamicCache(1, 1, 1, 1, **tiny), {}
@@ -604,7 +673,8 @@ def plot_bytes(config: str, seq: int, window: int, block_size: int = 16) -> Path
 
 def _main():
     ap = argparse.ArgumentParser(description="KV cache memory calculator: bytes per token, per sequence, per batch")
-    ap.add_argument("--config", default="smollm2-135m", help=f"config.json path or preset: {', '.join(PRESETS)}")
+    ap.add_argument("--config", default="smollm2-135m",
+                    help=f"config.json path or preset: {', '.join([*PRESETS, *MLA_PRESETS])}")
     ap.add_argument("--seq", type=int, default=None, help="tokens (default 32768; with --plot the longest "
                     "context drawn, default 8192, SmolLM2's context)")
     ap.add_argument("--batch", type=int, default=1)

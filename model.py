@@ -51,7 +51,7 @@ import checkpoint
 import flash
 import kernels
 import quantize
-from kvcache import DynamicCache, KVCache, SlidingWindowCache, StaticCache, attention_mask, causal_scores
+from kvcache import DynamicCache, KVCache, OffloadedCache, SlidingWindowCache, StaticCache, causal_scores
 from sampling import SamplingParams, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
 
@@ -159,6 +159,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.config = cfg     # the model's own: its sliding_window, read at each pass
         # W_q, W_k, W_v stacked into one matrix: one matmul call instead of three (see FUSED)
         self.split = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
@@ -174,15 +175,19 @@ class Attention(nn.Module):
         in_place = getattr(cache_layer, "in_place", False)     # a paged decode step on a GPU (kvcache.py)
         if cache_layer is not None and not in_place:
             k, v = cache_layer.update(k, v, positions)   # all K/V so far: (B, n_kv, L, d)
-        y = cache_layer.attend(q, k, v) if in_place else attend(q, k, v, mask, attn)
+        window = self.config.sliding_window if cache_layer is None and mask is None else None   # else in the mask
+        y = cache_layer.attend(q, k, v) if in_place else attend(q, k, v, mask, attn, window)
         return kernels.linear(y.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 
 ATTN = ("sdpa", "flash", "naive", "triton")   # attend()'s implementations: --attn
+CACHES = ("dynamic", "static", "sliding", "offloaded")   # Llama.new_cache's kinds: --cache
 
 
-def attend(q, k, v, mask, impl: str = "sdpa"):
+def attend(q, k, v, mask, impl: str = "sdpa", window: int | None = None):
     """softmax(q·kᵀ/√d)·v for q (B, H, T, d) over k, v (B, H_kv, L, d); mask (T, L) or None = causal.
+    ``window``: causal over the last ``window`` keys only (a sliding-window model without a cache); flash.py's
+    tiles skip the keys outside it, whatever ``impl``, so no T×L mask is ever built (but by "naive").
 
     impl "sdpa" (the default) is described below. "flash" runs flash.py's own kernels:
     Q×K/V tiles with causal tile skipping for prefill (compiled once a prompt fills a
@@ -199,13 +204,13 @@ def attend(q, k, v, mask, impl: str = "sdpa"):
     SDPA with a mask, bf16, 9 heads × 512 keys). K/V gathered head-major (the
     paged pool) batch in (H_kv, B) order, so matmul copies them no second time."""
     if impl == "naive":
-        return flash.naive(q, k, v, causal=mask is None, mask=mask)[0]
-    if impl in ("flash", "triton"):    # mask None: causal, the T queries being the last T positions
+        return flash.naive(q, k, v, causal=mask is None, mask=mask, window=window)[0]
+    if impl in ("flash", "triton") or window and q.shape[2] > 1:    # mask None: causal, queries = last T positions
         if q.shape[2] == 1:
             return (flash.decode if impl == "flash" else flash.triton_decode)(q, k, v, mask, causal=mask is None)[0]
         if impl == "triton":
-            return flash.triton_attention(q, k, v, causal=mask is None, mask=mask)[0]
-        return flash.attention(q, k, v, causal=mask is None, mask=mask, compiled=True)[0]
+            return flash.triton_attention(q, k, v, causal=mask is None, mask=mask, window=window)[0]
+        return flash.attention(q, k, v, causal=mask is None, mask=mask, window=window, compiled=impl == "flash")[0]
     (B, H, T, d), n_kv = q.shape, k.shape[1]
     if T > 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=H != n_kv)
@@ -323,13 +328,10 @@ class Llama(nn.Module):
         if self.config.eagle and (features is None or features.shape[:2] != tokens.shape):
             raise ValueError(f"an EAGLE head needs the target's features for each of its {tuple(tokens.shape)} "
                              f"tokens, got {None if features is None else tuple(features.shape)}")
-        window = self.config.sliding_window
         if cache is not None:
             own = cache.begin(positions)      # host-side bookkeeping, then pure tensor work below
             mask = own if mask is None else mask
-        elif mask is None and window is not None and tokens.shape[1] > 1:
-            mask = attention_mask(positions, positions, window)
-        # else: the given mask, or None = causal (or a single position)
+        # else: the given mask, or None = causal (a sliding window's: attend() skips the tiles outside it)
         # the compiled step was traced for one token on a static cache; anything else runs eagerly
         compiled = self.compiled_step is not None and tokens.shape[1] == 1 and isinstance(cache, StaticCache)
         step = self.compiled_step if compiled else self.step
@@ -362,11 +364,9 @@ class Llama(nn.Module):
                                                                            requires_grad=False)
 
     def share_target(self, target: "Llama"):
-        """An EAGLE head reads tokens with the target's embedding and scores with
-        the target's LM head (its head_ids rows, copied once, in the head's own
-        dtype: drafting.narrow_draft runs a bf16 head under an fp32 target),
-        so its features mean what the target's mean and it stores neither
-        (~113 MB for SmolLM2)."""
+        """An EAGLE head reads tokens with the target's embedding and scores with the target's LM head (its head_ids
+        rows, copied once, in the head's own dtype: drafting.narrow_draft runs a bf16 head under an fp32 target), so
+        its features mean what the target's mean and it stores neither (~113 MB for SmolLM2)."""
         self.embed_tokens = target.embed_tokens
         w = target.lm_head.weight.detach()
         w = w if self.head_ids is None else w[self.head_ids]
@@ -375,35 +375,34 @@ class Llama(nn.Module):
 
     def new_cache(self, kind: str = "dynamic", max_len: int | None = None, batch: int = 1,
                   kv_dtype: str | None = None) -> KVCache:
-        """kind: dynamic (grows), static (preallocated to max_len, default the
-        model's context) or sliding (ring buffer; needs a sliding_window config).
-        kv_dtype: auto (the model's dtype), int8, fp8 or fp8-plain (quantize.py)."""
+        """kind (CACHES): dynamic (grows), static (preallocated to max_len, default the model's context),
+        sliding (ring buffer; needs a sliding_window config) or offloaded (in host memory, one layer at a time
+        on the device). kv_dtype: auto (the model's dtype), int8, fp8 or fp8-plain (quantize.py)."""
         c, w = self.config, self.norm.weight     # the blocks' dtype (an EAGLE head borrows its embedding)
         shape, codec = (c.n_layers, batch, c.n_kv_heads, c.head_dim), quantize.kv_codec(kv_dtype)
-        if kind == "dynamic":
-            return DynamicCache(*shape, dtype=w.dtype, device=w.device, window=c.sliding_window, codec=codec)
+        if kind in ("dynamic", "offloaded"):
+            grows = DynamicCache if kind == "dynamic" else OffloadedCache
+            return grows(*shape, dtype=w.dtype, device=w.device, window=c.sliding_window, codec=codec)
         if kind == "static":
             return StaticCache(*shape, max_len or c.max_seq_len, w.dtype, w.device, c.sliding_window, codec)
         if kind == "sliding":
             if c.sliding_window is None:
                 raise ValueError("--cache sliding needs a model whose config.json sets sliding_window")
             return SlidingWindowCache(*shape, c.sliding_window, w.dtype, w.device, codec=codec)
-        raise ValueError(f"unknown cache kind '{kind}': use dynamic, static or sliding")
+        raise ValueError(f"unknown cache kind '{kind}': use {', '.join(CACHES)}")
 
     def compile_decode(self):
-        """Compile the one-token step (use it with a StaticCache, whose shapes never
-        change, so it compiles once): the elementwise work between the matrix
-        products fuses into a few loops and the per-op dispatch of the eager step
-        goes away (kernels.compile_step says how, and what each setting buys)."""
+        """Compile the one-token step (use it with a StaticCache, whose shapes never change, so it compiles once):
+        the elementwise work between the matrix products fuses into a few loops and the per-op dispatch of the eager
+        step goes away (kernels.compile_step says how, and what each setting buys)."""
         self.compiled_step = kernels.compile_step(self.step, self.norm.weight.device)
         return self
 
     @classmethod
     def from_pretrained(cls, model_dir, device=None, dtype=None, cfg: LlamaConfig | None = None,
                         attn: str = "sdpa") -> "Llama":
-        """Build on the meta device (no memory), then adopt the checkpoint's
-        mmap-backed tensors with assign=True: no random init, no second copy.
-        A checkpoint written by quantize.py loads as it is stored (int8/int4)."""
+        """Build on the meta device (no memory), then adopt the checkpoint's mmap-backed tensors with assign=True:
+        no random init, no second copy. A checkpoint written by quantize.py loads as it is stored (int8/int4)."""
         cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
         device = kernels.pick_device(device)
         dtype = kernels.pick_dtype(dtype, device)
@@ -447,11 +446,10 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
 
 def build(model_dir, device=None, dtype=None, weights: str | None = None, group_size: int = quantize.GROUP,
           attn: str = "sdpa", prepacked: bool = True, prepare: bool = True, cfg: LlamaConfig | None = None) -> Llama:
-    """The one way a model is assembled from a checkpoint directory: read it, quantize
-    every Linear if ``weights`` (int8/int4) asks, give the CPU's eager passes their
-    prepacked weights (``prepacked=False`` keeps one copy: half the memory, slower
-    several-position passes; kernels.prepack). ``prepare=False`` keeps quantized layers
-    in their portable layout only, for writing a checkpoint."""
+    """The one way a model is assembled from a checkpoint directory: read it, quantize every Linear if ``weights``
+    (int8/int4) asks, give the CPU's eager passes their prepacked weights (``prepacked=False`` keeps one copy: half
+    the memory, slower several-position passes; kernels.prepack). ``prepare=False`` keeps quantized layers in their
+    portable layout only, for writing a checkpoint."""
     quantize.check_scheme(weights, group_size)
     cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
     if cfg.quantization and weights not in (None, "auto"):

@@ -39,7 +39,7 @@ import quantize
 import speculative
 import tp
 from kvcache import common_prefix
-from model import (ATTN, DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
+from model import (ATTN, CACHES, DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
                    generate_cached, generate_naive, load)
 from sampling import SamplingParams
 from tokenizer import Tokenizer
@@ -296,8 +296,9 @@ def parse_args(argv=None):
                     "(default: 0.9)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--decoder", choices=list(DECODERS), default="cached")
-    ap.add_argument("--cache", choices=["dynamic", "static", "sliding"], default="dynamic",
-                    help="KV cache: grows (dynamic), preallocated (static), or a ring (sliding-window models)")
+    ap.add_argument("--cache", choices=list(CACHES), default="dynamic",
+                    help="KV cache: grows (dynamic), preallocated (static), a ring (sliding-window models), or "
+                         "grows in host memory and visits the device a layer at a time (offloaded)")
     ap.add_argument("--ctx", type=int, default=None,
                     help="the context in tokens of a preallocated cache: --cache static (attention reads all "
                          "of it every step, so size it to the conversation) or --kv paged, the block pool "
@@ -451,9 +452,9 @@ def check_flags(args):
     """Flags that make no sense together: one line each, before anything loads."""
     if args.ctx is not None and args.ctx < 1:
         raise ValueError(f"--ctx must be at least 1 token, got {args.ctx}")
-    if args.ctx is not None and args.cache == "dynamic" and args.kv != "paged":
-        raise ValueError("--ctx sizes a preallocated cache: add --cache static or --kv paged (the default "
-                         "dynamic cache grows up to the model's context by itself)")
+    if args.ctx is not None and args.cache in ("dynamic", "offloaded") and args.kv != "paged":
+        raise ValueError("--ctx sizes a preallocated cache: add --cache static or --kv paged (the dynamic "
+                         "and offloaded caches grow up to the model's context by themselves)")
     if args.block_size is not None and args.kv != "paged":
         raise ValueError("--block-size sets the blocks of the paged pool: add --kv paged")
     if args.adaptive_k and args.draft is None:

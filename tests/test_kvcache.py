@@ -66,7 +66,7 @@ def test_write_rows_puts_each_row_where_its_position_says():
     assert ring.k[0].flatten().tolist() == [14, 15, 12, 13]                       # rows 0..3: positions 4, 5, 2, 3
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "offloaded"])
 def test_caches_equal_naive_greedy(llama, kind):
     for prompt in PROMPTS:
         naive = list(M.generate_naive(llama, prompt, M.SamplingParams(max_new_tokens=70)))
@@ -89,7 +89,23 @@ def test_sliding_window_model_matches_transformers_mistral(mistral):
     ours.config.sliding_window = WINDOW
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_sliding_window_without_cache_builds_no_full_mask(mistral, monkeypatch):
+    """No cache: each layer attends through flash.attention(window=), which skips the tiles outside the
+    window; the only masks built are flash's own, one 256×256 tile at most, never 600×600."""
+    import flash
+    ours, ref = mistral
+    calls, shapes, mask_rule, real = [], [], K.attention_mask, flash.attention
+    monkeypatch.setattr(flash, "attention", lambda *a, **kw: calls.append((kw["window"], kw["mask"])) or real(*a, **kw))
+    monkeypatch.setattr(flash, "attention_mask", lambda q, k, *a, **kw: shapes.append((len(q), len(k))) or
+                        mask_rule(q, k, *a, **kw))
+    ids = torch.randint(0, 320, (1, 600), generator=torch.Generator().manual_seed(1))
+    got = ours(ids, torch.arange(600))          # attn "sdpa": flash's tiles, run eagerly
+    with torch.no_grad():
+        assert (got - ref(ids).logits).abs().max() < 1e-4
+    assert calls == [(WINDOW, None)] * 2 and max(shapes) == (256, 256)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "offloaded"])
 def test_sliding_window_caches_equal_naive(mistral, kind):
     model, _ = mistral
     for prompt in PROMPTS:   # the 40-token prompt is longer than the window
@@ -119,7 +135,7 @@ def test_sliding_crop_beyond_slack_is_refused(mistral):
         cache.crop(10)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "offloaded"])
 def test_fork_shares_until_write_and_branches_are_independent(llama, kind):
     prefix, questions = list(range(30, 70)), [[5, 6, 7], [9], [11, 12]]
     cache = llama.new_cache(kind, max_len=128)

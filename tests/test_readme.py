@@ -74,6 +74,8 @@ SLOW = {
     "python bench.py decode --models smollm2-135m --dtypes float32": "~4 min",
     "python bench.py quantize --eval": "~10 min",
     "python bench.py kv-bytes": "~30 s",
+    "python bench.py offload": "~2 min",
+    "python bench.py offload --threads 1": "~2 min",
     "python bench.py tp": "~1 min",
     "python engine.py": "~1 min",
     "python bench.py serve": "~6 min (llama-server beside it: scripts/build_llama_server.sh, ~10 min once)",
