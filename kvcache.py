@@ -486,8 +486,7 @@ class PagedKVCache:
         B, H = k.shape[:2]
         pool = self._scatter(layer, k, v)
         row = pool.shape[-1]                                          # d, or d + the scale's bytes
-        # Gather whole blocks in table order, head-major: (2, H, B, L, row) comes out contiguous,
-        # and model.attend batches over (H, B), so the keys are copied once, here, not twice.
+        # Whole blocks in table order, head-major: contiguous (2, H, B, L, row), which model.attend reads as is.
         kv = pool.permute(0, 3, 1, 2, 4).index_select(2, self._read.flatten()).view(2, H, B, -1, row)
         kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
         return kv[0].transpose(0, 1), kv[1].transpose(0, 1)              # (B, H, L, d) views
