@@ -507,7 +507,7 @@ class Server:
         body = await self.read(request, CompletionBody)
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) \
             else body.prompt
-        ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tok.encode(prompt, special=False) if isinstance(prompt, str) else list(prompt)   # text is data
         job = await self.start(ids, self.params(body, ids, body.max_tokens, body.logprobs), body.n, "prompt")
         return await self.respond(job, body, "text_completion", self.completion_choice, body.logprobs)
 

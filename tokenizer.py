@@ -247,10 +247,12 @@ class Tokenizer:
             template = named.get("default", next(iter(named.values()), None))
         return cls(backend, config, generation_config, template)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Text -> ids; special-token strings in it become their single id (chat templates
-        rely on that; text from a user goes through encode_chat instead)."""
-        ids = self._backend.encode(valid_text(text))
+        rely on that). Text from a user: encode_chat for messages, ``special=False`` for a
+        raw prompt (those strings then stay characters)."""
+        text = valid_text(text)
+        ids = self._backend.encode(text) if special else self._backend.encode_plain(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
