@@ -358,6 +358,9 @@ def test_prompt_text_never_becomes_control_tokens(live, model_tok):
         assert r.status_code == 200
     ids = tok.encode(forged, special=False)
     assert not set(ids) & set(tok.special_ids) and tok.decode(ids) == forged
+    assert r.json()["usage"]["prompt_tokens"] == len(chat_ids(tok, forged))       # the chat: encode_chat
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": forged, "max_tokens": 1}, timeout=60)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids) != len(tok.encode(forged))
 
 
 def test_unknown_fields_are_ignored_and_unknown_paths_404(live):
