@@ -1162,37 +1162,35 @@ def bench_serve(args):
     slots, threads = max(args.concurrency), torch.get_num_threads()
     log_dir = checkpoint.cache_root() / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    ours = start_server([sys.executable, "server.py", "--model", str(path), "--port", str(port),
-                         "--max-batch", str(slots)], port, log_dir / "server.log")
-    servers = [("nanoinfer server.py", ours, port)]
-    dtype = next(line for line in (log_dir / "server.log").read_text().splitlines() if "loaded in" in line)
-    dtype = "bf16" if "bfloat16" in dtype else "f32"
+    # One server at a time, each stopped before the next starts: (name, command, its log)
+    servers = [("nanoinfer server.py", [sys.executable, "server.py", "--model", str(path), "--max-batch", str(slots)],
+                log_dir / "server.log")]
     binary = None if args.no_peer else llama_server_binary()
     if binary is None and not args.no_peer:
         print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
     elif binary is not None:
-        gguf = log_dir / f"{path.name}-{dtype}.gguf"       # the same weights at our bits
+        # the same weights at our server's bits: fp32, or bf16 where this CPU computes it natively
+        dtype = "bf16" if kernels.bf16_supported(torch.device("cpu")) else "f32"
+        gguf = log_dir / f"{path.name}-{dtype}.gguf"
         if not gguf.is_file():
             print(f"writing {gguf} (once)", flush=True)
             checkpoint.export_gguf(path, gguf, LlamaConfig.from_hf(checkpoint.read_config(path)), dtype)
-        port2 = free_port()
-        peer = start_server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port2),
-                             "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
-                             "-c", str(slots * 1024), "--jinja"], port2, log_dir / "llama-server.log")
-        servers.append((f"llama-server {dtype.upper()}", peer, port2))
+        servers.append((f"llama-server {dtype.upper()}", [str(binary), "-m", str(gguf), "--host", "127.0.0.1",
+                        "-t", str(threads), "-tb", str(threads), "--parallel", str(slots), "-c", str(slots * 1024),
+                        "--jinja"], log_dir / "llama-server.log"))
     rows = []
-    try:
-        for name, proc, p in servers:
-            url = f"http://127.0.0.1:{p}"
+    for name, cmd, log in servers:
+        port = free_port()
+        proc = start_server(cmd + ["--port", str(port)], port, log)
+        try:
+            url = f"http://127.0.0.1:{port}"
             asyncio.run(serve_load(url, 2, serve_requests(2), 8, 5))        # warm-up: first calls of every kernel
             for c in args.concurrency:
                 r = asyncio.run(serve_load(url, c, serve_requests(16), args.max_tokens, args.seconds))
                 rows.append({"server": name, **r})
                 print(f"  {name}, {c:2} clients: {r['tok_s']:6.1f} tok/s, TTFT p50/p95 {r['ttft_p50']:.0f}/"
                       f"{r['ttft_p95']:.0f} ms, ITL p50/p95 {r['itl_p50']:.0f}/{r['itl_p95']:.0f} ms", flush=True)
-    finally:
-        for _, proc, _ in servers:
+        finally:
             proc.terminate()
             proc.wait(60)
     single = {r["server"]: r["tok_s"] for r in rows if r["concurrency"] == min(args.concurrency)}
