@@ -73,7 +73,8 @@ SLOW = {
     "python bench.py quantize --eval": "~10 min",
     "python bench.py kv-bytes": "~30 s",
     "python bench.py tp": "~1 min",
-    "python engine.py": "~1 min",
+    "python bench.py engine": "~1 min",
+    "python bench.py batching --long-prompts-only": "~3 min",
     "python bench.py serve": "~6 min (llama-server beside it: scripts/build_llama_server.sh, ~10 min once)",
 }
 
