@@ -1292,7 +1292,7 @@ def main():
     b.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); on a busy shared machine 1 avoids OpenMP stalls")
     b.add_argument("--long-prompts-only", action="store_true", help="only the chunked-prefill scenario")
-    b.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 256, 128],
+    b.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 256],
                    help="chunked prefill: tokens a step to compare (0: whole prompts, the baseline, first)")
     b.add_argument("--decoders", type=int, default=8, help="chunked prefill: requests decoding throughout")
     b.add_argument("--decode-tokens", type=int, default=64, help="chunked prefill: tokens each decoder produces")
