@@ -1295,8 +1295,8 @@ def main():
     b.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 256],
                    help="chunked prefill: tokens a step to compare (0: whole prompts, the baseline, first)")
     b.add_argument("--decoders", type=int, default=8, help="chunked prefill: requests decoding throughout")
-    b.add_argument("--decode-tokens", type=int, default=64, help="chunked prefill: tokens each decoder produces")
-    b.add_argument("--long-prompts", type=int, default=4, help="chunked prefill: 1,500-2,000-token prompts")
+    b.add_argument("--decode-tokens", type=int, default=32, help="chunked prefill: tokens each decoder produces")
+    b.add_argument("--long-prompts", type=int, default=2, help="chunked prefill: 1,500-2,000-token prompts")
     e = sub.add_parser("engine", help="engine.py: chat requests joining and leaving the batch, step by step")
     e.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     e.add_argument("--requests", type=int, default=8)
