@@ -5,7 +5,9 @@ markdown tables and saves them with results.save (results/<name>.json; plots und
     python bench.py decode                        # bundled model + TinyLlama-shaped random checkpoint
     python bench.py decode --model tinyllama-random --dtypes bfloat16
     python bench.py attention [--quick]           # flash.py: naive vs tiled vs SDPA, time and peak memory
-    python bench.py batching                      # engine.py: static vs continuous batching; prefix caching
+    python bench.py batching                      # engine.py: static vs continuous batching; prefix caching;
+                                                  # chunked prefill (--long-prompts-only: just that)
+    python bench.py engine                        # engine.py: chat requests joining and leaving the batch
     python bench.py engine-step                   # engine.py: one batched decode step, eager vs compiled
     python bench.py speculative                   # speculative.py: draft, lookahead, prompt lookup vs plain
     python bench.py prefix                        # kvcache.py: a shared prompt prefilled once and forked
@@ -36,6 +38,9 @@ batching: engine.py's continuous batching against static batching (batches of
 rows, or finished rows dropping out) on 64 chat-like requests queued at once,
 then time to first token for requests sharing a 1,171-token system prompt with
 the prefix cache off and on. Same engine, same kernels; only scheduling differs.
+Last, chunked prefill: 1,500-2,000-token prompts arriving while short requests
+decode, whole or in chunks of each --chunks size: the decoders' inter-token
+latency (p50, p95, max) and the total throughput.
 
 engine-step: one engine.py decode step (B rows, one token each, ~200 tokens
 of context per row, keys read through the paged pool) timed eagerly and
@@ -573,6 +578,8 @@ def bench_batching(args):
     if hint := kernels.busy_machine_hint():
         print(hint)
     model, tok = load(args.model, dtype=args.dtype)
+    if args.long_prompts_only:
+        return bench_long_prompts(model, args)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     jobs = chat_workload(args.requests, model.config.vocab_size, seed=0)
     outs = sorted(j.output_len for j in jobs)
@@ -623,6 +630,103 @@ def bench_batching(args):
     plot = plot_batching(runs, f"{args.model} ({dtype}), {torch.get_num_threads()} threads: {args.requests} chat "
                                f"requests queued at once, batches of {args.max_batch}, EOS ignored")
     print(f"saved {results.save('batching', 'engine', [scheduling, prefix], plots=[plot] if plot else [])}")
+    bench_long_prompts(model, args)
+
+
+@dataclass
+class LongPromptRun:
+    chunk: int | None
+    outputs: list[list[int]]   # every request's answer: the decoders', then the long prompts'
+    wall_s: float
+    gaps: list[float]          # the decoders' inter-token latencies, s
+    ttft: list[float]          # the long prompts' time to first token, s
+
+    def itl(self, q: float) -> float:
+        return float(np.quantile(self.gaps, q)) * 1000
+
+
+def run_long_prompts(model: Llama, decoders: list[Job], long: list[Job], every: int, chunk: int | None,
+                     max_batch: int) -> LongPromptRun:
+    """The decoders are queued at t = 0; long prompt i is added after step 2 + i * every,
+    while they decode. Records the gap between each decoder's consecutive tokens."""
+    eng = engine.Engine(model, max_batch=max_batch, chunk_tokens=chunk)
+    params = lambda j: SamplingParams(max_new_tokens=j.output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    reqs = [eng.add(j.prompt, params(j)) for j in decoders]
+    watched, last, gaps, late = {r.id for r in reqs}, {}, [], []
+    while eng.has_work() or len(late) < len(long):
+        if len(late) < len(long) and eng.stats["steps"] == 2 + len(late) * every:
+            late.append(eng.add(long[len(late)].prompt, params(long[len(late)])))
+        events = eng.step()
+        now = time.perf_counter()
+        for ev in events:
+            if ev.request_id in watched and ev.request_id in last:
+                gaps.append(now - last[ev.request_id])
+            last[ev.request_id] = now
+    return LongPromptRun(chunk, [r.sequences[0].output for r in reqs + late], time.perf_counter() - t0, gaps,
+                         [r.first_token - r.arrival for r in late])
+
+
+def bench_long_prompts(model: Llama, args):
+    """Chunked prefill: long prompts arrive while short ones decode. Without chunks each
+    stalls every decoder for its whole prefill; with them each step pays one chunk."""
+    rng = random.Random(1)
+    vocab = model.config.vocab_size
+    decoders = [Job(j.prompt, args.decode_tokens) for j in chat_workload(args.decoders, vocab, seed=1)]
+    long = [Job([rng.randrange(vocab) for _ in range(rng.randint(1500, 2000))], 8) for _ in range(args.long_prompts)]
+    every = max(1, (args.decode_tokens - 8) // args.long_prompts)
+    title = (f"chunked prefill, {args.model} ({str(model.embed_tokens.weight.dtype).removeprefix('torch.')}), "
+             f"{torch.get_num_threads()} threads: {args.decoders} requests decode {args.decode_tokens} tokens each "
+             f"while {args.long_prompts} prompts of {min(len(j.prompt) for j in long)}-"
+             f"{max(len(j.prompt) for j in long)} tokens arrive, one every {every} steps (8 new tokens each); "
+             "EOS ignored")
+    print(f"\n{title}", flush=True)
+    run_long_prompts(model, decoders[:2], [Job(long[0].prompt[:300], 2)], 2, 128, args.max_batch)   # warm-up
+    runs = []
+    for chunk in args.chunks:
+        runs.append(run_long_prompts(model, decoders, long, every, chunk or None, args.max_batch))
+        r = runs[-1]
+        print(f"  chunk {chunk or 'off'}: {r.wall_s:.1f} s, inter-token p95 {r.itl(0.95):.0f} ms", flush=True)
+    base = runs[0]
+    tokens = sum(map(len, base.outputs))
+    table = results.Table(title, ["prefill chunk (tokens a step)", "decoders' inter-token ms: p50", "p95", "max",
+                                  "p95 × no chunks", "long prompts' TTFT s (mean)", "wall s", "output tokens/s",
+                                  "tokens/s × no chunks"],
+                          [[r.chunk or "off (whole prompts)", f"{r.itl(0.5):.0f}", f"{r.itl(0.95):.0f}",
+                            f"{r.itl(1):.0f}", f"{r.itl(0.95) / base.itl(0.95):.2f}", f"{statistics.mean(r.ttft):.1f}",
+                            f"{r.wall_s:.1f}", f"{tokens / r.wall_s:.1f}", f"{base.wall_s / r.wall_s:.2f}"]
+                           for r in runs],
+                          [f"same tokens in every run (greedy): {all(r.outputs == base.outputs for r in runs)}; "
+                           f"{len(base.gaps)} inter-token gaps per run (the decoders'); a step with a chunk runs "
+                           "two forward passes, the chunk's then the decoders'"])
+    print(f"\n{table.markdown()}")
+    print(f"saved {results.save('chunked-prefill', 'engine', [table])}")
+
+
+# ----------------------------------------------------------------------------
+# engine: requests joining and leaving the batch, step by step, on the bundled model.
+
+def engine_demo(model_name: str, n: int, max_batch: int):
+    model, tok = load(model_name)
+    system = "You are a helpful assistant. Answer in one short sentence."
+    questions = ["What is 2+2?", "Name a colour.", "What is the capital of France?", "Say hello.",
+                 "What do bees make?", "Name a fruit.", "How many legs has a cat?", "What is ice?"]
+    eng = engine.Engine(model, max_batch=max_batch)
+    for i in range(n):   # the same system prompt: later requests find its blocks in the prefix cache
+        chat = [{"role": "system", "content": system}, {"role": "user", "content": questions[i % len(questions)]}]
+        ids = tok.encode(tok.apply_chat_template(chat), add_bos=False)
+        eng.add_request(ids, SamplingParams(max_new_tokens=8 + 6 * i))
+    print(f"{n} requests queued, max batch {max_batch}, {eng.allocator.num_blocks} blocks of "
+          f"{eng.allocator.block_size} tokens\n\nstep | running requests | blocks used | finished")
+    while eng.has_work():
+        events = eng.step()
+        done = [e.request_id for e in events if e.finished]
+        used = eng.allocator.num_blocks - eng.num_free_blocks
+        print(f"{eng.stats['steps']:4} | {' '.join(str(e.request_id) for e in events):24} | {used:11} | "
+              f"{' '.join(map(str, done))}")
+    s = eng.stats
+    print(f"\n{s['steps']} steps; prefill computed {s['prefill_tokens']} tokens, found {s['cached_tokens']} in the "
+          f"prefix cache; {s['decode_tokens']} decode rows; every block back: {eng.num_free_blocks} free")
 
 
 # ----------------------------------------------------------------------------
@@ -1312,6 +1416,17 @@ def main():
     b.add_argument("--skip-dropped", action="store_true", help="skip the static run whose finished rows drop out")
     b.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); on a busy shared machine 1 avoids OpenMP stalls")
+    b.add_argument("--long-prompts-only", action="store_true", help="only the chunked-prefill scenario")
+    b.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 256],
+                   help="chunked prefill: tokens a step to compare (0: whole prompts, the baseline, first)")
+    b.add_argument("--decoders", type=int, default=8, help="chunked prefill: requests decoding throughout")
+    b.add_argument("--decode-tokens", type=int, default=32, help="chunked prefill: tokens each decoder produces")
+    b.add_argument("--long-prompts", type=int, default=2, help="chunked prefill: 1,500-2,000-token prompts")
+    e = sub.add_parser("engine", help="engine.py: chat requests joining and leaving the batch, step by step")
+    e.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    e.add_argument("--requests", type=int, default=8)
+    e.add_argument("--max-batch", type=int, default=4)
+    e.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     es = sub.add_parser("engine-step", help="engine.py: one batched decode step, eager vs compiled per batch size")
     es.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     es.add_argument("--dtype", default="float32", choices=list(kernels.DTYPES))
@@ -1394,6 +1509,12 @@ def main():
             bench_batching(args)
         elif args.cmd == "engine-step":
             bench_engine_step(args)
+        elif args.cmd == "engine":
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            if hint := kernels.busy_machine_hint():
+                print(hint)
+            engine_demo(args.model, args.requests, args.max_batch)
         elif args.cmd == "decode":
             bench_decode(args)
         elif args.cmd == "attention":

@@ -17,7 +17,7 @@ Continuous batching (Orca's "iteration-level scheduling") decides every step:
 
     each step:
         admit waiting requests while the pool has blocks and the batch has room
-            (prefill: compute the prompt's K/V, sample the first token);
+            (prefill: compute the prompt's K/V, a chunk a step; the last samples the first token);
         one batched decode step for every running sequence, whatever its length;
         retire the finished ones and free their blocks at once.
 
@@ -42,13 +42,18 @@ The parts, bottom up:
 
 Decisions, and what they cost:
 
-* Prefill runs one sequence per forward pass (B = 1, T = its uncached tokens),
-  reading any cached prefix through its table; all running sequences then
-  decode in one pass. Prompts are not chunked: a long prompt stalls the
-  running sequences for one long step (1,186 tokens of SmolLM2 fp32 took as
-  long as ~100 decode steps). Chunked prefill would split it across steps; it would also
-  have to keep later requests from hitting the blocks of a prompt not yet
-  computed, since the allocator enters them in the prefix cache on admission.
+* Chunked prefill. Prefill runs one sequence per forward pass (B = 1, T = its
+  uncached tokens), reading any cached prefix through its table; the running
+  sequences then decode in a second pass (one pass would need ragged attention:
+  rows of T = 256 beside rows of T = 1). A long prompt prefilled whole would
+  stall them one long step (1,186 tokens of SmolLM2 fp32 cost ~100 decode
+  steps), so a step computes at most ``chunk_tokens`` prompt tokens (256; None:
+  whole prompts): a longer prompt's steps each pay one chunk, and it holds a batch
+  slot but no decode row until its last chunk samples its first token. Its table
+  holds only the tokens computed so far plus this step's chunk: the allocator
+  enters a full block in the prefix cache when a table gets it, so a later
+  request never hits a block not yet computed, and a sequence preempted or
+  cancelled part-way leaves only computed blocks cached.
 * Prefix caching: a request whose leading blocks are cached (an earlier
   request with the same system prompt, the previous turn of a chat) computes
   only the rest. ``session`` keeps a finished request's table alive, so the
@@ -60,9 +65,8 @@ Decisions, and what they cost:
   prefix cache, which keeps its full blocks until they are evicted) and goes
   on. It samples nothing twice, so its output does not change. The cost is
   the recompute: its tokens beyond the cached blocks, once.
-* n > 1 samples fork the prompt's table after one prefill (copy-on-write):
-  branch i samples with seed + i, so each branch produces the tokens of an
-  independent run with that seed.
+* n > 1 samples fork the prompt's table after one prefill (copy-on-write): branch
+  i samples with seed + i, as an independent run with that seed would.
 * Exactness. A row's arithmetic is not bit-identical across batch sizes and
   key paddings (other matmul blockings, other reduction lengths): SmolLM2's
   logits (up to ~30) differ from the contiguous cache's by up to 1e-4, 3e-5
@@ -72,10 +76,10 @@ Decisions, and what they cost:
   a CPU: inductor turns each layer's in-place write into the pool into a copy of that layer's
   whole pool, and its fused one-row product reads the weights once per row (bench.py engine-step).
 
-`python engine.py` shows requests joining and leaving the batch step by step,
-`python engine.py --trace` the blocks each step takes, shares, copies and frees;
-`python bench.py batching` measures continuous against static batching and
-prefix caching (RESULTS.md); server.py serves the engine over HTTP.
+`python engine.py --trace` shows the blocks each step takes, shares, copies and
+frees; `python bench.py engine` chat requests joining and leaving the batch on
+the bundled model; `python bench.py batching` measures continuous against static
+batching, prefix caching and chunked prefill (RESULTS.md); server.py serves it.
 """
 
 from __future__ import annotations
@@ -92,8 +96,6 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-import checkpoint
-import kernels
 import quantize
 from kvcache import PagedKVCache, kv_bytes_per_token
 from model import Llama, LlamaConfig, load
@@ -137,6 +139,9 @@ class Sequence:
     finish_reason: str | None = None  # stop (EOS), length (max_new_tokens or context), cancelled
     forks: int = 0                    # branches to fork from this one right after its first prefill
     n_cached: int = 0                 # tokens of the table already computed when admitted
+    n_computed: int = 0               # while prefilling: tokens of the table computed before this step's chunk
+    prefilling: bool = False          # its prompt is not all computed after this step's chunk: no decode row yet
+    preempted: bool = False           # preempted at least once: admitting it again recomputes
     generator: object = None          # the engine's sampling state (a torch.Generator or None)
     logprobs: list = field(default_factory=list)   # per output token, with params.logprobs: (top values, ids, chosen's)
 
@@ -159,9 +164,10 @@ class Scheduler:
     """Waiting queue, running batch and the block allocator behind them.
 
     Invariant: a running sequence's table holds its prompt and every output token
-    but the last, whose K/V the next decode step computes. A waiting sequence
-    holds no blocks; admitting it computes all its tokens (the prompt, plus its
-    output so far if it was preempted) and samples its next token."""
+    but the last, whose K/V the next decode step computes; while it is prefilling,
+    the tokens computed so far. A waiting sequence holds no blocks; admitting it
+    computes all its tokens (the prompt, plus its output so far if it was
+    preempted), chunk by chunk, and samples its next token."""
 
     def __init__(self, allocator: BlockAllocator, max_batch: int, watermark: float = 0.01):
         self.alloc, self.max_batch = allocator, max_batch
@@ -178,26 +184,49 @@ class Scheduler:
     def add(self, seq: Sequence):
         self.waiting.append(seq)
 
-    def admit(self) -> Iterator[Sequence]:
-        """Admit waiting sequences first come first served, each with a table that
-        holds its tokens (``seq.n_cached`` of them already computed). The caller
-        must run each one's prefill before taking the next: its new full blocks are
-        in the prefix cache already, and the next one may hit them."""
-        while self.waiting:
+    def admit(self, budget: int | None = None) -> Iterator[Sequence]:
+        """This step's prefill work, at most ``budget`` tokens (None: whole prompts): the
+        sequence part-way through its prompt first, then waiting ones first come first
+        served, while the pool has blocks and the batch has room. A yielded sequence's
+        table ends with this step's chunk, after ``seq.n_computed`` computed tokens;
+        ``seq.prefilling``: more chunks follow. The caller must compute each chunk before
+        taking the next: its full blocks are in the prefix cache, the next may hit them."""
+        budget = budget or math.inf
+        for seq in [s for s in self.running if s.prefilling]:   # at most one: the newest
+            if n := self._extend(seq, budget):
+                budget -= n
+                yield seq
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             width = 1 + seq.forks
-            table = self._reserve(seq, width) if len(self.running) + width <= self.max_batch else None
+            table = self._reserve(seq, width, budget) if len(self.running) + width <= self.max_batch else None
             if table is None:
                 return
             self.waiting.popleft()
-            seq.table, seq.status = table, RUNNING
+            seq.table, seq.status, seq.n_computed = table, RUNNING, seq.n_cached
+            seq.prefilling, budget = table.num_tokens < len(seq.tokens), budget - table.num_tokens + seq.n_cached
             self.running.append(seq)
             yield seq
 
-    def _reserve(self, seq: Sequence, width: int) -> BlockTable | None:
-        """A table for ``seq``'s tokens, or None if the pool cannot take it now. With
-        others running, leave room for this sequence's first decode step (one block
-        per branch: a fork copies the shared last block) plus the watermark."""
+    def _extend(self, seq: Sequence, budget: float) -> int:
+        """Append to a prefilling sequence's table the next chunk that ``budget`` and the free
+        blocks allow (idle parked conversations go first); returns its length. 0: it waits
+        for decoders to finish, or, if they run out of blocks first, to preempt it, the newest."""
+        table, bs, seq.n_computed = seq.table, self.alloc.block_size, seq.table.num_tokens
+        want = min(budget, len(seq.tokens) - table.num_tokens)
+        room = lambda: -table.num_tokens % bs + bs * (self.alloc.num_free - self.watermark * (len(self.running) > 1))
+        while room() < want and self.parked:
+            self.alloc.free(self.parked.popitem(last=False)[1])
+        n = max(0, min(want, room()))
+        for t in seq.tokens[table.num_tokens:table.num_tokens + n]:
+            self.alloc.append_slot(table, t)     # its last block is its own: never a copy
+        seq.prefilling = table.num_tokens < len(seq.tokens)
+        return n
+
+    def _reserve(self, seq: Sequence, width: int, budget: float) -> BlockTable | None:
+        """A table for ``seq``'s tokens up to ``budget`` past those computed (cached or parked),
+        or None if the pool cannot take all of them now. With others running, leave room for
+        its first decode step (a block per branch: a fork copies the last block) and the watermark."""
         tokens, session = seq.tokens, seq.request.session
         parked = self.parked.pop(session, None) if session is not None else None
         if parked is not None and len(parked.token_ids) < len(tokens) \
@@ -209,7 +238,7 @@ class Scheduler:
                 self.parked[session] = parked     # keep it; maybe next step
                 return None
             seq.n_cached = parked.num_tokens
-            for t in tokens[parked.num_tokens:]:
+            for t in tokens[parked.num_tokens:min(len(tokens), parked.num_tokens + budget)]:
                 if copy := self.alloc.append_slot(parked, t)[1]:
                     self.copies.append(copy)
             return parked
@@ -218,7 +247,9 @@ class Scheduler:
         while True:
             need, available = self.alloc.admission_cost(tokens)
             if self._fits(need, available, width):
-                table, seq.n_cached = self.alloc.allocate_sequence(tokens, seq.id)
+                # The table gets this step's chunk only: blocks enter the prefix cache when computed.
+                hit = (self.alloc.blocks_for(len(tokens)) - need) * self.alloc.block_size
+                table, seq.n_cached = self.alloc.allocate_sequence(tokens[:min(len(tokens), hit + budget)], seq.id)
                 return table
             if not self.parked:
                 return None
@@ -237,6 +268,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if seq.prefilling:        # no token to feed until its prompt is computed
+                i += 1
+                continue
             if self.alloc.needs_block(seq.table) and self.alloc.num_free == 0:
                 if self.parked:
                     self.alloc.free(self.parked.popitem(last=False)[1])
@@ -246,14 +280,14 @@ class Scheduler:
             if copy := self.alloc.append_slot(seq.table, seq.output[-1])[1]:
                 self.copies.append(copy)
             i += 1
-        return list(self.running)
+        return [s for s in self.running if not s.prefilling]
 
     def preempt(self, seq: Sequence):
         """Free the sequence's blocks; it waits at the front of the queue and will
         recompute its tokens (prefix cache permitting, only some of them)."""
         self.running.remove(seq)
         self.alloc.free(seq.table)
-        seq.table, seq.status = None, WAITING
+        seq.table, seq.status, seq.preempted = None, WAITING, True
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
@@ -281,8 +315,7 @@ class Scheduler:
         seq.table, seq.status, seq.finish_reason = None, FINISHED, reason
 
     def end_session(self, session) -> bool:
-        table = self.parked.pop(session, None)
-        if table is not None:
+        if (table := self.parked.pop(session, None)) is not None:
             self.alloc.free(table)
         return table is not None
 
@@ -306,11 +339,13 @@ class Engine:
     more than ``max_batch`` sequences of the model's full context need.
     ``max_len`` caps a sequence (prompt + output): the model's context, or the
     pool if that is smaller. ``kv_dtype`` is the pool's storage type: a torch dtype, or
-    "int8"/"fp8"/"fp8-plain" for quantized rows (quantize.py)."""
+    "int8"/"fp8"/"fp8-plain" for quantized rows (quantize.py). ``chunk_tokens``: the
+    most prompt tokens a step computes (None: every admitted prompt whole)."""
 
     def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES, prefix_caching: bool = True,
-                 max_len: int | None = None, kv_dtype: torch.dtype | str | None = None, watermark: float = 0.01):
+                 max_len: int | None = None, kv_dtype: torch.dtype | str | None = None, watermark: float = 0.01,
+                 chunk_tokens: int | None = 256):
         c, w = model.config, model.embed_tokens.weight
         codec = quantize.kv_codec(kv_dtype) if isinstance(kv_dtype, str) else None   # "auto" → None
         if kv_dtype is None or isinstance(kv_dtype, str):
@@ -320,14 +355,15 @@ class Engine:
             row, size = (codec.row_bytes(c.head_dim), 1) if codec else (c.head_dim, kv_dtype.itemsize)
             per_block = block_size * kv_bytes_per_token(c.n_layers, c.n_kv_heads, row, size)
             num_blocks = max(1, min(int(kv_bytes // per_block), math.ceil(max_batch * c.max_seq_len / block_size)))
-        if num_blocks < 1 or block_size < 1 or max_batch < 1:
-            raise ValueError(f"num_blocks, block_size and max_batch must be >= 1 "
-                             f"(got {num_blocks}, {block_size}, {max_batch})")
+        if min(num_blocks, block_size, max_batch, chunk_tokens or 1) < 1:
+            raise ValueError(f"num_blocks, block_size, max_batch and chunk_tokens (or None) must be >= 1 "
+                             f"(got {num_blocks}, {block_size}, {max_batch}, {chunk_tokens})")
         self.model, self.device = model, w.device
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, kv_dtype,
                                   w.device, c.sliding_window, codec)
-        self.max_len, self.watermark = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit), watermark
+        self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit)
+        self.watermark, self.chunk_tokens = watermark, chunk_tokens
         self.scheduler = Scheduler(self.allocator, max_batch, watermark)
         self.requests: dict[int, Request] = {}     # unfinished ones
         self._ids = itertools.count(1)             # request and sequence ids
@@ -419,8 +455,10 @@ class Engine:
         the finished. Returns the new tokens."""
         events = []
         try:
-            for seq in self.scheduler.admit():
+            for seq in self.scheduler.admit(self.chunk_tokens):
                 logits = self._prefill(seq)
+                if seq.prefilling:        # more chunks to come: nothing to sample yet
+                    continue
                 branches = [seq] + [self.scheduler.fork(seq, next(self._ids), b, self._generator(seq.request.params, b))
                                     for b in range(1, seq.forks + 1)]
                 seq.forks = 0
@@ -441,13 +479,12 @@ class Engine:
 
     def _prefill(self, seq: Sequence) -> torch.Tensor:
         self._apply_copies()
-        table, start, req = seq.table, seq.n_cached, seq.request
-        if req.first_token is None and not seq.output:
-            req.cached_tokens, req.prefill_tokens = start, table.num_tokens - start
-        else:
-            self.stats["recomputed_tokens"] += table.num_tokens - start
+        table, start, req = seq.table, seq.n_computed, seq.request
         self.stats["prefill_tokens"] += table.num_tokens - start
-        self.stats["cached_tokens"] += start
+        self.stats["recomputed_tokens"] += (table.num_tokens - start) * seq.preempted
+        self.stats["cached_tokens"] += start * (start == seq.n_cached)     # once an admission: its first chunk
+        if start == seq.n_cached and not seq.preempted:
+            req.cached_tokens, req.prefill_tokens = start, len(seq.tokens) - start
         ids = torch.tensor([table.token_ids[start:]], device=self.device)
         pos = torch.arange(start, table.num_tokens, device=self.device)[None]
         return self.model(ids, pos, self.cache.bind([table]), last_only=True)[0, -1]
@@ -602,36 +639,6 @@ class LLM:
 
 
 # ----------------------------------------------------------------------------
-# Demo: requests joining and leaving the batch, step by step, on the bundled model.
-
-def demo(model_name: str, n: int, max_batch: int, threads: int | None = None):
-    if threads:
-        torch.set_num_threads(threads)
-    if hint := kernels.busy_machine_hint():
-        print(hint)
-    model, tok = load(model_name)
-    system = "You are a helpful assistant. Answer in one short sentence."
-    questions = ["What is 2+2?", "Name a colour.", "What is the capital of France?", "Say hello.",
-                 "What do bees make?", "Name a fruit.", "How many legs has a cat?", "What is ice?"]
-    engine = Engine(model, max_batch=max_batch)
-    for i in range(n):   # the same system prompt: later requests find its blocks in the prefix cache
-        chat = [{"role": "system", "content": system}, {"role": "user", "content": questions[i % len(questions)]}]
-        ids = tok.encode(tok.apply_chat_template(chat), add_bos=False)
-        engine.add_request(ids, SamplingParams(max_new_tokens=8 + 6 * i))
-    print(f"{n} requests queued, max batch {max_batch}, {engine.allocator.num_blocks} blocks of "
-          f"{engine.allocator.block_size} tokens\n\nstep | running requests | blocks used | finished")
-    while engine.has_work():
-        events = engine.step()
-        done = [e.request_id for e in events if e.finished]
-        used = engine.allocator.num_blocks - engine.num_free_blocks
-        print(f"{engine.stats['steps']:4} | {' '.join(str(e.request_id) for e in events):24} | {used:11} | "
-              f"{' '.join(map(str, done))}")
-    s = engine.stats
-    print(f"\n{s['steps']} steps; prefill computed {s['prefill_tokens']} tokens, found {s['cached_tokens']} in the "
-          f"prefix cache; {s['decode_tokens']} decode rows; every block back: {engine.num_free_blocks} free")
-
-
-# ----------------------------------------------------------------------------
 # Trace: the blocks of a fixed schedule, step by step, on a tiny random-weight Llama.
 
 SYSTEM = list(range(100, 132))   # a 32-token system prompt: two full blocks that every request shares
@@ -685,16 +692,9 @@ def trace(write=print, num_blocks: int = 8, seed: int = 0) -> Engine:
     return engine
 
 
-def _main():
-    ap = argparse.ArgumentParser(description="continuous batching on the bundled model, step by step")
-    ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--max-batch", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--trace", action="store_true", help="a fixed schedule on a tiny random model, block by block")
-    args = ap.parse_args()
-    trace() if args.trace else demo(args.model, args.requests, args.max_batch, args.threads)
-
-
 if __name__ == "__main__":
-    _main()
+    ap = argparse.ArgumentParser(description="continuous batching block by block: a fixed schedule on a tiny "
+                                 "random model (chat requests on the bundled model: python bench.py engine)")
+    ap.add_argument("--trace", action="store_true", help="the same as no flag")
+    ap.parse_args()
+    trace()

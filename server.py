@@ -30,7 +30,7 @@ SmolLM2-135M in fp32, 540 MB), and adds B rows of compute: while the step is
 bound by memory, B concurrent requests get nearly B times the output tokens per
 second of one. Time to first token = the wait for a batch slot and KV blocks +
 the prefill of the prompt's uncached tokens, and a long prefill delays the
-running requests' next token by as much (engine.py: prefill is not chunked).
+running requests' next token by one chunk of it a step (engine.py: chunked prefill).
 ``python bench.py serve`` measures both against concurrency, beside llama-server.
 
 Limits and safety: binds 127.0.0.1 unless --host says otherwise; --api-key

@@ -25,6 +25,9 @@ def schedule_decode(self) -> list[Sequence]:
     ``self.alloc.append_slot(seq.table, token)``, which returns (slot, copy); a copy that
     is not None is a copy-on-write the storage owes: append it to ``self.copies``.
 
+    A sequence still prefilling (``seq.prefilling``: its prompt comes in chunks) has no
+    token to feed yet: skip it, and leave it out of the batch.
+
     Before a sequence's append, if it needs a new block (``self.alloc.needs_block(table)``)
     and none is free (``self.alloc.num_free == 0``), make room, then look at the same
     sequence again: free the oldest parked conversation first

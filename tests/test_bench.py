@@ -121,3 +121,21 @@ def test_engine_step_table(tmp_path):
     assert table["columns"][:4] == ["threads", "B", "eager ms", "compiled ms"]
     assert [row[:2] for row in table["rows"]] == [[1, 1], [1, 3]]
     assert all(float(row[2]) > 0 and row[3] == "" for row in table["rows"])
+
+
+def test_long_prompts_scenario_saves_its_table(tmp_path, capsys):
+    """The chunked-prefill scenario run for real on a tiny checkpoint: its table, the same
+    tokens with and without chunks, and the decoders' gaps counted."""
+    from model import load
+    model, _ = load(str(make_checkpoint(tmp_path / "tiny", max_position_embeddings=4096)))
+    args = argparse.Namespace(model="tiny", decoders=2, decode_tokens=12, long_prompts=2, chunks=[0, 256], max_batch=8)
+    bench.bench_long_prompts(model, args)
+    r = record("chunked-prefill")
+    assert (r["name"], r["lesson"]) == ("chunked-prefill", "engine")
+    table = r["tables"][0]
+    assert table["columns"][:3] == ["prefill chunk (tokens a step)", "decoders' inter-token ms: p50", "p95"]
+    assert [row[0] for row in table["rows"]] == ["off (whole prompts)", 256]
+    assert table["rows"][0][4] == "1.00" and table["rows"][0][-1] == "1.00"
+    assert table["notes"][0].startswith("same tokens in every run (greedy): True; 22 inter-token gaps per run")
+    assert "2 requests decode 12 tokens each while 2 prompts of" in table["title"]
+    assert "| off (whole prompts) |" in capsys.readouterr().out

@@ -144,7 +144,8 @@ def test_batch_of_32_equals_each_request_alone(llama):
     engine = Engine(llama, max_batch=32)
     got = [o[0] for o in run_engine(engine, prompts, params)]
     assert got == want
-    assert engine.stats["steps"] <= max(sp.max_new_tokens for sp in params) + 1   # they really ran together
+    admission = -(-sum(map(len, prompts)) // engine.chunk_tokens)                  # steps of prompt chunks
+    assert engine.stats["steps"] <= max(sp.max_new_tokens for sp in params) + admission   # they really ran together
     all_blocks_back(engine)
 
 
@@ -360,10 +361,12 @@ def fake_next(tokens):
     return (sum((i + 1) * t for i, t in enumerate(tokens)) * 2654435761) % 1000
 
 
-def test_scheduler_bookkeeping_without_a_model():
+@pytest.mark.parametrize("budget", [None, 5])
+def test_scheduler_bookkeeping_without_a_model(budget):
     """A fake storage holds, per slot, the token id written there; the fake model reads a
-    sequence back through its block table. Admission, preemption with recompute, forks
-    with copy-on-write and finishing must hand every sequence exactly its own tokens."""
+    sequence back through its block table. Admission (whole, or in chunks of at most
+    ``budget`` tokens a step), preemption with recompute, forks with copy-on-write and
+    finishing must hand every sequence exactly its own tokens."""
     rng = random.Random(0)
     alloc = BlockAllocator(24, 4)
     sched = Scheduler(alloc, max_batch=6)
@@ -391,8 +394,10 @@ def test_scheduler_bookkeeping_without_a_model():
 
     everything = [r.sequences[0] for r in {id(s.request): s.request for s in sched.waiting}.values()]
     while sched.has_work():
-        for seq in sched.admit():
-            token = compute(seq, seq.n_cached)
+        for seq in sched.admit(budget):
+            token = compute(seq, seq.n_computed)
+            if seq.prefilling:
+                continue
             twins = [sched.fork(seq, next_id + b, b + 1) for b in range(seq.forks)]
             next_id, seq.forks = next_id + len(twins), 0
             everything += twins
@@ -401,6 +406,8 @@ def test_scheduler_bookkeeping_without_a_model():
         for seq in sched.schedule_decode():
             emit(seq, compute(seq, seq.table.num_tokens - 1))
         alloc.check_invariants()
+        for h, blocks in alloc.cached.items():          # the prefix cache finds only computed blocks
+            assert all(storage.get(b.id * 4 + j) == b.token_ids[j] for b in blocks for j in range(4))
     assert sched.preemptions > 0
     assert alloc.num_free == alloc.num_blocks and not alloc.live
     assert len(everything) == 12 + 3                           # three requests had n = 2
@@ -448,6 +455,75 @@ def test_out_of_blocks_frees_parked_conversations_first_then_preempts_the_newest
             assert list(sched.waiting) == [seqs[2]] and seqs[2].table is None and seqs[2].status == "waiting"
         assert all(s.table.num_tokens == 9 for s in batch) and not sched.copies
         alloc.check_invariants()
+
+
+# --- chunked prefill -------------------------------------------------------------
+
+def test_chunked_prefill_produces_the_tokens_of_whole_prompts(llama):
+    """Prompts longer than a step's budget are prefilled over several steps, never more
+    than the budget a step; every request's greedy tokens equal the unchunked engine's:
+    long and short prompts, a shared prefix, n = 2, and a small pool that preempts."""
+    rng = random.Random(5)
+    system = list(range(200, 261))                    # 61 shared tokens
+    prompts = [system + [rng.randrange(3, 320) for _ in range(rng.randint(1, 90))] for _ in range(6)] + \
+        [[rng.randrange(3, 320) for _ in range(rng.randint(1, 12))] for _ in range(6)]
+    rng.shuffle(prompts)
+    params = [GREEDY(max_new_tokens=rng.randint(1, 30)) for _ in prompts]
+    for pool in (dict(), dict(num_blocks=24, block_size=8)):        # the second: 192 slots for ~12 × 130
+        outputs = {}
+        for chunk in (None, 7, 32):
+            engine = Engine(llama, max_batch=8, chunk_tokens=chunk, **pool)
+            reqs = [engine.add(p, sp, n=2) for p, sp in zip(prompts, params)]
+            most = 0
+            while engine.has_work():
+                before = engine.stats["prefill_tokens"]
+                engine.step()
+                most = max(most, engine.stats["prefill_tokens"] - before)
+                engine.allocator.check_invariants()
+            assert most == chunk if chunk else most > 32     # unchunked: several whole prompts a step
+            outputs[chunk] = [[s.output for s in sorted(r.sequences, key=lambda s: s.branch)] for r in reqs]
+            assert [r.cached_tokens + r.prefill_tokens for r in reqs] == list(map(len, prompts))
+            assert (engine.scheduler.preemptions > 0) == bool(pool)
+            all_blocks_back(engine)
+        assert outputs[7] == outputs[32] == outputs[None]
+        assert all(len(o[0]) == sp.max_new_tokens and o[0] == o[1] for o, sp in zip(outputs[None], params))
+
+
+def test_a_sequence_preempted_mid_prefill_produces_the_same_tokens(llama):
+    """Two sequences decode in a 14-block pool while a 32-token prompt is prefilled 2 tokens
+    a step; when they run out of blocks the newest, the half-prefilled one, goes back to the
+    queue, and when readmitted computes what the prefix cache no longer holds."""
+    engine = Engine(llama, num_blocks=14, block_size=4, max_batch=4, chunk_tokens=2)
+    reqs = [engine.add([5, 6, 7, 8], GREEDY(max_new_tokens=30)), engine.add([9, 10, 11], GREEDY(max_new_tokens=30))]
+    engine.step(), engine.step()
+    reqs.append(engine.add(list(range(20, 52)), GREEDY(max_new_tokens=5)))
+    preempted, preempt = [], engine.scheduler.preempt
+    engine.scheduler.preempt = lambda seq: (preempted.append((seq.request.id, seq.prefilling)), preempt(seq))[1]
+    engine.run()
+    assert (reqs[2].id, True) in preempted
+    assert [r.sequences[0].output for r in reqs] == [contiguous(llama, r.prompt, r.params) for r in reqs]
+    assert (reqs[2].cached_tokens, reqs[2].prefill_tokens) == (0, 32)     # as first admitted
+    all_blocks_back(engine)
+
+
+def test_cancel_mid_prefill_leaves_only_computed_blocks_in_the_prefix_cache(llama):
+    """A client disconnects while its long prompt is half prefilled: its blocks return at
+    once, the prefix cache holds exactly the blocks computed so far, and a later request
+    with the same prompt hits those and produces the tokens of a cold run."""
+    prompt = list(range(3, 103))                           # 100 tokens: 25 blocks of 4
+    engine = Engine(llama, block_size=4, max_batch=4, chunk_tokens=10)
+    a = engine.add(prompt, GREEDY(max_new_tokens=5))
+    for _ in range(3):
+        assert engine.step() == [] and a.sequences[0].prefilling
+    assert a.sequences[0].table.num_tokens == 30 and len(engine.allocator.cached) == 7   # 28 tokens in full blocks
+    assert engine.cancel(a.id)
+    all_blocks_back(engine)
+    assert len(engine.allocator.cached) == 7
+    b = engine.add(prompt, GREEDY(max_new_tokens=12))
+    engine.run()
+    assert (b.cached_tokens, b.prefill_tokens) == (28, 72)
+    assert b.sequences[0].output == contiguous(llama, prompt, GREEDY(max_new_tokens=12))
+    all_blocks_back(engine)
 
 
 # --- the chat runner on the engine --------------------------------------------

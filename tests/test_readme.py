@@ -77,7 +77,8 @@ SLOW = {
     "python bench.py offload": "~2 min",
     "python bench.py offload --threads 1": "~2 min",
     "python bench.py tp": "~1 min",
-    "python engine.py": "~1 min",
+    "python bench.py engine": "~1 min",
+    "python bench.py batching --long-prompts-only": "~4 min (7 on a 2-core machine at load 6)",
     "python bench.py serve": "~6 min (llama-server beside it: scripts/build_llama_server.sh, ~10 min once)",
 }
 
