@@ -111,6 +111,12 @@ class Body(BaseModel):
     stream: bool = False
     stream_options: "StreamOptions | None" = None
 
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise APIError(400, "a stop string must not be empty", "stop")
+        return stops
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -498,6 +504,7 @@ class Server:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         ids = self.tok.encode_chat(messages)
+        body.stops()                    # checked before the engine takes the job
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = await self.start(ids, self.params(body, ids, body.max_completion_tokens or body.max_tokens, top),
                                body.n, "messages")
@@ -508,6 +515,7 @@ class Server:
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) \
             else body.prompt
         ids = self.tok.encode(prompt, special=False) if isinstance(prompt, str) else list(prompt)   # text is data
+        body.stops()
         job = await self.start(ids, self.params(body, ids, body.max_tokens, body.logprobs), body.n, "prompt")
         return await self.respond(job, body, "text_completion", self.completion_choice, body.logprobs)
 
@@ -528,10 +536,7 @@ class Server:
         return {"index": piece.branch, "text": piece.text, "logprobs": lp, "finish_reason": piece.finish_reason}
 
     async def respond(self, job: Job, body: Body, kind: str, choice, top: int | None):
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(not s for s in stops):
-            await self.drop(job)
-            raise APIError(400, "a stop string must not be empty", "stop")
+        stops = body.stops()
         head = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
                 "created": int(time.time()), "model": self.name}
         if body.stream:
@@ -558,10 +563,6 @@ class Server:
             if kind == "chat.completion":
                 m["message"] = m.pop("delta")
         return {**head, "object": kind, "choices": merged, "usage": job.usage}
-
-    async def drop(self, job: Job):
-        async for _ in self.pieces(job, []):   # cancels at once, then consumes nothing more
-            break
 
     async def events(self, job: Job, stops, head, kind, choice, top, body) -> AsyncIterator[str]:
         """Server-sent events: one chunk per piece of text, then the usage (if asked for), then [DONE]."""
