@@ -203,7 +203,8 @@ def test_runner_flags(tmp_path, monkeypatch, capsys):
     import serve_local
     tgt = str(make_checkpoint(tmp_path / "t"))
     monkeypatch.setattr(D, "BUNDLED_DRAFT", tmp_path / "no-draft")
-    cases = [(["--draft", "bundled"], "python train.py"), (["--spec-k", "0", "--prompt-lookup", "3"], "spec-k"),
+    monkeypatch.setattr(D, "BUNDLED_MEDUSA", tmp_path / "no-medusa")
+    cases = [(["--draft", "bundled"], "python train.py"), (["--draft", "medusa"], "python train.py --medusa 4"), (["--spec-k", "0", "--prompt-lookup", "3"], "spec-k"),
              (["--lookahead", "4,1,4"], "--lookahead"), (["--lookahead", "4,3,4", "--prompt-lookup", "2"],
                                                          "choose one speculative method"),
              (["--spec-tree", "4,10"], "--spec-tree needs --draft"), (["--draft", tgt, "--spec-tree", "4,10"],
