@@ -738,16 +738,17 @@ def bench_speculative(args):
 
     methods = {"plain": lambda: None}
     tree = speculative.parse_tree(args.spec_tree) if args.spec_tree else None
+    mtree = speculative.parse_tree(args.medusa_tree) if args.medusa_tree else None
     for name in (n for n in (args.draft, args.medusa) if n):
         draft = drafting.load_draft(name, model, tok, "cpu", args.dtype)
         if isinstance(draft, drafting.MedusaHeads):
-            k = args.medusa_k or len(draft.blocks)
-            methods[f"medusa {name}, chain k={k}"] = lambda d=draft, k=k: drafting.draft_proposer(d, model, k)
-            if tree:
-                methods[f"medusa {name}, tree of {tree[1]} (W={tree[0]}, depth {k})"] = \
-                    lambda d=draft, k=k: drafting.draft_proposer(d, model, k, tree=tree)
+            mk = args.medusa_k or len(draft.blocks)
+            methods[f"medusa {name}, chain k={mk}"] = lambda d=draft, mk=mk: drafting.draft_proposer(d, model, mk)
+            if mtree:
+                methods[f"medusa {name}, tree of {mtree[1]} (W={mtree[0]}, depth {mk})"] = \
+                    lambda d=draft, mk=mk: drafting.draft_proposer(d, model, mk, tree=mtree)
             continue
-        k, c = args.spec_k, args.compile
+        k, c = args.spec_k, args.compile        # the same for every draft
         methods[f"draft {name}, k={k}"] = lambda d=draft: drafting.draft_proposer(d, model, k, compile=c)
         methods[f"draft {name}, adaptive k"] = \
             lambda d=draft: drafting.draft_proposer(d, model, k, adaptive=True, compile=c)
@@ -779,7 +780,8 @@ def bench_speculative(args):
     how = "drafts compiled" if args.compile else "target and drafts eager, as the runner runs them"
     tables, rows = [], {}
     for name, prompts in groups.items():
-        title = (f"{name}: {args.model} {args.dtype}, greedy, at most {args.new_tokens} new tokens, {ending}, "
+        title = (f"{name}: {args.model} {args.dtype}, greedy, {'' if args.ignore_eos else 'at most '}"
+                 f"{args.new_tokens} new tokens, {ending}, "
                  f"{how}, {torch.get_num_threads()} threads")
         print(f"\n{title}", flush=True)
         rows[name] = compare(model, prompts, methods, args.new_tokens, args.ignore_eos)
@@ -1220,8 +1222,10 @@ def main():
     sp.add_argument("--medusa-k", type=int, default=0, help="Medusa: heads used, the depth (default: all)")
     sp.add_argument("--spec-k", type=int, default=3, help="draft tokens per step (bundled head, 4 chat prompts: k=3 1.39x, k=4 1.30x in one run)")
     sp.add_argument("--lookahead", default="4,3,4", metavar="W,N,G")
-    sp.add_argument("--spec-tree", default="4,10", metavar="W,M", help="EAGLE head and Medusa: also draft a tree, "
-                    "W children per node, --spec-k levels (Medusa: --medusa-k), M tokens verified ('' to skip)")
+    sp.add_argument("--spec-tree", default="4,10", metavar="W,M", help="EAGLE head: also draft a tree, W children "
+                    "per node, --spec-k levels, M tokens verified ('' to skip)")
+    sp.add_argument("--medusa-tree", default="4,10", metavar="W,M", help="Medusa: also a tree, W children per node, "
+                    "--medusa-k levels, M tokens verified ('' to skip)")
     sp.add_argument("--prompt-lookup", type=int, default=3, metavar="N")
     sp.add_argument("--lookup-k", type=int, default=4, help="prompt lookup: tokens proposed per step (4 beat 8 here: 1.75x vs 1.33x on the summarise prompt)")
     sp.add_argument("--new-tokens", type=int, default=256, help="at most this many per answer")

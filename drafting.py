@@ -15,6 +15,13 @@ trades one for the other:
   starts from the target's understanding, so one block agrees about as often
   as a much larger standalone draft, and a guess costs ~9M multiply-adds
   against SmolLM2's ~135M per token. It can also draft a tree of guesses.
+* Medusa heads (MedusaHeads, MedusaDraft; Cai et al. 2024): K small heads
+  on the target's last feature, head k guessing the token k places further
+  on, all at once from that one feature. No cache and no step per guess
+  (~1.3M multiply-adds for 4 heads, plus one 4-row product with the LM
+  head's rows), but head k never sees the guesses before it, so it is right
+  less often than a head that drafts token by token; a tree of each head's
+  top few tokens buys that back in the verify pass.
 * LookupThenDraft: free prompt lookup where the text repeats itself, the
   model elsewhere.
 
@@ -26,7 +33,8 @@ Cost model per speculative step with k guesses:
 so a draft pays when α is high and its step is a small fraction of the
 target's. Both drafts here run their one-token step compiled on a static cache
 (kernels.compile_step), since a tiny model's eager step is mostly per-op
-overhead. train.py trains the bundled EAGLE head (`--draft bundled`);
+overhead (the runner does so with --compile). train.py trains the bundled
+EAGLE head (`--draft bundled`) and Medusa heads (`--draft medusa`);
 `python bench.py speculative` measures every proposer against plain decoding.
 """
 

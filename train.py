@@ -1,8 +1,9 @@
 """
-train.py — train an EAGLE draft head for the bundled SmolLM2-135M, for speculative decoding.
+train.py — train an EAGLE draft head (or Medusa heads) for the bundled SmolLM2-135M, for speculative decoding.
 
     python train.py                                  # the full run: ~45 min on 2 CPU cores
     python train.py --max-minutes 1.5 --prompts 16 --new-tokens 32 --out /tmp/draft   # a smoke run
+    python train.py --medusa 4 --max-minutes 29 --new-tokens 224 --chunk 32 --batch 4   # Medusa heads
 
 A draft is only useful if it is much cheaper than the target and agrees with it
 often (speculative.py). The target is SmolLM2-135M: 30 blocks of width 576 and
@@ -35,6 +36,13 @@ Three phases, nanoGPT style, everything in this file:
 The result is an HF-style directory (config.json with "eagle": true and
 draft_vocab_size, model.safetensors in bf16; no tokenizer, embedding or LM
 head: drafting.load_draft takes the target's): `--draft bundled`.
+
+`--medusa K` trains Medusa heads instead (drafting.MedusaHeads; Cai et al.
+2024) from the same two phases, the answers now stopping at EOS as users read
+them: head k reads the target's feature f_j alone and learns the target's
+distribution over x_j+k+1 (medusa_loss). Their blocks start at zero, so each
+head starts as the target's own next-token head. config.json holds
+"medusa_heads": K; `--draft medusa`.
 
 What the committed head's run did (43.7 min): 1,024 conversations, 336k tokens
 of data in 20 min, their features in 6.4 min, then 731 steps of 8
