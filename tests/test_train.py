@@ -34,4 +34,5 @@ def test_medusa_loss_scores_head_k_against_the_target_k_ahead(models):
                            deadline=time.perf_counter() + 120, loss_fn=train.medusa_loss)
     with torch.no_grad():
         after, agree_after = train.medusa_loss(trained, tokens, f, [(n, L)])
-    assert after < 0.5 * loss and agree_after[0] > agree[0], (loss, after, agree, agree_after)
+    # the loss's floor is the teacher's entropy, ~5.7 nats per head for this random target
+    assert after < loss - 0.25 and agree_after[0] > agree[0] + 0.1, (loss, after, agree, agree_after)
