@@ -42,7 +42,13 @@ head: drafting.load_draft takes the target's): `--draft bundled`.
 them: head k reads the target's feature f_j alone and learns the target's
 distribution over x_j+k+1 (medusa_loss). Their blocks start at zero, so each
 head starts as the target's own next-token head. config.json holds
-"medusa_heads": K; `--draft medusa`.
+"medusa_heads": K; `--draft medusa`. What the committed heads' run did (the
+command above, 25.6 min on a shared 2-core CPU without bf16 arithmetic, so
+fp32): 32 greedy answers, 7,380 tokens of data in 17 min, their features in
+1.5 min, then 165 steps of 4 conversations. Greedy agreement per head on
+held-out conversations 36% / 27% / 16% / 12%, on training text 86% / 79% /
+77% / 71%: far too little data, so the heads memorise it (the EAGLE head
+above had 1,024 conversations).
 
 What the committed head's run did (43.7 min): 1,024 conversations, 336k tokens
 of data in 20 min, their features in 6.4 min, then 731 steps of 8
