@@ -15,6 +15,13 @@ trades one for the other:
   starts from the target's understanding, so one block agrees about as often
   as a much larger standalone draft, and a guess costs ~9M multiply-adds
   against SmolLM2's ~135M per token. It can also draft a tree of guesses.
+* Medusa heads (MedusaHeads, MedusaDraft; Cai et al. 2024): K small heads
+  on the target's last feature, head k guessing the token k places further
+  on, all at once from that one feature. No cache and no step per guess
+  (~20M multiply-adds for 4 heads, most of them one 4-row product with the
+  LM head's rows), but head k never sees the guesses before it, so it is right
+  less often than a head that drafts token by token; a tree of each head's
+  top few tokens buys that back in the verify pass.
 * LookupThenDraft: free prompt lookup where the text repeats itself, the
   model elsewhere.
 
@@ -26,7 +33,8 @@ Cost model per speculative step with k guesses:
 so a draft pays when α is high and its step is a small fraction of the
 target's. Both drafts here run their one-token step compiled on a static cache
 (kernels.compile_step), since a tiny model's eager step is mostly per-op
-overhead. train.py trains the bundled EAGLE head (`--draft bundled`);
+overhead (the runner does so with --compile). train.py trains the bundled
+EAGLE head (`--draft bundled`) and Medusa heads (`--draft medusa`);
 `python bench.py speculative` measures every proposer against plain decoding.
 """
 
@@ -35,6 +43,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import checkpoint
 import kernels
@@ -45,6 +54,9 @@ from speculative import Proposal, PromptLookup, check_k, check_tree, generate
 
 ROOT = Path(__file__).resolve().parent
 BUNDLED_DRAFT = ROOT / "drafts" / "smollm2-135m-draft"   # written by train.py
+BUNDLED_MEDUSA = ROOT / "drafts" / "smollm2-135m-medusa"  # written by train.py --medusa 4
+TRAIN = {"bundled": "python train.py` (distils an EAGLE head from the bundled model, ~45 min on 2 CPU cores)",
+         "medusa": "python train.py --medusa 4` (~30 min on 2 CPU cores)"}
 
 
 class DraftModel:
@@ -249,13 +261,132 @@ class EagleDraft(DraftModel):
             logits, h = self.head_pass([tokens[i] for i in expand], torch.full((len(expand),), t - 1 + depth),
                                        torch.stack([inputs[i] for i in expand]), mask)
             level = [n for j, i in enumerate(expand) for n in grow(logits[0, j], i, h[0, j])]
-        chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:max(1, min(budget, room))]
-        leaves = set(chosen) - {parents[i] for i in chosen}
-        return Proposal([[tokens[a] for a in lineage(leaf)][::-1]
-                         for leaf in sorted(leaves, key=lambda i: (-scores[i], i))])
+        return Proposal(best_paths(tokens, parents, scores, max(1, min(budget, room))))
 
     def sync(self, context: list[int]):
         self.cache.crop(max(0, len(self.ids) - 1))     # entries on predicted features go
+
+
+def best_paths(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> list[list[int]]:
+    """A drafted tree's `budget` likeliest nodes (score: the log-probability of the
+    path; parent -1 is x_t), as candidates from x_t to each leaf, likeliest first.
+    A node is never likelier than its parent, so the chosen nodes form a tree."""
+    def path(i):
+        out = []
+        while i >= 0:
+            out.append(tokens[i])
+            i = parents[i]
+        return out[::-1]
+    chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:budget]
+    leaves = set(chosen) - {parents[i] for i in chosen}
+    return [path(leaf) for leaf in sorted(leaves, key=lambda i: (-scores[i], i))]
+
+
+class MedusaHeads(nn.Module):
+    """Medusa (Cai et al. 2024): K heads on the target's last feature, no draft model.
+
+    The target's feature f_j (its final normalised hidden state at position j,
+    what its LM head reads to predict x_j+1) already holds much of what comes
+    after. Head k reads f_j alone and predicts x_j+1+k, the token k places
+    further on:
+
+        head k:  logits = E_ids · (SiLU(W_k f_j + b_k) + f_j)
+
+    a residual block (W_k starts at zero: head k starts as the target's own
+    next-token head) and the target's LM head over its likeliest tokens E_ids
+    (head_ids, as the EAGLE head's). Unlike an EAGLE head it never sees the
+    tokens it guessed before: all K guesses come from one feature at once, so
+    they are cheaper (K blocks of 576², ~0.3M multiply-adds each, then one
+    K-row product with the 8,192 LM head rows, 4 × 8,192 × 576 ≈ 19M for
+    K = 4, which reads the 19 MB of fp32 rows once against the target's
+    540 MB per step; no cache, no step per token) and less often right
+    further out. train.py --medusa K trains them."""
+
+    def __init__(self, hidden_size: int, n_heads: int, head_ids: torch.Tensor):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(n_heads))
+        self.register_buffer("head_ids", head_ids.clone())
+        self.rows: torch.Tensor | None = None      # the target's LM head rows for head_ids (share_target)
+
+    def share_target(self, target: Llama) -> "MedusaHeads":
+        w = target.lm_head.weight.detach()
+        self.rows = w[self.head_ids.to(w.device)].to(self.blocks[0].weight.dtype)
+        return self
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        """Features (..., hidden) -> logits (..., K, len(head_ids)): head k's row k-1."""
+        x = torch.stack([torch.nn.functional.silu(b(f)) + f for b in self.blocks], dim=-2)
+        return x @ self.rows.T
+
+    def hf_config(self) -> dict:
+        return {"medusa_heads": len(self.blocks), "hidden_size": self.blocks[0].in_features,
+                "draft_vocab_size": len(self.head_ids), "torch_dtype": "bfloat16"}
+
+    @classmethod
+    def from_dir(cls, path: Path, dtype: torch.dtype, device) -> "MedusaHeads":
+        c = checkpoint.read_config(path)
+        state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(path).items()}
+        heads = cls(c["hidden_size"], c["medusa_heads"], state["head_ids"])
+        heads.load_state_dict(state)
+        return heads.to(device=device, dtype=dtype)
+
+
+class MedusaDraft:
+    """The proposer for MedusaHeads: from the feature of the last token the target
+    computed (position t-1; x_t, the token it chose there, is already emitted),
+    head k guesses x_t+k. A chain takes each head's top token; with ``tree=(W, M)``
+    level d holds head d's top W tokens under each of the W likeliest nodes of
+    level d-1, and the M likeliest nodes are verified (best_paths; a path's
+    likelihood is the product of the heads' probabilities, as if independent).
+    The guesses are fixed functions of the heads' scores: point masses for verify,
+    exact for sampling as for greedy. Costs one call of the heads per step."""
+    needs_features = True
+
+    def __init__(self, heads: MedusaHeads, target: Llama, k: int | None = None,
+                 tree: tuple[int, int] | None = None):
+        if heads.blocks[0].in_features != target.config.hidden_size or heads.rows is None:
+            raise ValueError(f"the Medusa heads' width is {heads.blocks[0].in_features} but the target's is "
+                             f"{target.config.hidden_size}: they read the target's features, so they were "
+                             f"trained for another model")
+        if tree is not None:
+            check_tree(*tree)
+        self.heads, self.tree = heads, tree
+        self.k = min(k or len(heads.blocks), len(heads.blocks))
+        check_k(self.k)
+        self.needs_dynamic_cache = tree is not None      # tree tokens share positions in the target's cache
+        self.feature, self.position, self.cache = None, -1, None
+
+    def observe(self, start: int, features: torch.Tensor):
+        self.feature, self.position = features[-1], start + len(features) - 1
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        if self.position != len(context) - 2 or k < 1:    # no feature of x_t's predecessor: plain step
+            return Proposal()
+        logp = torch.log_softmax(self.heads(self.feature.to(self.heads.rows.dtype)).float(), -1)[:k]
+        if self.tree is None:
+            return Proposal([self.heads.head_ids[logp.argmax(-1)].tolist()])
+        W, budget = self.tree
+        top = logp.topk(W)
+        values, ids = top.values.tolist(), self.heads.head_ids[top.indices].tolist()
+        tokens, parents, scores, level = [], [], [], [-1]
+        for d in range(k):
+            parent_level, level = level, []
+            for parent in sorted(parent_level, key=lambda i: -scores[i] if i >= 0 else 0)[:W]:
+                for lp, token in zip(values[d], ids[d]):
+                    level.append(len(tokens))
+                    tokens.append(token)
+                    parents.append(parent)
+                    scores.append((scores[parent] if parent >= 0 else 0.0) + lp)
+        return Proposal(best_paths(tokens, parents, scores, max(1, min(budget, room))))
+
+    def update(self, context, n, k, branch_logits):
+        pass
+
+    def sync(self, context):        # LookupThenDraft's calls: no cache, nothing adapts
+        pass
+
+    def adapt(self, n, k):
+        pass
 
 
 class LookupThenDraft:
@@ -323,16 +454,23 @@ def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -
     return stored == "bfloat16" and dtype == torch.float32 and device.type == "cpu" and kernels.bf16_supported(device)
 
 
-def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None) -> Llama:
-    """--draft MODEL: any model name model.load accepts, or `bundled` (train.py's draft).
+def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None) -> Llama | MedusaHeads:
+    """--draft MODEL: any model name model.load accepts, `bundled` (train.py's EAGLE
+    head) or `medusa` (train.py --medusa's heads, or any directory it writes).
     A model directory without tokenizer files (what train.py writes: its drafts use
     the target's tokenizer by construction) is checked against the target's."""
-    if name == "bundled":
-        if not (BUNDLED_DRAFT / "config.json").is_file():
-            raise ValueError(f"no trained draft in {BUNDLED_DRAFT}: run `python train.py` "
-                             f"(distils one from the bundled model, ~45 min on 2 CPU cores) or pass --draft MODEL")
-        name = str(BUNDLED_DRAFT)
+    if name in TRAIN:
+        where = BUNDLED_DRAFT if name == "bundled" else BUNDLED_MEDUSA
+        if not (where / "config.json").is_file():
+            raise ValueError(f"no trained draft in {where}: run `{TRAIN[name]} or pass --draft MODEL")
+        name = str(where)
     path = Path(name)
+    if path.is_dir() and "medusa_heads" in checkpoint.read_config(path):
+        heads = MedusaHeads.from_dir(path, target.embed_tokens.weight.dtype, target.embed_tokens.weight.device)
+        if len(heads.head_ids) and int(heads.head_ids.max()) >= target.config.vocab_size:
+            raise ValueError(f"the Medusa heads in {path} score tokens beyond the target's vocabulary "
+                             f"({target.config.vocab_size} ids): they were trained for another model")
+        return heads.share_target(target)       # MedusaDraft checks their width
     if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         dev = kernels.pick_device(device)
         if narrow_draft(checkpoint.read_config(path).get("torch_dtype"), dev, kernels.pick_dtype(dtype, dev)):
@@ -346,9 +484,12 @@ def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None) ->
     return kernels.prepack(draft)
 
 
-def draft_proposer(draft: Llama, target: Llama, k: int = 4, adaptive: bool = False, compile: bool = False,
-                   tree: tuple[int, int] | None = None):
-    """The proposer for a loaded draft: an EAGLE head drafts from the target's features."""
+def draft_proposer(draft: Llama | MedusaHeads, target: Llama, k: int = 4, adaptive: bool = False,
+                   compile: bool = False, tree: tuple[int, int] | None = None):
+    """The proposer for a loaded draft: an EAGLE head or Medusa heads draft from the
+    target's features (Medusa: up to one token per head, eager, k fixed)."""
+    if isinstance(draft, MedusaHeads):
+        return MedusaDraft(draft, target, k, tree)
     if draft.config.eagle:
         return EagleDraft(draft, target, k, adaptive, compile=compile, tree=tree)
     return DraftModel(draft, target, k, adaptive, compile=compile)

@@ -231,7 +231,7 @@ def make_proposer(target: Llama, tok, draft: str | None = None, k: int = 4, adap
                   compile: bool = False, tree: str | None = None):
     """The runner's flags -> a proposer (or None for plain decoding). One at a time.
     ``compile`` compiles a draft model's one-token step; ``tree`` "W,M" makes an
-    EAGLE head draft a tree (EagleDraft.propose_tree)."""
+    EAGLE head or Medusa heads draft a tree (EagleDraft.propose_tree, MedusaDraft)."""
     chosen = [name for name, v in (("--draft", draft), ("--lookahead", lookahead),
                                    ("--prompt-lookup", prompt_lookup)) if v is not None]
     if lookahead is not None and len(chosen) > 1:
@@ -241,13 +241,13 @@ def make_proposer(target: Llama, tok, draft: str | None = None, k: int = 4, adap
     shape = speculative.parse_tree(tree) if tree is not None else None
     if draft is not None:
         model = drafting.load_draft(draft, target, tok, device, dtype)
-        if shape is not None and not model.config.eagle:
-            raise ValueError(f"--spec-tree needs an EAGLE head as the draft (train.py's `bundled`); {draft} is a "
-                             f"standalone draft model")
+        if shape is not None and isinstance(model, Llama) and not model.config.eagle:
+            raise ValueError(f"--spec-tree needs an EAGLE head or Medusa heads as the draft (train.py's `bundled` "
+                             f"or `medusa`); {draft} is a standalone draft model")
         proposer = drafting.draft_proposer(model, target, k, adaptive, compile, shape)
         return proposer if prompt_lookup is None else drafting.LookupThenDraft(proposer, prompt_lookup)
     if shape is not None:
-        raise ValueError("--spec-tree needs --draft with an EAGLE head (e.g. --draft bundled)")
+        raise ValueError("--spec-tree needs --draft with an EAGLE head or Medusa heads (--draft bundled or medusa)")
     if lookahead is not None:
         return speculative.Lookahead(*speculative.parse_lookahead(lookahead))
     if prompt_lookup is not None:
@@ -323,11 +323,12 @@ def parse_args(argv=None):
     ap.add_argument("--group-size", type=int, default=None, help="--weights int4: 32, 64 or 128 weights share "
                     "a scale (default: 32)")
     ap.add_argument("--draft", default=None, help="speculative decoding with a draft model of the same "
-                    "tokenizer (alias, directory, .gguf; `bundled` = train.py's draft for SmolLM2)")
+                    "tokenizer (alias, directory, .gguf; `bundled` = train.py's EAGLE head for SmolLM2, `medusa` = its Medusa "
+                    "heads, train.py --medusa 4)")
     ap.add_argument("--spec-k", type=int, default=4, help="tokens proposed per step (--draft, --prompt-lookup; "
                     "default: 4)")
-    ap.add_argument("--spec-tree", default=None, metavar="W,M", help="--draft with an EAGLE head: draft a tree, "
-                    "W children per node, --spec-k levels, and verify the M likeliest tokens in one pass (e.g. 4,10)")
+    ap.add_argument("--spec-tree", default=None, metavar="W,M", help="--draft with an EAGLE head or Medusa heads: draft a "
+                    "tree, W children per node, --spec-k levels, and verify the M likeliest tokens in one pass (e.g. 4,10)")
     ap.add_argument("--adaptive-k", action="store_true", help="--draft: grow k after full acceptance, shrink "
                     "it after early rejection")
     ap.add_argument("--lookahead", default=None, metavar="W,N,G", help="lookahead decoding: Jacobi window W, "

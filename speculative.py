@@ -45,8 +45,10 @@ Proposers, one verifier:
   n tokens (n = N..1) and propose what followed it. Free, and strong when the
   answer quotes its input (summaries, code edits, extraction).
 * Models (drafting.py): a small draft model, an EAGLE head that reads the
-  target's own hidden states, or either behind prompt lookup. Their guesses
-  come with the draft's distributions q when sampling.
+  target's own hidden states, Medusa heads that guess several tokens ahead
+  from the last of them, or any behind prompt lookup. A draft model's or an
+  EAGLE chain's guesses come with the draft's distributions q when sampling;
+  trees and Medusa's guesses are point masses.
 * Lookahead(W, N, G) (Fu et al. 2024): no second model. The target itself runs
   Jacobi iterations on a window of W future positions; every column of the
   window's last N−1 trajectories is an n-gram the model "thought of", kept in a
@@ -54,8 +56,9 @@ Proposers, one verifier:
   token are verified — in the same forward pass as the next Jacobi iteration.
 
 One pass, several branches. Lookahead verifies several candidates, and an
-EAGLE head can draft a tree (drafting.EagleDraft, `--spec-tree W,M`: the
-head's likeliest few tokens at each depth instead of its one best guess). The
+EAGLE head or Medusa heads can draft a tree (drafting.EagleDraft and
+MedusaDraft, `--spec-tree W,M`: the likeliest few tokens at each depth
+instead of the one best guess). The
 candidates are merged into a token tree (TokenTree): a prefix several share is
 computed once. For lookahead the forward input is
 

@@ -1,8 +1,9 @@
 """
-train.py — train an EAGLE draft head for the bundled SmolLM2-135M, for speculative decoding.
+train.py — train an EAGLE draft head (or Medusa heads) for the bundled SmolLM2-135M, for speculative decoding.
 
     python train.py                                  # the full run: ~45 min on 2 CPU cores
     python train.py --max-minutes 1.5 --prompts 16 --new-tokens 32 --out /tmp/draft   # a smoke run
+    python train.py --medusa 4 --max-minutes 29 --new-tokens 224 --chunk 32 --batch 4   # Medusa heads
 
 A draft is only useful if it is much cheaper than the target and agrees with it
 often (speculative.py). The target is SmolLM2-135M: 30 blocks of width 576 and
@@ -36,6 +37,19 @@ The result is an HF-style directory (config.json with "eagle": true and
 draft_vocab_size, model.safetensors in bf16; no tokenizer, embedding or LM
 head: drafting.load_draft takes the target's): `--draft bundled`.
 
+`--medusa K` trains Medusa heads instead (drafting.MedusaHeads; Cai et al.
+2024) from the same two phases, the answers now stopping at EOS as users read
+them: head k reads the target's feature f_j alone and learns the target's
+distribution over x_j+k+1 (medusa_loss). Their blocks start at zero, so each
+head starts as the target's own next-token head. config.json holds
+"medusa_heads": K; `--draft medusa`. What the committed heads' run did (the
+command above, 25.6 min on a shared 2-core CPU without bf16 arithmetic, so
+fp32): 32 greedy answers, 7,380 tokens of data in 17 min, their features in
+1.5 min, then 165 steps of 4 conversations. Greedy agreement per head on
+held-out conversations 36% / 27% / 16% / 12%, on training text 86% / 79% /
+77% / 71%: far too little data, so the heads memorise it (the EAGLE head
+above had 1,024 conversations).
+
 What the committed head's run did (43.7 min): 1,024 conversations, 336k tokens
 of data in 20 min, their features in 6.4 min, then 731 steps of 8
 conversations (~1.3 s each). It agrees with the target's argmax on 54% of
@@ -48,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,10 +70,11 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import kernels
 from engine import LLM
 from model import Llama, LlamaConfig, load, unfuse
 from sampling import SamplingParams
-from drafting import BUNDLED_DRAFT
+from drafting import BUNDLED_DRAFT, BUNDLED_MEDUSA, MedusaHeads
 from speculative import SUMMARISE
 
 # ----------------------------------------------------------------------------
@@ -99,7 +115,7 @@ HEAD = dict(num_hidden_layers=1)
 HEAD_VOCAB = 8192    # the tokens the head can propose: the target's most likely ones (model.Llama.head_ids)
 
 
-def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8, chunk=128):
+def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8, chunk=128, ignore_eos=True):
     """Phase 1: the target answers every prompt, round after round until the
     deadline. Returns (tokens, prompt length, p, idx) per conversation: the
     template + answer, and at every answer position the target's `top` most
@@ -111,9 +127,9 @@ def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8,
     what greedy decoding writes. Conversations run `chunk` at a time through
     the continuous-batching engine, in bf16: ~20x the tokens per second of
     one fp32 conversation at a time (288-token answers).
-    EOS is ignored, as `bench.py speculative` ignores it: the draft must also
-    follow the target past the end of its answer, at every position the
-    benchmark reaches."""
+    With ignore_eos the draft also learns to follow the target past the end
+    of its answer (`bench.py speculative --ignore-eos` reaches there); without,
+    the answers stop at EOS, as users read them, and no time goes past it."""
     llm = LLM(target, tokenizer=tok, max_batch=chunk, kv_bytes=2 << 30)
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_bos=False) for t in prompts]
     jobs = [(r, i) for r in range(max_rounds) for i in range(len(ids))]
@@ -121,7 +137,7 @@ def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8,
     for start in range(0, len(jobs), chunk):
         part = jobs[start:start + chunk]
         params = [SamplingParams(temperature=0.0 if r == 0 else 0.7, top_p=0.95, seed=1000 * r + i,
-                                 max_new_tokens=new_tokens, logprobs=top, ignore_eos=True) for r, i in part]
+                                 max_new_tokens=new_tokens, logprobs=top, ignore_eos=ignore_eos) for r, i in part]
         t1 = time.perf_counter()
         outs = llm.generate([ids[i] for _, i in part], params, use_tqdm=False)
         for (_, i), o in zip(part, outs):
@@ -235,9 +251,42 @@ def head_loss(head, tokens, feats, n_prompt, passes=2):
     return sum(losses) / passes, agree
 
 
-def distil(head, data, feats, steps, batch, lr, deadline, passes):
+def medusa_loss(heads, tokens, feats, n_prompt):
+    """Medusa's loss on one batch, and each head's argmax agreement. feats (B, T, d):
+    the target's. Head k reads f_j alone and must predict the target's
+    distribution over x_j+k+1, softmax(f_j+k · E_idsᵀ) (cross-entropy, i.e. KL up
+    to a constant), at every answer position j (from the last prompt token's,
+    whose feature drafting reads first) with j+k inside the conversation. Head k
+    weighs 0.8^(k-1), as in the paper: the nearer guesses decide most steps."""
+    B, T, _ = feats.shape
+    spans = [(b * T + j, L - 1 - j) for b, (n, L) in enumerate(n_prompt) for j in range(max(n - 1, 0), L - 1)]
+    src, left = (torch.tensor(c) for c in zip(*spans))      # flat position j, positions after it
+    flat = feats.reshape(B * T, -1)
+    with torch.no_grad():
+        teacher = torch.softmax(flat @ heads.rows.T, dim=-1)
+    logq = torch.log_softmax(heads(flat[src]), dim=-1)      # (N, K, head vocabulary)
+    loss, agree = 0.0, []
+    for k in range(1, len(heads.blocks) + 1):
+        ok = left >= k
+        t, lq = teacher[src[ok] + k], logq[ok, k - 1]
+        loss = loss + 0.8 ** (k - 1) * -(t * lq).sum(-1).mean()
+        agree.append((lq.argmax(-1) == t.argmax(-1)).float().mean().item())
+    return loss, agree
+
+
+def make_medusa(target: Llama, k: int, ids: torch.Tensor) -> MedusaHeads:
+    """K heads whose blocks start at zero: each starts as the target's own
+    next-token head (SiLU(0) + f = f), the paper's initialisation."""
+    heads = MedusaHeads(target.config.hidden_size, k, ids)
+    for p in heads.parameters():
+        torch.nn.init.zeros_(p)
+    return heads.share_target(target)
+
+
+def distil(head, data, feats, steps, batch, lr, deadline, loss_fn):
     """Phase 3: AdamW on the head (fc, one block, final norm; the embedding and
-    LM head are the target's and stay fixed), warm-up then cosine decay."""
+    LM head are the target's and stay fixed; or Medusa's K blocks), warm-up then
+    cosine decay. loss_fn(head, tokens, feats, n_prompt) -> (loss, agreements)."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(0)
@@ -250,7 +299,7 @@ def distil(head, data, feats, steps, batch, lr, deadline, passes):
             g["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1))))
         picks = torch.randint(len(data), (batch,), generator=gen).tolist()
         tokens, f = padded([data[i][0] for i in picks]), padded([feats[i] for i in picks]).float()
-        loss, agree = head_loss(head, tokens, f, [(data[i][1], len(data[i][0])) for i in picks], passes)
+        loss, agree = loss_fn(head, tokens, f, [(data[i][1], len(data[i][0])) for i in picks])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -267,19 +316,21 @@ def distil(head, data, feats, steps, batch, lr, deadline, passes):
 
 
 @torch.no_grad()
-def agreement(head, data, feats) -> list[float]:
-    """How often the head's argmax is the target's, from true features (drafting
-    step 1) and from its own predicted ones (step 2): the greedy acceptance rates."""
-    hits = torch.zeros(2)
+def agreement(head, data, feats, loss_fn) -> list[float]:
+    """How often the head's argmax is the target's: for an EAGLE head from true
+    features (drafting step 1) and from its own predicted ones (step 2), for
+    Medusa per head: the greedy acceptance rates."""
+    hits = 0
     for (s, n), f in zip(data, feats):
-        hits += torch.tensor(head_loss(head, s[None], f[None].float(), [(n, len(s))], passes=2)[1])
+        hits = hits + torch.tensor(loss_fn(head, s[None], f[None].float(), [(n, len(s))])[1])
     return (hits / max(len(data), 1)).tolist()
 
 
-def save(head: Llama, hf: dict, out: Path):
+def save(head: Llama | MedusaHeads, hf: dict, out: Path):
     # No tokenizer, embedding or LM head: the head uses the target's (drafting.load_draft).
+    state = head.state_dict() if isinstance(head, MedusaHeads) else unfuse(head)
     state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v)
-             for k, v in unfuse(head).items() if not k.startswith(("embed_tokens.", "lm_head."))}
+             for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
     checkpoint.save(out, state, hf)
     mb = (out / "model.safetensors").stat().st_size / 1e6
     print(f"wrote {out} ({mb:.1f} MB)", flush=True)
@@ -287,24 +338,34 @@ def save(head: Llama, hf: dict, out: Path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=BUNDLED_DRAFT)
+    ap.add_argument("--out", type=Path, default=None, help=f"default: {BUNDLED_DRAFT} ({BUNDLED_MEDUSA} with --medusa)")
+    ap.add_argument("--medusa", type=int, default=0, metavar="K", help="train K Medusa heads instead of an EAGLE head")
     ap.add_argument("--max-minutes", type=float, default=45.0, help="the whole run, data generation included")
     ap.add_argument("--data-share", type=float, default=0.45, help="at most this share of the time for data")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
-    ap.add_argument("--new-tokens", type=int, default=288, help="answer length per prompt (EOS ignored)")
+    ap.add_argument("--new-tokens", type=int, default=288, help="answer length per prompt (EOS ignored; "
+                    "with --medusa at most this, stopping at EOS)")
+    ap.add_argument("--chunk", type=int, default=128, help="conversations the engine answers at once (the "
+                    "time limit is checked between chunks)")
     ap.add_argument("--steps", type=int, default=4000, help="an upper bound: the time usually runs out first")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--passes", type=int, default=2, help="1: true features only; 2: also from its own")
     ap.add_argument("--head-vocab", type=int, default=HEAD_VOCAB, help="tokens the head scores")
     args = ap.parse_args()
+    if args.medusa < 0 or args.max_minutes <= 0:
+        ap.error("--medusa K needs K >= 1 heads (0: the EAGLE head) and --max-minutes a positive time")
+    out = args.out or (BUNDLED_MEDUSA if args.medusa else BUNDLED_DRAFT)
     start = time.perf_counter()
     end = start + 60 * args.max_minutes
     target_dir = checkpoint.resolve(checkpoint.DEFAULT_MODEL)
-    # bf16: data and features run 2-4x faster than in fp32
-    target, tok = load(checkpoint.DEFAULT_MODEL, "cpu", "bfloat16")
-    data = generate_data(target, tok, PROMPTS[:args.prompts], args.new_tokens, 8,
-                         start + 60 * args.max_minutes * args.data_share)
+    # bf16 where the CPU computes it (data and features 2-4x faster than fp32); elsewhere it is emulated, slower
+    target, tok = load(checkpoint.DEFAULT_MODEL, "cpu", "bfloat16" if kernels.bf16_supported(torch.device("cpu"))
+                       else "float32")
+    # every kind of request early: a short run answers only the first prompts
+    prompts = random.Random(0).sample(PROMPTS, len(PROMPTS))[:args.prompts]
+    data = generate_data(target, tok, prompts, args.new_tokens, 8, start + 60 * args.max_minutes * args.data_share,
+                         chunk=args.chunk, ignore_eos=not args.medusa)
     ids = head_tokens(data, target.config.vocab_size, args.head_vocab)
     inside = torch.isin(torch.cat([idx[::20, 0] for _, _, _, idx in data[::20]]), ids).float().mean()
     data = [(s, n) for s, n, _, _ in data]
@@ -313,16 +374,21 @@ def main():
     held_f, feats = feats[::20], [f for i, f in enumerate(feats) if i % 20]
     print(f"head: the {len(ids)} most likely tokens hold {100 * inside:.1f}% of the target's greedy "
           f"choices", flush=True)
-    head, hf = make_head(target, target_dir, ids)
+    if args.medusa:
+        head, loss_fn = make_medusa(target, args.medusa, ids), medusa_loss
+        hf, what = dict(head.hf_config(), vocab_size=target.config.vocab_size), f"{args.medusa} residual blocks"
+    else:
+        (head, hf), what = make_head(target, target_dir, ids), "fc + 1 block + norm"
+        loss_fn = lambda h, tokens, f, n: head_loss(h, tokens, f, n, args.passes)   # noqa: E731
     n = sum(p.numel() for p in head.parameters() if p.requires_grad)
-    print(f"head: {n / 1e6:.1f}M parameters of its own (fc + 1 block + norm)", flush=True)
-    head = distil(head, data, feats, args.steps, args.batch, args.lr, end - min(90, 9 * args.max_minutes),
-                  args.passes)
+    print(f"head: {n / 1e6:.1f}M parameters of its own ({what})", flush=True)
+    head = distil(head, data, feats, args.steps, args.batch, args.lr, end - min(90, 9 * args.max_minutes), loss_fn)
     show = lambda a: " / ".join(f"{100 * x:.0f}%" for x in a)
-    print(f"greedy agreement with the target (drafting step 1 / step 2): held-out conversations "
-          f"{show(agreement(head, held, held_f))}, training text {show(agreement(head, data[::10], feats[::10]))}",
-          flush=True)
-    save(head, hf, args.out)
+    steps = "head 1 / 2 / ..." if args.medusa else "drafting step 1 / step 2"
+    print(f"greedy agreement with the target ({steps}): held-out conversations "
+          f"{show(agreement(head, held, held_f, loss_fn))}, training text "
+          f"{show(agreement(head, data[::10], feats[::10], loss_fn))}", flush=True)
+    save(head, hf, out)
     print(f"done in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
 
 

@@ -1,4 +1,4 @@
-"""What the speculative tests share: small random targets and drafts, an EAGLE head,
+"""What the speculative tests share: small random targets and drafts, an EAGLE head, Medusa heads,
 and the two checks every proposer must pass — greedy tokens equal to plain decoding,
 and sampled tokens distributed as the target's own (a chi-square test)."""
 
@@ -66,6 +66,23 @@ def eagle_head(models, tmp_path_factory):
     return head.share_target(target)
 
 
+def random_medusa(target, n_heads: int, ids: list[int], seed: int):
+    """Random Medusa heads for the target (train.py --medusa's kind, untrained): blocks
+    small enough that each head's guesses stay near the target's own next-token ones."""
+    import drafting
+    torch.manual_seed(seed)
+    heads = drafting.MedusaHeads(target.config.hidden_size, n_heads, torch.tensor(ids))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    return heads.share_target(target)
+
+
+@pytest.fixture(scope="module")
+def medusa_heads(models):
+    """Four random Medusa heads over 96 of the target's 320 tokens."""
+    return random_medusa(models[0], 4, sorted([*range(0, 320, 10), *range(1, 320, 5)]), seed=4)
+
+
 def plain(model, prompt, n):
     return list(M.generate_cached(model, prompt, M.SamplingParams(temperature=0, max_new_tokens=n)))
 
@@ -111,7 +128,7 @@ def small_vocab(tmp_path_factory):
     eagle = M.Llama.from_pretrained(M.save_random_checkpoint(hf, root / "e", torch.float32, seed=3), "cpu",
                                     torch.float32).share_target(target)
     target.config.eos_ids = draft.config.eos_ids = part.config.eos_ids = []
-    return target, draft, part, eagle
+    return target, draft, part, eagle, random_medusa(target, 3, [0, 1, 2, 4, 5, 7, 9, 11, 12, 15], seed=5)
 
 
 def sampled_counts(target, make_proposer, params, n_seqs, n_new):

@@ -81,13 +81,17 @@ def test_batching_tables():
 
 def test_speculative_table_and_histogram():
     lookup = S.SpecStats(steps=4, proposed=8, accepted=6, emitted=10, histogram=Counter({0: 1, 2: 3}))
-    rows = [{"method": "plain", "tok_s": 10.0, "speedup": 1.0, "diverged": [None], "spec": None},
-            {"method": "lookup", "tok_s": 20.0, "speedup": 2.0, "diverged": [None], "spec": lookup}]
-    table = bench.table(rows, "2 chat prompts: 256 new tokens each, EOS ignored")
-    assert table.columns == ["method", "decode tok/s", "speedup", "acceptance", "tokens/forward", "accepted lengths",
-                             "same tokens"]
-    assert table.rows == [["plain", "10.0", "1.00×", "", "1", "", "yes"],
-                          ["lookup", "20.0", "2.00×", "75%", "2.50", "0:1 2:3", "yes"]]
+    rows = [{"method": "plain", "tok_s": 10.0, "speedup": 1.0, "speedups": [1.0, 1.0, 1.0], "tokens": [9, 30, 4],
+             "diverged": [None] * 3, "spec": None},
+            {"method": "lookup", "tok_s": 20.0, "speedup": 2.0, "speedups": [1.5, 2.0, 3.25], "tokens": [9, 30, 4],
+             "diverged": [None, 12, None], "spec": lookup}]
+    table = bench.table(rows, "3 chat prompts: at most 256 new tokens, answers stopping at EOS")
+    assert table.columns == ["method", "decode tok/s", "speedup (median)", "spread (min–max)", "acceptance",
+                             "tokens/forward", "accepted lengths", "same tokens"]
+    assert table.rows == [["plain", "10.0", "1.00×", "1.00–1.00×", "", "1", "", "yes"],
+                          ["lookup", "20.0", "2.00×", "1.50–3.25×", "75%", "2.50", "0:1 2:3", "2/3; others from token 12"]]
+    assert table.notes[1:] == ["answer lengths (new tokens): 9 30 4",
+                               "per-prompt speedups, in prompt order: lookup: 1.50 2.00 3.25"]
     path = bench.plot_accepted({"chat": rows, "summarise": rows})
     assert (path == results.plot_path("speculative_accepted.png") and path.is_file()) if HAS_MATPLOTLIB else path is None
 

@@ -20,9 +20,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_identical_to_plain(models, subset_draft, eagle_head, k):
+def test_greedy_identical_to_plain(models, subset_draft, eagle_head, medusa_heads, k):
     target, draft = models
     check_greedy(target, {
+        "medusa chain": lambda: D.MedusaDraft(medusa_heads, target, k),
+        "medusa tree": lambda: D.MedusaDraft(medusa_heads, target, k, tree=(3, 2 * k)),
+        "lookup then medusa tree": lambda: D.LookupThenDraft(D.MedusaDraft(medusa_heads, target, k, tree=(2, 6)), 2),
         "draft": lambda: D.DraftModel(draft, target, k),
         "eagle head": lambda: D.EagleDraft(eagle_head, target, k),
         "adaptive eagle head": lambda: D.EagleDraft(eagle_head, target, k, adaptive=True),
@@ -35,12 +38,15 @@ def test_greedy_identical_to_plain(models, subset_draft, eagle_head, k):
         "self draft": lambda: D.DraftModel(target, target, k)}, k, n=64 if k == 1 else 128)
 
 
-@pytest.mark.parametrize("method", ["draft", "subset-head draft", "eagle head", "eagle tree head", "lookup then draft"])
+@pytest.mark.parametrize("method", ["draft", "subset-head draft", "eagle head", "eagle tree head", "lookup then draft",
+                                    "medusa chain", "medusa tree"])
 def test_sampling_matches_target(small_vocab, method, monkeypatch):
     """Each model proposer: 6,144 emitted tokens against the target's exact distributions
     (speculative.py's rule alone is checked on 20,000 draws in test_speculative.py)."""
-    target, draft, part, eagle = small_vocab
-    make = {"draft": lambda: D.DraftModel(draft, target, 3),
+    target, draft, part, eagle, medusa = small_vocab
+    make = {"medusa chain": lambda: D.MedusaDraft(medusa, target, 3),
+            "medusa tree": lambda: D.MedusaDraft(medusa, target, 3, tree=(3, 5)),
+            "draft": lambda: D.DraftModel(draft, target, 3),
             "subset-head draft": lambda: D.DraftModel(part, target, 3),
             "eagle head": lambda: D.EagleDraft(eagle, target, 3),
             "eagle tree head": lambda: D.EagleDraft(eagle, target, 2, tree=(3, 4)),
@@ -145,6 +151,41 @@ def test_eagle_reads_the_right_features(models, eagle_head):
     assert not torch.allclose(proposer.cache.k[0][:, :, :t], wrong.k[0][:, :, :t], atol=1e-3)
 
 
+def test_medusa_reads_the_last_feature(models, medusa_heads, tmp_path):
+    """After generating, Medusa holds the target's feature at the position before
+    the last token (one fresh forward's), and head k's guess is the argmax of
+    E_ids · (SiLU(W_k f + b_k) + f), each head on that one feature. A tree of W=2
+    starts with head 1's top 2 tokens. Saved as train.py saves them and loaded
+    through load_draft, the heads are the same (to bf16's precision)."""
+    import checkpoint
+    target, _ = models
+    h, silu = medusa_heads, torch.nn.functional.silu
+    proposer = D.MedusaDraft(h, target)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=40)
+    context = PROMPTS[0] + list(S.generate(target, PROMPTS[0], greedy, proposer))
+    with torch.inference_mode():
+        _, feats = target(torch.tensor([context]), torch.arange(len(context)), hidden=True)
+        f = feats[0, -2]
+        torch.testing.assert_close(proposer.feature, f, atol=1e-4, rtol=1e-4)
+        scores = [(silu(b(f)) + f) @ h.rows.T for b in h.blocks]
+        assert proposer.propose(context, 4, 100, greedy, None).candidates == \
+            [[int(h.head_ids[s.argmax()]) for s in scores]]
+        tree = D.MedusaDraft(h, target, 3, tree=(2, 5))
+        tree.observe(len(context) - 2, feats[0, -2:-1])
+        cands = tree.propose(context, 3, 100, greedy, None).candidates
+    assert {c[0] for c in cands} <= set(h.head_ids[scores[0].topk(2).indices].tolist())
+    assert len(S.token_tree(cands).tokens) == 5 and max(map(len, cands)) <= 3
+    assert proposer.propose(context + [7], 4, 100, greedy, None).candidates == []   # no feature before x_t
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in h.state_dict().items()}
+    checkpoint.save(tmp_path / "m", state, dict(h.hf_config(), vocab_size=320))
+    loaded = D.load_draft(str(tmp_path / "m"), target, None)
+    assert isinstance(loaded, D.MedusaHeads) and loaded.rows.dtype == torch.float32
+    assert torch.equal(loaded.head_ids, h.head_ids) and torch.equal(loaded.rows, h.rows)
+    torch.testing.assert_close(loaded.blocks[2].weight, h.blocks[2].weight, atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="width is 64 but the target's is 32"):
+        D.MedusaDraft(loaded, M.Llama.from_pretrained(make_checkpoint(tmp_path / "n", hidden_size=32, **SMALL)))
+
+
 def test_draft_vocabulary_checked_at_load(tmp_path):
     tgt_dir = make_checkpoint(tmp_path / "t")
     bad_dir = make_checkpoint(tmp_path / "d", vocab_size=352)
@@ -187,6 +228,31 @@ def test_committed_draft(bundled_dir):
         per_forward.append(spec.tokens_per_forward)
     # measured: 1.85 (head alone), 2.62 (a tree of 10 from the same head)
     assert min(per_forward) > 1.5 and per_forward[2] > per_forward[0] + 0.3, per_forward
+
+
+def test_committed_medusa(bundled_dir):
+    """drafts/ also holds train.py --medusa 4's heads for the bundled model: within the
+    25 MB budget, only their blocks and head_ids (the LM head is the target's);
+    speculative output with them, a chain or a tree (the runner's flags), is still
+    the target's own, and they guess well (a random head gives ~1.0 token per forward)."""
+    files = list(D.BUNDLED_MEDUSA.iterdir())
+    assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
+                                                                                          "model.safetensors"}
+    target, tok = M.load(str(bundled_dir), "cpu", "float32")
+    heads = D.load_draft("medusa", target, tok)
+    assert isinstance(heads, D.MedusaHeads) and len(heads.blocks) == 4
+    assert heads.rows.shape == (len(heads.head_ids), target.config.hidden_size) and len(heads.head_ids) < 49152
+    text = "Write a short poem about a lighthouse keeper."     # bench.py's second chat prompt
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
+    want = list(M.generate_cached(target, prompt, greedy))
+    per_forward = []
+    for proposer in (D.MedusaDraft(heads, target), serve_local.make_proposer(target, tok, "medusa", 4, tree="4,10")):
+        spec = S.SpecStats()
+        assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == want
+        per_forward.append(spec.tokens_per_forward)
+    # measured: 1.40 (a chain of 4), 1.62 (a tree of 10); the EAGLE head: 1.85 and 2.62 (above)
+    assert min(per_forward) > 1.25 and per_forward[1] > per_forward[0] + 0.1, per_forward
 
 
 def test_narrow_draft():

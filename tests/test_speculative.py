@@ -203,7 +203,8 @@ def test_runner_flags(tmp_path, monkeypatch, capsys):
     import serve_local
     tgt = str(make_checkpoint(tmp_path / "t"))
     monkeypatch.setattr(D, "BUNDLED_DRAFT", tmp_path / "no-draft")
-    cases = [(["--draft", "bundled"], "python train.py"), (["--spec-k", "0", "--prompt-lookup", "3"], "spec-k"),
+    monkeypatch.setattr(D, "BUNDLED_MEDUSA", tmp_path / "no-medusa")
+    cases = [(["--draft", "bundled"], "python train.py"), (["--draft", "medusa"], "python train.py --medusa 4"), (["--spec-k", "0", "--prompt-lookup", "3"], "spec-k"),
              (["--lookahead", "4,1,4"], "--lookahead"), (["--lookahead", "4,3,4", "--prompt-lookup", "2"],
                                                          "choose one speculative method"),
              (["--spec-tree", "4,10"], "--spec-tree needs --draft"), (["--draft", tgt, "--spec-tree", "4,10"],
@@ -263,7 +264,9 @@ def test_compare_reports_where_texts_part(models):
     rows = bench.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3),
                                            "static": lambda: static}, 24)
     assert [r["diverged"] for r in rows] == [[None, None]] * 3
-    assert rows[0]["speedup"] == 1.0 and rows[1]["spec"].steps > 0 and rows[2]["spec"] is None
+    assert rows[0]["speedup"] == 1.0 and rows[0]["speedups"] == [1.0, 1.0]
+    assert rows[1]["spec"].steps > 0 and rows[2]["spec"] is None and len(rows[1]["speedups"]) == 2
+    assert rows[0]["tokens"] == [23, 23]      # the target's eos_ids are cleared: every answer runs to 24 tokens
     assert bench.same_tokens([None, None]) == "yes"
     assert bench.same_tokens([None, 7, 3]) == "1/3; others from token 3, 7"
 
