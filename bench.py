@@ -19,6 +19,7 @@ markdown tables and saves them with results.save (results/<name>.json; plots und
     python bench.py quantize --weights int4 --out DIR   # write a quantized checkpoint
     python bench.py tp                            # tp.py: decode step with 1 process and 2 ranks, time in all-reduce
     python bench.py serve                         # server.py against llama-server: 1-32 streaming clients
+    python bench.py runner                        # serve_local.py as users run it against llama.cpp's defaults
     python bench.py report                        # RESULTS.md from results/*.json
 
 decode: batch 1, greedy, a fixed 128-token prompt, 128 new tokens with EOS
@@ -1417,6 +1418,177 @@ def bench_engine_step(args):
     print(f"saved {results.save('engine-step', 'engine', [table])}")
 
 
+# ----------------------------------------------------------------------------
+# runner: serve_local.py as a user runs it, against llama.cpp's defaults on the same GGUF.
+
+STATS = re.compile(r"\[prompt (\d+) tok.*?generated (\d+) tok, ([\d.]+) tok/s \| first token (\d+) ms")
+ESTIMATE = re.compile(r"~([\d.]+)x plain decoding")
+
+
+class RunnerSession:
+    """One `python serve_local.py FLAGS` process with its stdin a pipe: a user typing
+    prompts, /reset between them (one process per configuration, as a user keeps one
+    chat open). The answer of a turn is on stdout, its stats line on stderr; the runner
+    writes and flushes the answer before the stats line, so once that line arrives the
+    whole answer already sits in the stdout pipe and a non-blocking read takes it."""
+
+    def __init__(self, flags: list[str], max_new_tokens: int, timeout: float = 900):
+        import os
+        import subprocess
+        self.t0, self.timeout = time.perf_counter(), timeout
+        self.proc = subprocess.Popen([sys.executable, "serve_local.py", "--temperature", "0", "--max-new-tokens",
+                                      str(max_new_tokens), *flags], cwd=ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for f in (self.proc.stdout, self.proc.stderr):
+            os.set_blocking(f.fileno(), False)
+        self.err, self.log = b"", []
+        self.loaded_s = self.compile_s = None
+        lines = self.until(lambda line: line.startswith("chat:"))     # ready for the first line
+        self.ready_s = time.perf_counter() - self.t0
+        for line in lines:
+            if m := re.match(r"loaded in ([\d.]+) s", line):
+                self.loaded_s = float(m.group(1))
+            if m := re.search(r"compiled in ([\d.]+) s|loaded from cache in ([\d.]+) s", line):
+                self.compile_s = float(m.group(1) or m.group(2))
+
+    def read(self, f) -> bytes:
+        import os
+        chunks = []
+        while True:
+            try:
+                b = os.read(f.fileno(), 1 << 16)
+            except BlockingIOError:
+                break
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+
+    def until(self, done) -> list[str]:
+        """stderr lines up to and including the first for which done(line) holds."""
+        import select
+        seen, deadline = [], time.perf_counter() + self.timeout
+        while time.perf_counter() < deadline:
+            select.select([self.proc.stderr], [], [], 1.0)
+            self.err += self.read(self.proc.stderr)
+            while b"\n" in self.err:
+                line, self.err = self.err.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                seen.append(text)
+                self.log.append(text)
+                if done(text):
+                    return seen
+            if self.proc.poll() is not None and not self.err:
+                raise OSError("serve_local.py exited: " + " | ".join(self.log[-5:]))
+        self.proc.kill()
+        raise OSError(f"serve_local.py gave no answer within {self.timeout:.0f} s: " + " | ".join(self.log[-5:]))
+
+    def ask(self, prompt: str) -> dict:
+        self.read(self.proc.stdout)
+        self.proc.stdin.write(prompt.encode() + b"\n/reset\n")
+        self.proc.stdin.flush()
+        lines = self.until(lambda line: STATS.search(line) is not None)
+        text = self.read(self.proc.stdout).decode(errors="replace").strip()
+        m = STATS.search(lines[-1])
+        self.until(lambda line: "[conversation cleared]" in line)
+        estimate = [float(e.group(1)) for line in self.log[-4:] if (e := ESTIMATE.search(line))]
+        return {"prompt_tokens": int(m.group(1)), "new_tokens": int(m.group(2)), "tok_s": float(m.group(3)),
+                "ttft_ms": float(m.group(4)), "text": text, "estimate": estimate[-1] if estimate else None}
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def llama_cpp_answers(gguf: Path, prompts: list[str], max_new_tokens: int, threads: int) -> tuple[float, list[dict]]:
+    """llama.cpp's defaults on ``gguf`` (llama-server: its own chat template, greedy, stops
+    at EOS): (seconds from start until it serves, one dict per prompt from its timings)."""
+    import httpx
+    binary, port = llama_server_binary(), free_port()
+    log = checkpoint.cache_root() / "bench" / "llama-server-runner.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    proc = start_server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                         "-tb", str(threads), "--jinja", "-c", "4096", "--parallel", "1"], port, log)
+    ready, rows = time.perf_counter() - t0, []
+    try:
+        for i, p in enumerate([prompts[0]] + prompts):     # the first answer warms it up and is dropped
+            body = {"messages": [{"role": "user", "content": p}], "max_tokens": max_new_tokens, "temperature": 0,
+                    "cache_prompt": False}
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600).json()
+            t = r["timings"]
+            if i:
+                rows.append({"prompt_tokens": t["prompt_n"], "new_tokens": t["predicted_n"],
+                             "tok_s": t["predicted_per_second"], "ttft_ms": t["prompt_ms"],
+                             "text": r["choices"][0]["message"]["content"], "estimate": None})
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return ready, rows
+
+
+def runner_configs(fastest: list[str]) -> list[tuple[str, list[str]]]:
+    return [("serve_local.py (defaults: the plan)", []),
+            ("serve_local.py --no-speculation", ["--no-speculation"]),
+            ("serve_local.py " + " ".join(fastest), fastest)]
+
+
+def bench_runner(args):
+    """The runner as a user runs it, each configuration in its own process, and llama.cpp's
+    defaults on the very GGUF the runner loads, in the same run."""
+    if hint := kernels.busy_machine_hint():
+        print(hint)
+    prompts = CHAT_PROMPTS[:args.prompts] + [" ".join((speculative.SUMMARISE + HANDBOOK).split())]
+    threads = torch.get_num_threads()
+    fastest = args.fastest.split()
+    runs = {}
+    for name, flags in runner_configs(fastest):
+        print(f"{name} ...", flush=True)
+        session = RunnerSession([*flags, *args.flags.split()], args.max_new_tokens)
+        try:
+            runs[name] = {"ready_s": session.ready_s, "loaded_s": session.loaded_s, "compile_s": session.compile_s,
+                          "answers": [session.ask(p) for p in prompts]}
+        finally:
+            session.close()
+    gguf = checkpoint.bundled_gguf(*checkpoint.BUNDLED[1:]) if args.model == checkpoint.DEFAULT_MODEL else None
+    if gguf is not None and llama_server_binary() is not None and not args.no_peer:
+        print("llama.cpp (llama-server, defaults) ...", flush=True)
+        ready, answers = llama_cpp_answers(gguf, prompts, args.max_new_tokens, threads)
+        runs[f"llama.cpp defaults ({gguf.name})"] = {"ready_s": ready, "loaded_s": None, "compile_s": None,
+                                                     "answers": answers}
+    elif not args.no_peer:
+        print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
+    plain = runs["serve_local.py --no-speculation"]["answers"]
+    peer = next((r for n, r in runs.items() if n.startswith("llama.cpp")), None)
+    med = lambda xs: statistics.median(xs) if xs else float("nan")
+    rows, notes = [], []
+    for name, r in runs.items():
+        a = r["answers"]
+        speed = [x["tok_s"] for x in a]
+        same = sum(x["text"] == p["text"] for x, p in zip(a, plain))
+        vs = f"{med(speed) / med([x['tok_s'] for x in peer['answers']]):.2f}×" if peer else "-"
+        rows.append([name, f"{r['ready_s']:.1f}", "-" if r["loaded_s"] is None else f"{r['loaded_s']:.1f}",
+                     "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}",
+                     f"{med([x['ttft_ms'] for x in a]):.0f}", f"{min(speed):.1f}–{max(speed):.1f}",
+                     f"{med(speed):.1f}", vs, f"{med([x['new_tokens'] for x in a]):.0f}",
+                     "-" if name.startswith("llama.cpp") else f"{same}/{len(a)}"])
+        est = [(x["estimate"], x["tok_s"] / p["tok_s"]) for x, p in zip(a, plain) if x["estimate"]]
+        if est:
+            notes.append(f"{name}: the runner's printed speedup estimate, median {med([e for e, _ in est]):.2f}×, "
+                         f"against the measured ratio to the no-speculation run on the same prompts, median "
+                         f"{med([m for _, m in est]):.2f}× (per prompt, estimate/measured: "
+                         + ", ".join(f"{e / m:.2f}" for e, m in est) + ")")
+    table = results.Table(
+        f"{args.model}: serve_local.py as a user runs it (one process per configuration, prompts typed into "
+        f"its chat, /reset between them) and llama.cpp's defaults (llama-server) on the same GGUF; {len(prompts)} "
+        f"prompts ({args.prompts} chat + summarise-this-text), greedy, answers stop at EOS (at most "
+        f"{args.max_new_tokens} tokens), {threads} threads each",
+        ["configuration", "ready s", "load s", "compile s", "TTFT ms (median)", "decode tok/s (spread)",
+         "decode tok/s (median)", "× llama.cpp", "tokens (median)", "text = no-speculation run"], rows, notes)
+    print(f"\n{table.markdown()}")
+    print(f"saved {results.save('runner', 'runner', [table])}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1528,6 +1700,15 @@ def main():
     sv.add_argument("--seconds", type=float, default=40, help="how long each concurrency level runs")
     sv.add_argument("--no-peer", action="store_true", help="our server alone (no llama-server)")
     sv.add_argument("--max-tokens", type=int, default=128)
+    rn = sub.add_parser("runner", help="serve_local.py as a user runs it (defaults, no speculation, fastest flags) "
+                        "against llama.cpp's defaults on the same GGUF")
+    rn.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    rn.add_argument("--prompts", type=int, default=8, help="chat prompts (at most 8), then the summarise prompt")
+    rn.add_argument("--max-new-tokens", type=int, default=256)
+    rn.add_argument("--fastest", default="--cache static --compile --draft bundled --prompt-lookup 3",
+                    help="the third configuration's flags")
+    rn.add_argument("--flags", default="", help="flags added to every configuration (e.g. --model)")
+    rn.add_argument("--no-peer", action="store_true", help="our runner alone (no llama-server)")
     sub.add_parser("report", help="render RESULTS.md from results/*.json (what every benchmark saves)")
     args = ap.parse_args()
     try:
@@ -1568,6 +1749,8 @@ def main():
                 bench_naive_vs_cached(args.model, args.tokens)
         elif args.cmd == "serve":
             bench_serve(args)
+        elif args.cmd == "runner":
+            bench_runner(args)
         elif args.cmd == "tp":
             bench_tp(args.models, args.dtype, args.prompt_tokens, args.steps)
         elif args.cmd == "quantize":
