@@ -1,7 +1,8 @@
 """
 serve_local.py — chat with a Llama-family model on this machine, llama.cpp style.
 
-    python serve_local.py                       # chat with the bundled SmolLM2-135M-Instruct
+    python serve_local.py                       # chat with the bundled SmolLM2-135M-Instruct, as plan.py chooses
+    python serve_local.py --plan                # what it chooses on this machine, and why (then exits)
     python serve_local.py --prompt "Hi" --temperature 0     # answer once; stdout = the answer only
     python serve_local.py --model tinyllama --dtype bf16
     python serve_local.py --dtype bf16 --cache static --compile   # fastest on a CPU with AVX512-BF16
