@@ -61,6 +61,7 @@ DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static 
 HEADROOM = 0.8          # plan to use at most this share of the machine's memory
 SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CALIBRATION_BYTES = 32 << 20   # fp32 weights streamed per calibration pass: past the caches, into DRAM
+QUANTIZED = ("int8", "int4")
 MARGIN = 0.9            # a narrower dtype must beat fp32 by 10%: the calibration's own noise on a shared machine
 
 
@@ -326,19 +327,6 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
                    f"(minutes), later starts reuse inductor's disk cache")
     p.cache = "static" if p.compile else "dynamic"
 
-    # Speculative decoding: only with a draft trained for this very model.
-    if "bundled" in info.drafts:
-        p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
-        exact = ("exact: in fp32 the text is the one plain greedy decoding gives" if fdt == "float32" else
-                 f"in {fdt} a pass verifying several positions rounds differently from a one-token step, "
-                 f"so greedy texts may part from plain decoding's after a near-tie (--no-speculation: plain)")
-        why.append(f"speculation: the bundled EAGLE head (drafts/, trained for this model) guesses {p.spec_k} "
-                   f"tokens, prompt lookup (3-grams) copies repeated text first; one target pass checks them; "
-                   f"{exact}")
-    else:
-        why.append("no speculation: no bundled draft was trained for this model (drafts/ holds SmolLM2-135M's); "
-                   "--draft MODEL or --prompt-lookup N ask for one")
-
     # Weights: full precision unless they do not fit, or the checkpoint's own bits are 4 and int4 is fast here.
     room = machine.memory * HEADROOM
     packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0   # kernels.prepack's copy
@@ -346,7 +334,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
     def held(weights):
         return info.weight_bytes(weights, fdt) + (packed if weights == "float" else 0)
 
-    if info.source in ("int8", "int4"):
+    if info.source in QUANTIZED:
         why.append(f"weights {info.source}: the checkpoint is stored quantized (quantize.py) and loads as it is")
         scheme = info.source
     else:
@@ -369,7 +357,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
             why.append(f"weights {fdt}: {gb(held('float'))} fits in {gb(machine.memory)}{note}")
 
     # KV: the model's dtype unless weights + KV at ctx do not fit; then int8 (half), then say what ctx fits.
-    w_held = held(scheme) if info.source not in ("int8", "int4") else info.weight_bytes(scheme, fdt)
+    w_held = held(scheme) if info.source not in QUANTIZED else info.weight_bytes(scheme, fdt)
     kv = info.kv_bytes(ctx, "auto", fdt)
     if w_held + kv <= room:
         why.append(f"KV cache {fdt}: {mb(kv)} at {ctx} tokens, with the weights {gb(w_held + kv)} of "
@@ -384,6 +372,23 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
             line += f", still too much: --ctx {fits} would fit"
         why.append(line)
         kv = kv8
+
+    # Speculative decoding: only with a draft trained for this very model.
+    if "bundled" in info.drafts and scheme in QUANTIZED:
+        why.append(f"no speculation: the {scheme} layers' kernels are built for one row, so a pass verifying "
+                   f"k+1 positions costs a multiple of a step (float weights' prepacked kernels check 4 guesses "
+                   f"for about one step's cost: kernels.prepack); --draft bundled asks for it anyway")
+    elif "bundled" in info.drafts:
+        p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
+        exact = ("exact: in fp32 the text is the one plain greedy decoding gives" if fdt == "float32" else
+                 f"in {fdt} a pass verifying several positions rounds differently from a one-token step, "
+                 f"so greedy texts may part from plain decoding's after a near-tie (--no-speculation: plain)")
+        why.append(f"speculation: the bundled EAGLE head (drafts/, trained for this model) guesses {p.spec_k} "
+                   f"tokens, prompt lookup (3-grams) copies repeated text first; one target pass checks them; "
+                   f"{exact}")
+    else:
+        why.append("no speculation: no bundled draft was trained for this model (drafts/ holds SmolLM2-135M's); "
+                   "--draft MODEL or --prompt-lookup N ask for one")
 
     # The cost model, in this plan's numbers.
     tok = info.token_bytes(scheme, fdt)
@@ -441,7 +446,7 @@ def merge(p: Plan, given: dict) -> Plan:
     * any speculative flag (--draft, --prompt-lookup, --lookahead) replaces the plan's method;
       --no-speculation drops the plan's.
     * --kv paged, --tp and --decoder naive run their own decoders: eager, no speculation of the plan's
-      (and --tp: float weights)."""
+      (and --tp: float weights); --weights int8/int4 drop the plan's speculation too."""
     g = {k: v for k, v in given.items() if v is not None}
     out = replace(p, reasons=list(p.reasons), cost=list(p.cost))
     for item in ("dtype", "attn", "weights", "kv_dtype", "ctx", "spec_k"):
@@ -464,7 +469,7 @@ def merge(p: Plan, given: dict) -> Plan:
         out.draft = out.prompt_lookup = out.lookahead = None
     elif any(v is not None for v in methods.values()):
         out.draft, out.prompt_lookup, out.lookahead = methods.values()
-    elif own:
+    elif own or out.weights in QUANTIZED:     # the plan's speculation assumed float weights (choose)
         out.draft = out.prompt_lookup = None
     if g.get("tp") and "weights" not in g:
         out.weights = "auto"

@@ -66,8 +66,10 @@ def test_cpu_with_bf16_and_fast_int4(smol):
     assert (p.dtype, p.weights) == ("bfloat16", "int4")
     text = plan.describe(p)
     assert "computes bf16 natively" in text and "0.160 ns/weight against fp32's 0.300" in text
-    assert "model's own bits" in text
-    assert "rounds differently from a one-token step" in text          # bf16 speculation is not exact
+    assert "model's own bits" in text and p.draft is None and "built for one row" in text
+    p = plan.choose(cpu(bf16=True), smol)
+    assert (p.dtype, p.weights, p.draft) == ("bfloat16", "auto", "bundled")
+    assert "rounds differently from a one-token step" in plan.describe(p)   # bf16 speculation is not exact
     # bf16 native but measured no faster: fp32
     assert plan.choose(cpu(bf16=True, bfloat16=0.29), smol).dtype == "float32"
 
@@ -117,8 +119,9 @@ def test_explicit_flags_override_the_plan(smol):
     p = plan.choose(cpu(), smol)
     assert plan.merge(p, args()) == p
     q = plan.merge(p, args("--dtype", "bf16", "--weights", "int8", "--kv-dtype", "int8", "--attn", "flash",
-                           "--spec-k", "6", "--ctx", "512"))
+                           "--spec-k", "6", "--ctx", "512", "--draft", "medusa"))
     assert (q.dtype, q.weights, q.kv_dtype, q.attn, q.spec_k, q.ctx) == ("bfloat16", "int8", "int8", "flash", 6, 512)
+    assert (q.draft, q.prompt_lookup) == ("medusa", None)
     q = plan.merge(p, args("--cache", "dynamic"))          # an explicit cache turns the plan's compile off
     assert (q.cache, q.compile, q.draft) == ("dynamic", False, "bundled")
     q = plan.merge(p, args("--no-compile"))
@@ -127,6 +130,9 @@ def test_explicit_flags_override_the_plan(smol):
     q = plan.merge(eager, args("--compile"))               # --compile alone takes a static cache
     assert (q.cache, q.compile) == ("static", True)
     assert plan.merge(eager, args("--ctx", "256")).cache == "static"
+    q = plan.merge(p, args("--weights", "int4"))            # speculation was planned for float weights
+    assert (q.weights, q.draft, q.prompt_lookup) == ("int4", None, None)
+    assert plan.merge(p, args("--weights", "int4", "--draft", "bundled")).draft == "bundled"
     q = plan.merge(p, args("--prompt-lookup", "2"))         # a method given replaces the plan's
     assert (q.draft, q.prompt_lookup) == (None, 2)
     q = plan.merge(p, args("--lookahead", "4,3,4"))
