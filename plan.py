@@ -354,7 +354,8 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
             if info.source == "Q4_1" and "int4" in ns:
                 note = (f"; int4 would be the GGUF's own Q4_1 bits, but it computes no faster here "
                         f"({ns['int4']:.3f} ns/weight against {fdt}'s {ns.get(fdt, 0):.3f})")
-            why.append(f"weights {fdt}: {gb(held('float'))} fits in {gb(machine.memory)}{note}")
+            prepacked = " with kernels.prepack's copy" if packed else ""
+            why.append(f"weights {fdt}: {gb(held('float'))}{prepacked} fits in {gb(machine.memory)}{note}")
 
     # KV: the model's dtype unless weights + KV at ctx do not fit; then int8 (half), then say what ctx fits.
     w_held = held(scheme) if info.source not in QUANTIZED else info.weight_bytes(scheme, fdt)
