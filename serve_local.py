@@ -1,7 +1,8 @@
 """
 serve_local.py — chat with a Llama-family model on this machine, llama.cpp style.
 
-    python serve_local.py                       # chat with the bundled SmolLM2-135M-Instruct
+    python serve_local.py                       # chat with the bundled SmolLM2-135M-Instruct, as plan.py chooses
+    python serve_local.py --plan                # what it chooses on this machine, and why (then exits)
     python serve_local.py --prompt "Hi" --temperature 0     # answer once; stdout = the answer only
     python serve_local.py --model tinyllama --dtype bf16
     python serve_local.py --dtype bf16 --cache static --compile   # fastest on a CPU with AVX512-BF16
@@ -35,6 +36,7 @@ import checkpoint
 import drafting
 import engine
 import kernels
+import plan
 import quantize
 import speculative
 import tp
@@ -285,7 +287,9 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL,
                     help=f"alias ({', '.join(checkpoint.ALIASES)}), HF directory, .gguf file or hub id")
     ap.add_argument("--device", default=None, help="cuda, mps or cpu (default: best available)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *kernels.DTYPES])
+    ap.add_argument("--plan", action="store_true", help="print the configuration plan.py chooses for this "
+                    "machine, --model and --ctx, one reason per line with the cost model, and exit")
+    ap.add_argument("--dtype", default=None, choices=["auto", *kernels.DTYPES], help="default: the plan's")
     ap.add_argument("--prompt", default=None, help="answer this once and exit (answer on stdout)")
     ap.add_argument("--system", default=None, help="system message for the chat template")
     ap.add_argument("--raw", action="store_true", help="plain completion, no chat template")
@@ -296,37 +300,42 @@ def parse_args(argv=None):
                     "(default: 0.9)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--decoder", choices=list(DECODERS), default="cached")
-    ap.add_argument("--cache", choices=list(CACHES), default="dynamic",
+    ap.add_argument("--cache", choices=list(CACHES), default=None,
                     help="KV cache: grows (dynamic), preallocated (static), a ring (sliding-window models), or "
-                         "grows in host memory and visits the device a layer at a time (offloaded)")
+                         "grows in host memory and visits the device a layer at a time (offloaded); default: "
+                         "static where the plan compiles, else dynamic")
     ap.add_argument("--ctx", type=int, default=None,
                     help="the context in tokens of a preallocated cache: --cache static (attention reads all "
                          "of it every step, so size it to the conversation) or --kv paged, the block pool "
-                         "(default: min(model context, 2048))")
+                         "(default: min(model context, 2048); alone, it asks for a static cache)")
     ap.add_argument("--kv", choices=["contiguous", "paged"], default="contiguous",
                     help="paged: the continuous-batching engine's block pool (engine.py); the conversation "
                          "stays in its blocks between turns, and full blocks are shared by prefix caching")
     ap.add_argument("--block-size", type=int, default=None, help="--kv paged: tokens per block (default: 16)")
-    ap.add_argument("--attn", choices=list(ATTN), default="sdpa",
+    ap.add_argument("--attn", choices=list(ATTN), default=None,
                     help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, the naive "
-                         "full score matrix, or flash.py's Triton kernels (a CUDA GPU)")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the decode step (needs --cache static; warm-up is printed)")
+                         "full score matrix, or flash.py's Triton kernels (a CUDA GPU); default: the plan's (sdpa)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the decode step on a static cache (warm-up is printed); default: the "
+                         "plan's (a chat compiles where a C++ compiler is present)")
     ap.add_argument("--no-prepack", action="store_true",
                     help="keep one copy of the model's weights: half the memory on a CPU, slower eager steps "
                          "(kernels.prepack: +540 MB for SmolLM2 in fp32; several-position passes get slower)")
-    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8-plain"],
+    ap.add_argument("--kv-dtype", default=None, choices=["auto", "int8", "fp8", "fp8-plain"],
                     help="KV cache storage: the model's dtype (auto), or int8/fp8 with a scale per token "
-                         "and head (half the bytes); fp8-plain casts without a scale")
-    ap.add_argument("--weights", default="auto", choices=["auto", "int8", "int4"],
-                    help="quantize every Linear at load: int8 (per row) or int4 (grouped)")
+                         "and head (half the bytes); fp8-plain casts without a scale; default: the plan's")
+    ap.add_argument("--weights", default=None, choices=["auto", "int8", "int4"],
+                    help="quantize every Linear at load: int8 (per row) or int4 (grouped); auto: as stored; "
+                         "default: the plan's")
     ap.add_argument("--group-size", type=int, default=None, help="--weights int4: 32, 64 or 128 weights share "
                     "a scale (default: 32)")
     ap.add_argument("--draft", default=None, help="speculative decoding with a draft model of the same "
                     "tokenizer (alias, directory, .gguf; `bundled` = train.py's EAGLE head for SmolLM2, `medusa` = its Medusa "
                     "heads, train.py --medusa 4)")
-    ap.add_argument("--spec-k", type=int, default=4, help="tokens proposed per step (--draft, --prompt-lookup; "
-                    "default: 4)")
+    ap.add_argument("--spec-k", type=int, default=None, help="tokens proposed per step (--draft, --prompt-lookup; "
+                    "default: the plan's, 4)")
+    ap.add_argument("--no-speculation", action="store_true", help="plain decoding: drop the speculative method "
+                    "the plan chose (for the bundled model: its EAGLE head and prompt lookup)")
     ap.add_argument("--spec-tree", default=None, metavar="W,M", help="--draft with an EAGLE head or Medusa heads: draft a "
                     "tree, W children per node, --spec-k levels, and verify the M likeliest tokens in one pass (e.g. 4,10)")
     ap.add_argument("--adaptive-k", action="store_true", help="--draft: grow k after full acceptance, shrink "
@@ -462,16 +471,17 @@ def check_flags(args):
         raise ValueError("--adaptive-k adapts a draft model's k: add --draft")
     if args.group_size is not None and args.weights != "int4":
         raise ValueError("--group-size sets int4's groups: add --weights int4")
-    if args.compile and args.cache != "static":
+    if args.compile and args.cache not in (None, "static"):
         raise ValueError("--compile needs --cache static (fixed shapes compile once)")
-    if args.kv == "paged" and (args.cache != "dynamic" or args.compile or args.decoder != "cached"):
+    if args.kv == "paged" and (args.cache not in (None, "dynamic") or args.compile or args.decoder != "cached"):
         raise ValueError("--kv paged runs the engine's own cached decoder on its block pool: "
                          "drop --cache, --compile and --decoder")
     if args.tp is not None:
         if args.tp < 1:
             raise ValueError(f"--tp must be at least 1 process, got {args.tp}")
         bad = [flag for flag, on in (("--kv paged", args.kv == "paged"), ("--compile", args.compile),
-                                     ("--weights", args.weights != "auto"), ("--draft", args.draft is not None),
+                                     ("--weights", args.weights not in (None, "auto")),
+                                     ("--draft", args.draft is not None),
                                      ("--lookahead", args.lookahead is not None),
                                      ("--prompt-lookup", args.prompt_lookup is not None)) if on]
         if bad:
@@ -490,22 +500,29 @@ def main(argv=None) -> int:
     errors, rank = sys.stderr, 0
     try:
         check_flags(args)
-        dtype, seed = None if args.dtype == "auto" else args.dtype, args.seed
+        chosen = plan.plan_for(args.model, kernels.pick_device(args.device), args.ctx,
+                               None if args.prompt is None else args.max_new_tokens)
+        if args.plan:
+            print(plan.describe(chosen))
+            return 0
+        p = plan.merge(chosen, vars(args))        # every flag given overrides the plan's choice
+        dtype, seed = p.dtype, args.seed
         if args.tp:
             rank, device = tp.start(args.tp, args.device)
             if rank:        # rank 0 prints; the others compute the same tokens silently
                 sys.stdout = sys.stderr = open(os.devnull, "w")
             seed = tp.shared_seed(seed)
+        print(f"{plan.summary(p)} — --plan says why", file=sys.stderr)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   seed=seed, max_new_tokens=args.max_new_tokens)
         t0 = time.perf_counter()
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
         if args.tp:
-            model, tok = tp.load(args.model, device, dtype, args.attn, prepacked=not args.no_prepack)
+            model, tok = tp.load(args.model, device, dtype, p.attn, prepacked=not args.no_prepack)
             print(tp.describe(model), file=sys.stderr)
         else:
-            model, tok = load(args.model, args.device, dtype, args.weights, args.group_size or quantize.GROUP,
-                              attn=args.attn, prepacked=not args.no_prepack)
+            model, tok = load(args.model, args.device, dtype, p.weights, args.group_size or quantize.GROUP,
+                              attn=p.attn, prepacked=not args.no_prepack)
         w = model.embed_tokens.weight
         quant = f", weights {model.quantization['weights']}" if model.quantization else ""
         packed = kernels.prepacked_bytes(model)
@@ -514,22 +531,22 @@ def main(argv=None) -> int:
               f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB{packed}, "
               f"{str(w.dtype).removeprefix('torch.')}{quant}, {w.device}", file=sys.stderr)
         raw = args.raw or tok.chat_template is None
-        ctx = args.ctx or min(model.config.max_seq_len, 2048)
+        ctx = p.ctx
         block_size = 16 if args.block_size is None else args.block_size
         if not 1 <= block_size <= ctx:
             raise ValueError(f"--block-size must be between 1 and the context ({ctx} tokens), got {block_size}")
-        proposer = make_proposer(model, tok, args.draft, args.spec_k, args.adaptive_k, args.lookahead,
-                                 args.prompt_lookup, args.device, w.dtype, args.compile, args.spec_tree)
+        proposer = make_proposer(model, tok, p.draft, p.spec_k, args.adaptive_k, p.lookahead,
+                                 p.prompt_lookup, args.device, w.dtype, p.compile, args.spec_tree)
         if proposer is not None and (args.kv == "paged" or args.decoder != "cached"):
             raise ValueError("speculative decoding runs on the contiguous cached decoder: drop --kv paged "
                              "and --decoder naive")
         if args.kv == "paged":
-            chat = PagedChat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
+            chat = PagedChat(model, tok, params, args.decoder, raw, args.system, p.cache, ctx, p.kv_dtype,
                              block_size=block_size)
         else:
-            chat = Chat(model, tok, params, args.decoder, raw, args.system, args.cache, ctx, args.kv_dtype,
+            chat = Chat(model, tok, params, args.decoder, raw, args.system, p.cache, ctx, p.kv_dtype,
                         proposer=proposer)
-        if args.compile:
+        if p.compile:
             warm_up(chat)
         if proposer is not None:   # after compiling: the baseline is this configuration's own plain step
             chat.plain_step_s = plain_step_s(model, chat.cache)

@@ -70,6 +70,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import checkpoint
 import engine
 import kernels
+import plan
 import quantize
 from model import load
 from sampling import SamplingParams
@@ -620,7 +621,7 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--device", default=None, help="cuda, mps or cpu (default: best available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", *kernels.DTYPES],
-                    help="auto: bf16 where this device computes it natively, else fp32")
+                    help="auto: the plan's (plan.py: bf16 where native and measured faster, else fp32)")
     ap.add_argument("--weights", default="auto", choices=["auto", "int8", "int4"], help="weight quantization")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8-plain"],
                     help="KV pool storage (quantize.py)")
@@ -641,9 +642,8 @@ def build(args) -> Server:
     if not args.kv_gib > 0:
         raise ValueError(f"--kv-gib must be positive, got {args.kv_gib}")
     device = kernels.pick_device(args.device)
-    dtype = None if args.dtype == "auto" else args.dtype
-    if dtype is None and device.type == "cpu" and kernels.bf16_supported(device):
-        dtype = "bfloat16"          # oneDNN computes it natively here: half the bytes per step
+    # auto: the plan's dtype (plan.py: bf16 where native and measured faster); the engine stays eager and paged
+    dtype = plan.plan_for(args.model, device).dtype if args.dtype == "auto" else args.dtype
     weights = None if args.weights == "auto" else args.weights
     model, tok = load(args.model, args.device, dtype, weights)
     kv = None if args.kv_dtype == "auto" else args.kv_dtype

@@ -197,7 +197,7 @@ def test_sliding_window_model_with_flash(tmp_path):
 def test_serve_local_takes_attn():
     import serve_local
     assert serve_local.parse_args(["--attn", "flash"]).attn == "flash"
-    assert serve_local.parse_args([]).attn == "sdpa"
+    assert serve_local.parse_args([]).attn is None          # not given: the plan chooses (plan.py: sdpa)
 
 
 def test_bundled_model_greedy_flash_equals_naive(bundled_dir):

@@ -22,7 +22,8 @@ from tokenizer import Tokenizer
 
 
 def run_chat(model_dir, stdin: bytes, *flags, timeout=300):
-    p = subprocess.run([sys.executable, "serve_local.py", "--model", str(model_dir), *flags], cwd=ROOT,
+    # --no-compile: a chat's plan compiles its step where g++ is present (minutes); these test the chat's I/O
+    p = subprocess.run([sys.executable, "serve_local.py", "--model", str(model_dir), "--no-compile", *flags], cwd=ROOT,
                        input=stdin, capture_output=True, timeout=timeout)
     return p.returncode, p.stdout.decode(), p.stderr.decode()
 
@@ -100,7 +101,7 @@ def test_runtime_nan_stops_the_runner_with_one_line(capsys, tiny_ckpt, monkeypat
     (["--cache", "static", "--ctx", "-5"], "--ctx must be at least 1"),
     (["--cache", "static", "--ctx", "0"], "--ctx must be at least 1"),
     (["--ctx", "0"], "--ctx must be at least 1"),
-    (["--ctx", "100"], "--ctx sizes a preallocated cache"),
+    (["--cache", "dynamic", "--ctx", "100"], "--ctx sizes a preallocated cache"),   # --ctx alone: static
     (["--block-size", "8"], "add --kv paged"),
     (["--adaptive-k"], "add --draft"),
     (["--group-size", "64"], "add --weights int4"),

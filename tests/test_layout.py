@@ -18,7 +18,7 @@ FLOORS = {
     "tokenizer": 0, "kernels": 0, "results": 0, "sampling": 0, "kvcache": 0, "flash": 0, "paged": 0,
     "quantize": 1, "checkpoint": 1,
     "model": 2,
-    "engine": 3, "speculative": 3, "drafting": 3,
+    "engine": 3, "speculative": 3, "drafting": 3, "plan": 3,
     "serve_local": 4, "server": 4, "bench": 4, "train": 4, "tp": 4,
 }
 CONCEPT_LINES = 700           # a lesson file's budget; model.py's is nanoGPT-like

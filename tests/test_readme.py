@@ -28,6 +28,7 @@ QUICK = {
     "python serve_local.py --draft bundled --prompt-lookup 3": 120,
     "python bench.py -h": 60,
     "python serve_local.py --help": 60,
+    "python serve_local.py --plan": 60,
 }
 # Run by another test.
 COVERED = {
@@ -39,6 +40,7 @@ COVERED = {
     "python -m pytest tests --exercise flash": "test_exercises.py",
     "python -m pytest tests/test_flash.py": "CI itself",
     "python serve_local.py": "test_chat_session.py",
+    "python serve_local.py --plan --model tinyllama --ctx 8192": "test_plan.py",
     "python serve_local.py --prompt \"What is the capital of France?\" --temperature 0":
         "test_gguf.py::test_runner_answers_paris",
     "python serve_local.py --model tinyllama --dtype bf16": "test_hub.py (a real HF cache layout, offline)",

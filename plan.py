@@ -1,0 +1,490 @@
+"""
+plan.py — the inference optimizer: given a machine, a model and a context, choose how to run it, and say why.
+
+Every earlier lesson adds a knob: the dtype (kernels.py), the cache kind and
+size (kvcache.py), a compiled step (kernels.compile_step), speculative
+decoding and its k (speculative.py, drafting.py), weight and KV quantization
+(quantize.py). A user should not need to know six flags to get them, so the
+runner asks this file. It measures the machine once (a few seconds, cached),
+reads the model's config.json (no weights), and applies a handful of rules,
+each one printed with the numbers behind it (`python serve_local.py --plan`).
+
+The cost model. Decoding one token is memory-bound: it reads every weight
+matrix once, plus the KV cache written so far, and does two flops per weight
+read. So
+
+    bytes/token  = weight bytes + ctx · n_layers · 2 · n_kv_heads · d_head · kv_dtype_size
+    tok/s        ≤ bandwidth / bytes per token
+
+(SmolLM2-135M in fp32: 540 MB of weights read per token, and 30·2·3·64·4 B =
+46 KB of KV per token of context, 94 MB at 2,048 tokens.) Everything the plan
+chooses attacks one of the two terms, or the fixed cost per kernel call that
+the formula leaves out, which on a small model is as large as the reading:
+
+* fewer bytes per weight: bf16 halves fp32, int8 quarters it, int4 eighths it —
+  but only if this machine's kernel for that dtype streams as fast as its fp32
+  one. On a CPU without native bf16 (AVX2 only) a bf16 or int4 product converts
+  element by element and can be several times slower than fp32; with AMX the
+  same products are the fastest. So the plan times a matrix-vector product
+  of the model's MLP shape in each dtype and compares ns per weight: measured,
+  not assumed.
+* fewer calls: a compiled step on a static cache fuses hundreds of small
+  kernels into a few (kernels.compile_step), at a one-time compile cost.
+* more tokens per read: speculative decoding verifies k guesses in one pass
+  that reads the weights once; with an exact verifier it changes no token.
+* memory: weights + the KV at the requested context must fit, with ~20%
+  headroom for activations, the tokenizer and the rest of the machine; when
+  they do not, quantize the KV (half the bytes) before the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import checkpoint
+import drafting
+import kernels
+import quantize
+from model import LlamaConfig
+
+DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static cache is read whole every step)
+HEADROOM = 0.8          # plan to use at most this share of the machine's memory
+SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CALIBRATION_BYTES = 32 << 20   # fp32 weights streamed per calibration pass: past the caches, into DRAM
+QUANTIZED = ("int8", "int4")
+MARGIN = 0.9            # a narrower dtype must beat fp32 by 10%: the calibration's own noise on a shared machine
+
+
+# ----------------------------------------------------------------------------
+# The machine: what it computes natively, how much it holds, how fast it reads.
+
+@dataclass
+class Machine:
+    device: str                 # "cpu", "cuda", "mps"
+    name: str                   # the CPU's model name or the GPU's
+    bf16: bool                  # bf16 arithmetic in hardware (kernels.bf16_supported)
+    fp16: bool
+    memory: int                 # bytes
+    bandwidth: float            # bytes/s a device copy moves (kernels.copy_bandwidth)
+    compiler: str | None        # the C++ compiler inductor would call, or None
+    threads: int
+    ns_per_weight: dict = field(default_factory=dict)   # dtype -> one matrix-vector product's ns per weight
+    shape: tuple | None = None  # the (rows, columns) those products had
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler a CPU compile needs: $CXX if set, else g++ or c++ on the PATH."""
+    for name in filter(None, (os.environ.get("CXX"), "g++", "c++")):
+        if shutil.which(name):
+            return name
+    return None
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def cpu_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30          # sysconf is POSIX; assume a small laptop elsewhere
+
+
+def calibrate(shape: tuple[int, int], bf16: bool, reps: int = 5) -> dict[str, float]:
+    """ns per weight of a one-row product with W of ``shape`` (the model's MLP), in fp32, bf16
+    (where native: elsewhere it converts per element and is never chosen), int8 and int4 (each
+    with fp32 activations, as the runner's eager step runs them). Enough copies of W to stream
+    ~32 MB of fp32 from memory per pass, so the kernel is measured reading DRAM, as in decoding.
+    The dtypes take turns and each call keeps its best of ``reps``: on a shared machine a descheduled
+    thread stalls a call for a whole time slice, and that is the neighbour's cost, not the kernel's."""
+    n, k = shape
+    copies = max(1, min(16, CALIBRATION_BYTES // (4 * n * k)))
+    w, x = torch.randn(n, k) * 0.02, torch.randn(1, k)
+    sets = {}
+    for name in ("float32", "bfloat16") if bf16 else ("float32",):
+        sets[name] = []
+        for _ in range(copies):
+            layer = nn.Linear(k, n, bias=False, device="meta")
+            layer.weight = nn.Parameter(w.to(kernels.DTYPES[name], copy=True), requires_grad=False)
+            sets[name].append(kernels.prepack(layer))
+    if k % quantize.GROUP == 0:
+        q8, q4 = quantize.Int8Linear.from_float(w), quantize.Int4Linear.from_float(w, quantize.GROUP)
+        q8.prepare(torch.float32)
+        q4.prepare(torch.float32)
+        sets["int8"], sets["int4"] = ([copy.deepcopy(q) for _ in range(copies)] for q in (q8, q4))
+    best = {name: [float("inf")] * len(layers) for name, layers in sets.items()}
+    with torch.inference_mode():
+        for rep in range(reps + 1):           # the first round warms up (thread pool, kernel setup)
+            for name, layers in sets.items():
+                xd = x.to(kernels.DTYPES.get(name, torch.float32))
+                for i, layer in enumerate(layers):
+                    t0 = time.perf_counter()
+                    kernels.linear(xd, layer)
+                    if rep:
+                        best[name][i] = min(best[name][i], time.perf_counter() - t0)
+    return {name: sum(t) / (copies * n * k) * 1e9 for name, t in best.items()}
+
+
+def probe_path(device: torch.device, name: str, shape) -> Path:
+    key = f"{device.type}-{name}-torch{torch.__version__}-{torch.get_num_threads()}t-{shape[0]}x{shape[1]}"
+    return checkpoint.cache_root() / "plan" / (re.sub(r"[^\w.+-]+", "_", key) + ".json")
+
+
+def probe(device: torch.device, shape: tuple[int, int] = (1536, 576)) -> Machine:
+    """Measure this machine once (CPU: < 2 s on 2 cores) for a model whose MLP matrix is ``shape``;
+    later calls read the result from the cache, keyed by the CPU model or GPU name, the torch version,
+    the thread count and the shape. Delete ~/.cache/nanoinfer/plan to measure again."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if cuda else cpu_name() if device.type == "cpu" else device.type
+    path = probe_path(device, name, shape)
+    try:
+        data = json.loads(path.read_text())
+        return Machine(**{**data, "shape": tuple(data["shape"]) if data.get("shape") else None})
+    except (OSError, ValueError, TypeError):
+        pass
+    bf16 = kernels.bf16_supported(device)
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else cpu_memory()
+    timings = calibrate(shape, bf16) if device.type == "cpu" else {}
+    bandwidth = kernels.copy_bandwidth(device, 2**28)
+    machine = Machine(device.type, name, bf16, cuda, memory, bandwidth, find_compiler(), torch.get_num_threads(),
+                      timings, tuple(shape))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")          # two processes (torchrun) may probe at once
+    tmp.write_text(json.dumps(asdict(machine), indent=1))
+    os.replace(tmp, path)
+    return machine
+
+
+# ----------------------------------------------------------------------------
+# The model, from its config.json alone.
+
+SOURCE = {checkpoint.BUNDLED: "Q4_1"}     # checkpoint.BUNDLED's GGUF: its 210 matrices are Q4_1 (llama.cpp)
+DRAFT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "rope_theta", "max_position_embeddings")   # train.py writes the target's shape into its draft
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    config: LlamaConfig
+    matrix_params: int          # every Linear, the LM head included: what a decode step reads
+    embed_params: int           # the embedding table (a step reads one row of it), 0 if tied to the head
+    source: str | None = None   # the checkpoint's own quantization: "Q4_1" (GGUF), "int8"/"int4" (quantize.py)
+    drafts: list = field(default_factory=list)   # bundled drafts trained for this model: "bundled", "medusa"
+
+    def weight_bytes(self, weights: str, dtype: str) -> int:
+        """Bytes of weights held: the matrices per ``weights`` (int4 keeps the LM head in int8,
+        quantize.scheme_of; a group's scale and minimum travel in ``dtype``), the embedding in ``dtype``."""
+        size, c = SIZES[dtype], self.config
+        head = c.vocab_size * c.hidden_size
+        per = {"float": size, "int8": 1, "int4": 0.5 + 2 * size / quantize.GROUP}[weights]
+        body = self.matrix_params - head
+        head_bytes = head * ({"float": size, "int8": 1, "int4": 1}[weights])
+        return int(body * per + head_bytes + self.embed_params * size)
+
+    def token_bytes(self, weights: str, dtype: str) -> int:
+        """Bytes one decode step reads: every matrix once (the embedding: one row)."""
+        return self.weight_bytes(weights, dtype) - self.embed_params * SIZES[dtype]
+
+    def kv_bytes(self, ctx: int, kv_dtype: str, dtype: str) -> int:
+        """ctx · n_layers · 2 (K and V) · n_kv_heads · bytes of a head's row (int8: d values + a scale)."""
+        c = self.config
+        row = quantize.KV_CODECS[kv_dtype].row_bytes(c.head_dim) if kv_dtype != "auto" else c.head_dim * SIZES[dtype]
+        return ctx * c.n_layers * 2 * c.n_kv_heads * row
+
+
+def fitting_drafts(hf: dict) -> list[str]:
+    """The bundled drafts (drafts/) whose target has this config's shape: train.py copies the
+    target's config into the EAGLE head's (one layer); the Medusa heads record vocab and width."""
+    found = []
+    for name, where in (("bundled", drafting.BUNDLED_DRAFT), ("medusa", drafting.BUNDLED_MEDUSA)):
+        try:
+            d = checkpoint.read_config(where)
+            eagle = checkpoint.read_config(drafting.BUNDLED_DRAFT)
+        except ValueError:
+            continue
+        keys = ("vocab_size", "hidden_size") if "medusa_heads" in d else DRAFT_KEYS
+        if all(hf.get(k) == d.get(k) for k in keys) and all(hf.get(k) == eagle.get(k) for k in DRAFT_KEYS):
+            found.append(name)
+    return found
+
+
+KNOWN_CONFIGS = {"tinyllama": checkpoint.TINYLLAMA_CONFIG}   # hub aliases planned without a download
+
+
+def model_info(name: str) -> ModelInfo:
+    """--model -> ModelInfo without loading a weight: the alias's known config (TinyLlama, offline even when not
+    downloaded), else checkpoint.resolve (the bundled GGUF converts once) and its config.json."""
+    key = name.lower()
+    hf = KNOWN_CONFIGS.get(key) or checkpoint.read_config(checkpoint.resolve(name))
+    c = LlamaConfig.from_hf(hf)
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    head = c.vocab_size * c.hidden_size
+    source = SOURCE.get(checkpoint.ALIASES.get(key)) or (c.quantization or {}).get("weights")
+    return ModelInfo(name, c, c.n_layers * per_layer + head, 0 if c.tie_embeddings else head, source,
+                     fitting_drafts(hf))
+
+
+# ----------------------------------------------------------------------------
+# The plan: every choice, and why.
+
+@dataclass
+class Plan:
+    model: str
+    machine: str
+    device: str
+    dtype: str                       # float32 / bfloat16 / float16
+    cache: str = "dynamic"           # model.CACHES
+    ctx: int = DEFAULT_CTX
+    attn: str = "sdpa"
+    compile: bool = False
+    draft: str | None = None         # None / "bundled" (the EAGLE head) / "medusa" / a model
+    prompt_lookup: int | None = None
+    lookahead: str | None = None     # only ever the user's (--lookahead)
+    spec_k: int = 4
+    weights: str = "auto"            # auto (the checkpoint's) / int8 / int4
+    kv_dtype: str = "auto"           # auto (the model's dtype) / int8
+    reasons: list = field(default_factory=list)
+    cost: list = field(default_factory=list)
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:,.0f} MB" if n >= 1e7 else f"{n / 1e6:.1f} MB"
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tokens: int | None = None) -> Plan:
+    """The plan for ``info`` on ``machine`` at ``ctx`` tokens (None: the runner's default), for a chat
+    (``answer_tokens`` None) or one answer of at most that many tokens. Pure: probe() measures, this decides."""
+    c, why = info.config, []
+    limit = c.max_seq_len
+    if ctx is not None and ctx > limit:
+        why.append(f"ctx {limit}: you asked for {ctx}, but {info.name} was trained on {limit} positions "
+                   f"(RoPE beyond them is untrained), so the cache holds {limit}")
+    ctx = min(ctx or DEFAULT_CTX, limit)
+    p = Plan(info.name, machine.name, machine.device, "float32", ctx=ctx, reasons=why)
+    ns = machine.ns_per_weight
+
+    # dtype: the fewest bytes per weight this device computes natively, and fast.
+    if machine.device == "cuda":
+        p.dtype = "bfloat16" if machine.bf16 else "float16"
+        why.append(f"dtype {p.dtype}: a GPU's tensor cores compute it natively at half fp32's bytes"
+                   + ("" if machine.bf16 else " (no bf16 on this GPU: fp16, which overflows past 65504)"))
+    elif machine.device == "cpu" and machine.bf16 and ns.get("bfloat16", 1e9) < MARGIN * ns.get("float32", 0):
+        p.dtype = "bfloat16"
+        why.append(f"dtype bfloat16: this CPU computes bf16 natively and its matrix-vector product took "
+                   f"{ns['bfloat16']:.3f} ns/weight against fp32's {ns['float32']:.3f} (calibrated)")
+    elif machine.device == "cpu" and machine.bf16:
+        why.append(f"dtype float32: bf16 is native here but calibrated no faster ({ns.get('bfloat16', 0):.3f} "
+                   f"ns/weight against fp32's {ns.get('float32', 0):.3f}); fp32 is also the exact reference")
+    else:
+        why.append(f"dtype float32: no native bf16 on this {machine.device} (bf16 would be converted "
+                   f"element by element); fp32 is the exact reference")
+    fdt = p.dtype
+
+    why.append("attention sdpa: PyTorch's fused kernel (flash-attention inside on a GPU); flash.py's tiled "
+               "version is the lesson, slower when run op by op")
+
+    # Compiled step: removes the per-kernel fixed cost, once a compile is paid for.
+    if machine.device == "cuda":
+        p.compile = True
+        why.append("compiled, static cache: kernels.compile_step records the step as a CUDA graph, one launch "
+                   "per token instead of hundreds of ~5 µs ones")
+    elif machine.device != "cpu":
+        why.append(f"eager, dynamic cache: the compiled step is tuned for CPUs and CUDA, not {machine.device}")
+    elif machine.compiler is None:
+        why.append("eager, dynamic cache: no C++ compiler ($CXX, g++ or c++) for inductor to compile the step")
+    elif answer_tokens is not None:
+        why.append(f"eager, dynamic cache: one answer of at most {answer_tokens} tokens does not repay a compile "
+                   f"(minutes the first time, tens of seconds from inductor's disk cache); a chat compiles")
+    else:
+        p.compile = True
+        why.append(f"compiled one-token step on a static cache of {ctx} tokens ({machine.compiler} found): "
+                   f"inductor fuses the step's hundreds of small kernels; the first start compiles once "
+                   f"(minutes), later starts reuse inductor's disk cache")
+    p.cache = "static" if p.compile else "dynamic"
+
+    # Weights: full precision unless they do not fit, or the checkpoint's own bits are 4 and int4 is fast here.
+    room = machine.memory * HEADROOM
+    packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0   # kernels.prepack's copy
+
+    def held(weights):
+        return info.weight_bytes(weights, fdt) + (packed if weights == "float" else 0)
+
+    if info.source in QUANTIZED:
+        why.append(f"weights {info.source}: the checkpoint is stored quantized (quantize.py) and loads as it is")
+        scheme = info.source
+    else:
+        scheme = next((w for w in ("float", "int8", "int4") if held(w) <= room), "int4")
+        if scheme != "float":
+            p.weights = scheme
+            why.append(f"weights {scheme}: {fdt} weights need {gb(held('float'))} (with the prepacked copy on a "
+                       f"CPU), more than {HEADROOM:.0%} of {gb(machine.memory)}; {scheme} holds them in "
+                       f"{gb(held(scheme))}" + ("" if held(scheme) <= room else " (still too many: expect swapping)"))
+        elif info.source == "Q4_1" and ns.get("int4", 1e9) < MARGIN * ns.get(fdt, 0):
+            p.weights = scheme = "int4"
+            why.append(f"weights int4: the GGUF holds Q4_1, which round-trips exactly through int4 groups of 32, "
+                       f"so these are the model's own bits; calibrated int4 {ns['int4']:.3f} ns/weight against "
+                       f"{fdt}'s {ns[fdt]:.3f}")
+        else:
+            note = ""
+            if info.source == "Q4_1" and "int4" in ns:
+                note = (f"; int4 would be the GGUF's own Q4_1 bits, but it computes no faster here "
+                        f"({ns['int4']:.3f} ns/weight against {fdt}'s {ns.get(fdt, 0):.3f})")
+            prepacked = " with kernels.prepack's copy" if packed else ""
+            why.append(f"weights {fdt}: {gb(held('float'))}{prepacked} fits in {gb(machine.memory)}{note}")
+
+    # KV: the model's dtype unless weights + KV at ctx do not fit; then int8 (half), then say what ctx fits.
+    w_held = held(scheme) if info.source not in QUANTIZED else info.weight_bytes(scheme, fdt)
+    kv = info.kv_bytes(ctx, "auto", fdt)
+    if w_held + kv <= room:
+        why.append(f"KV cache {fdt}: {mb(kv)} at {ctx} tokens, with the weights {gb(w_held + kv)} of "
+                   f"{gb(machine.memory)}")
+    else:
+        p.kv_dtype = "int8"
+        kv8 = info.kv_bytes(ctx, "int8", fdt)
+        line = (f"KV cache int8: {mb(kv)} in {fdt} at {ctx} tokens does not fit beside {gb(w_held)} of weights "
+                f"in {HEADROOM:.0%} of {gb(machine.memory)}; int8 (a scale per row) holds it in {mb(kv8)}")
+        if w_held + kv8 > room:
+            fits = max(0, int((room - w_held) // info.kv_bytes(1, "int8", fdt)))
+            line += f", still too much: --ctx {fits} would fit"
+        why.append(line)
+        kv = kv8
+
+    # Speculative decoding: only with a draft trained for this very model.
+    if "bundled" in info.drafts and scheme in QUANTIZED:
+        why.append(f"no speculation: the {scheme} layers' kernels are built for one row, so a pass verifying "
+                   f"k+1 positions costs a multiple of a step (float weights' prepacked kernels check 4 guesses "
+                   f"for about one step's cost: kernels.prepack); --draft bundled asks for it anyway")
+    elif "bundled" in info.drafts:
+        p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
+        exact = ("exact: in fp32 the text is the one plain greedy decoding gives" if fdt == "float32" else
+                 f"in {fdt} a pass verifying several positions rounds differently from a one-token step, "
+                 f"so greedy texts may part from plain decoding's after a near-tie (--no-speculation: plain)")
+        why.append(f"speculation: the bundled EAGLE head (drafts/, trained for this model) guesses {p.spec_k} "
+                   f"tokens, prompt lookup (3-grams) copies repeated text first; one target pass checks them; "
+                   f"{exact}")
+    else:
+        why.append("no speculation: no bundled draft was trained for this model (drafts/ holds SmolLM2-135M's); "
+                   "--draft MODEL or --prompt-lookup N ask for one")
+
+    # The cost model, in this plan's numbers.
+    tok = info.token_bytes(scheme, fdt)
+    bw = machine.bandwidth
+    p.cost = [
+        f"decode reads every weight once per token: {mb(tok)} ({scheme if scheme != 'float' else fdt} matrices; "
+        f"the embedding gives one row)",
+        f"KV: ctx · {c.n_layers} layers · 2 · {c.n_kv_heads} kv heads · {c.head_dim} dims · "
+        f"{'int8 + scale' if p.kv_dtype == 'int8' else f'{SIZES[fdt]} B'} = {mb(kv)} at {ctx} tokens",
+        f"bytes per token: {mb(tok)} at an empty context, {mb(tok + kv)} at {ctx} tokens",
+        f"ceiling at the measured {bw / 1e9:.1f} GB/s copy bandwidth: {bw / tok:,.0f} tok/s empty, "
+        f"{bw / (tok + kv):,.0f} tok/s at {ctx} tokens (real steps add a fixed cost per kernel call)",
+        f"memory: {gb(w_held)} of weights" + (" (with the prepacked copy)" if packed and scheme == "float" else "")
+        + f" + {mb(kv)} of KV = {(w_held + kv) / machine.memory:.0%} of {gb(machine.memory)}",
+    ]
+    if p.draft or p.prompt_lookup:
+        p.cost.append(f"speculation: a pass over {p.spec_k + 1} positions reads the weights once, so every "
+                      f"accepted guess is a token above this ceiling")
+    return p
+
+
+def plan_for(name: str, device: torch.device, ctx: int | None = None, answer_tokens: int | None = None) -> Plan:
+    """The runner's plan for model ``name``: its config, this machine measured at its MLP's shape, the rules."""
+    info = model_info(name)
+    return choose(probe(device, (info.config.intermediate_size, info.config.hidden_size)), info, ctx, answer_tokens)
+
+
+def describe(p: Plan) -> str:
+    """What `serve_local.py --plan` prints: the choices with their reasons, then the cost model."""
+    lines = [f"plan for {p.model} on {p.machine} ({p.device}): {summary(p).removeprefix('plan: ')}", "why:"]
+    lines += [f"  - {r}" for r in p.reasons] + ["cost model:"] + [f"  - {c}" for c in p.cost]
+    return "\n".join(lines)
+
+
+def summary(p: Plan) -> str:
+    """One line: the plan in effect."""
+    names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    parts = [names.get(p.dtype, p.dtype), f"{p.cache} cache" + (f" {p.ctx}" if p.cache == "static" else ""),
+             "compiled" if p.compile else "eager"]
+    if p.attn != "sdpa":
+        parts.append(f"attention {p.attn}")
+    parts += [f"weights {p.weights}"] if p.weights not in (None, "auto") else []
+    parts += [f"KV {p.kv_dtype}"] if p.kv_dtype not in (None, "auto") else []
+    spec = [{"bundled": "EAGLE head", "medusa": "Medusa heads"}.get(p.draft, p.draft)] if p.draft else []
+    spec += [f"prompt lookup {p.prompt_lookup}"] if p.prompt_lookup else []
+    spec += [f"lookahead {p.lookahead}"] if p.lookahead else []
+    parts.append(" + ".join(spec) + f", k {p.spec_k}" if spec else "no speculation")
+    return "plan: " + ", ".join(parts)
+
+
+def merge(p: Plan, given: dict) -> Plan:
+    """The plan with the runner's explicit flags laid over it (``given``: flag name -> value, None where
+    not given). A flag wins for its item; what it implies follows:
+    * --cache other than static turns the plan's compile off; --compile or --ctx alone take a static cache.
+    * any speculative flag (--draft, --prompt-lookup, --lookahead) replaces the plan's method;
+      --no-speculation drops the plan's.
+    * --kv paged, --tp and --decoder naive run their own decoders: eager, no speculation of the plan's
+      (and --tp: float weights); --weights int8/int4 drop the plan's speculation too."""
+    g = {k: v for k, v in given.items() if v is not None}
+    out = replace(p, reasons=list(p.reasons), cost=list(p.cost))
+    for item in ("dtype", "attn", "weights", "kv_dtype", "ctx", "spec_k"):
+        if g.get(item) not in (None, "auto") or item in ("weights", "kv_dtype") and item in g:
+            setattr(out, item, g[item])
+    out.dtype = str(kernels.pick_dtype(out.dtype, torch.device(p.device))).removeprefix("torch.")
+    own = g.get("kv") == "paged" or bool(g.get("tp")) or g.get("decoder") == "naive"
+    if "cache" in g:
+        out.cache, out.compile = g["cache"], g.get("compile", p.compile and g["cache"] == "static")
+    else:
+        out.compile = g.get("compile", p.compile)
+        out.cache = "static" if out.compile or "ctx" in g else "dynamic"
+    if own:
+        out.compile = False
+        out.cache = g.get("cache", "dynamic")
+    methods = {k: g.get(k) for k in ("draft", "prompt_lookup", "lookahead")}
+    if g.get("no_speculation"):
+        if any(v is not None for v in methods.values()):
+            raise ValueError("--no-speculation turns speculation off: drop it or the speculative flag")
+        out.draft = out.prompt_lookup = out.lookahead = None
+    elif any(v is not None for v in methods.values()):
+        out.draft, out.prompt_lookup, out.lookahead = methods.values()
+    elif own or out.weights in QUANTIZED:     # the plan's speculation assumed float weights (choose)
+        out.draft = out.prompt_lookup = None
+    if g.get("tp") and "weights" not in g:
+        out.weights = "auto"
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="Measure this machine and print the plan for a model.")
+    ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    ap.add_argument("--ctx", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    chosen = plan_for(args.model, kernels.pick_device(args.device), args.ctx)
+    print(f"measured and planned in {time.perf_counter() - t0:.2f} s")
+    print(describe(chosen))

@@ -1,0 +1,182 @@
+"""plan.py: the runner's configuration, chosen from a machine (built by hand here, so every kind of
+machine is testable on any), a model's config and a context, with a reason per choice."""
+
+import json
+import time
+
+import pytest
+import torch
+
+import checkpoint
+import plan
+import serve_local
+from conftest import run_cli
+
+GB = 1 << 30
+
+
+def cpu(bf16=False, memory=32 * GB, compiler="g++", **ns):
+    timings = {"float32": 0.30, "int8": 0.70, "int4": 1.20, **ns}   # an AVX2 CPU: fp32 fastest
+    if bf16:
+        timings.setdefault("bfloat16", 0.16)
+    return plan.Machine("cpu", "fake CPU", bf16, False, memory, 20e9, compiler, 2, timings, (1536, 576))
+
+
+CUDA = plan.Machine("cuda", "fake GPU", True, True, 80 * GB, 3e12, "g++", 1, {}, None)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return plan.model_info("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return plan.model_info("tinyllama")
+
+
+def test_model_info_from_configs(smol, tiny):
+    assert (smol.config.n_layers, smol.config.n_kv_heads, smol.config.head_dim) == (30, 3, 64)
+    assert smol.source == "Q4_1" and smol.drafts == ["bundled", "medusa"]
+    assert 134e6 < smol.matrix_params < 136e6 and smol.embed_params == 0      # tied: the head is the table
+    assert tiny.drafts == [] and tiny.source is None and tiny.config.max_seq_len == 2048
+    assert 1.09e9 < tiny.matrix_params + tiny.embed_params < 1.11e9
+    # bytes/token: weights once + ctx · n_layers · 2 · n_kv · d_head · size
+    assert smol.kv_bytes(2048, "auto", "float32") == 2048 * 30 * 2 * 3 * 64 * 4
+    assert smol.kv_bytes(2048, "int8", "float32") == 2048 * 30 * 2 * 3 * (64 + 2)
+    assert smol.token_bytes("float", "float32") == smol.matrix_params * 4
+    assert smol.token_bytes("int4", "float32") < smol.token_bytes("int8", "float32") < \
+        smol.token_bytes("float", "bfloat16") < smol.token_bytes("float", "float32")
+
+
+def test_cpu_without_bf16(smol):
+    p = plan.choose(cpu(), smol)
+    assert (p.dtype, p.attn, p.cache, p.ctx, p.compile) == ("float32", "sdpa", "static", 2048, True)
+    assert (p.draft, p.prompt_lookup, p.spec_k, p.weights, p.kv_dtype) == ("bundled", 3, 4, "auto", "auto")
+    text = plan.describe(p)
+    assert "no native bf16" in text and "compiles once" in text and "exact: in fp32" in text
+    assert "int4 would be the GGUF's own Q4_1 bits, but it computes no faster here (1.200" in text
+    tok = smol.token_bytes("float", "float32")
+    assert f"{20e9 / tok:,.0f} tok/s empty" in text            # ceiling = bandwidth / bytes per token
+    assert len(p.reasons) == 6 and all(p.reasons)
+
+
+def test_cpu_with_bf16_and_fast_int4(smol):
+    p = plan.choose(cpu(bf16=True, int4=0.05), smol)
+    assert (p.dtype, p.weights) == ("bfloat16", "int4")
+    text = plan.describe(p)
+    assert "computes bf16 natively" in text and "0.160 ns/weight against fp32's 0.300" in text
+    assert "model's own bits" in text and p.draft is None and "built for one row" in text
+    p = plan.choose(cpu(bf16=True), smol)
+    assert (p.dtype, p.weights, p.draft) == ("bfloat16", "auto", "bundled")
+    assert "rounds differently from a one-token step" in plan.describe(p)   # bf16 speculation is not exact
+    # bf16 native but measured no faster: fp32
+    assert plan.choose(cpu(bf16=True, bfloat16=0.29), smol).dtype == "float32"
+
+
+def test_cuda(smol):
+    p = plan.choose(CUDA, smol)
+    assert (p.dtype, p.attn, p.cache, p.compile) == ("bfloat16", "sdpa", "static", True)
+    assert "CUDA graph" in plan.describe(p)
+    old = plan.Machine("cuda", "old GPU", False, True, 16 * GB, 3e11, None, 1, {}, None)
+    assert plan.choose(old, smol).dtype == "float16"
+
+
+def test_no_compiler_one_answer_and_no_draft(smol, tiny):
+    assert plan.choose(cpu(compiler=None), smol).compile is False
+    p = plan.choose(cpu(), smol, answer_tokens=64)
+    assert (p.compile, p.cache, p.draft) == (False, "dynamic", "bundled")
+    assert "does not repay a compile" in plan.describe(p)
+    p = plan.choose(cpu(), tiny, ctx=8192)
+    assert (p.draft, p.prompt_lookup, p.ctx) == (None, None, 2048)
+    assert "no speculation" in plan.summary(p) and "trained on 2048 positions" in plan.describe(p)
+
+
+def test_kv_quantized_when_the_context_does_not_fit(tiny):
+    weights = tiny.weight_bytes("float", "float32") + tiny.token_bytes("float", "float32")   # + prepacked copy
+    kv = tiny.kv_bytes(2048, "auto", "float32")
+    memory = int((weights + 0.75 * kv) / plan.HEADROOM)        # the fp32 KV does not fit, int8 (~half) does
+    p = plan.choose(cpu(memory=memory), tiny)
+    assert (p.weights, p.kv_dtype) == ("auto", "int8")
+    assert "KV cache int8" in plan.describe(p) and "would fit" not in plan.describe(p)
+    p = plan.choose(cpu(memory=int((weights + 0.1 * kv) / plan.HEADROOM)), tiny)
+    fits = [r for r in p.reasons if "would fit" in r]
+    assert p.kv_dtype == "int8" and fits and 0 < int(fits[0].split("--ctx ")[1].split()[0]) < 2048
+
+
+def test_weights_quantized_when_the_model_does_not_fit(tiny):
+    p = plan.choose(cpu(memory=4 * GB), tiny)        # 8.5 GB in fp32 with its prepacked copy; int8 ~1.1 GB
+    assert p.weights == "int8" and "weights int8" in plan.describe(p)
+    assert plan.choose(cpu(memory=int(1.2 * GB)), tiny).weights == "int4"
+    assert plan.choose(CUDA, tiny).weights == "auto"
+
+
+def args(*flags):
+    return vars(serve_local.parse_args(list(flags)))
+
+
+def test_explicit_flags_override_the_plan(smol):
+    p = plan.choose(cpu(), smol)
+    assert plan.merge(p, args()) == p
+    q = plan.merge(p, args("--dtype", "bf16", "--weights", "int8", "--kv-dtype", "int8", "--attn", "flash",
+                           "--spec-k", "6", "--ctx", "512", "--draft", "medusa"))
+    assert (q.dtype, q.weights, q.kv_dtype, q.attn, q.spec_k, q.ctx) == ("bfloat16", "int8", "int8", "flash", 6, 512)
+    assert (q.draft, q.prompt_lookup) == ("medusa", None)
+    q = plan.merge(p, args("--cache", "dynamic"))          # an explicit cache turns the plan's compile off
+    assert (q.cache, q.compile, q.draft) == ("dynamic", False, "bundled")
+    q = plan.merge(p, args("--no-compile"))
+    assert (q.cache, q.compile) == ("dynamic", False)
+    eager = plan.choose(cpu(compiler=None), smol)
+    q = plan.merge(eager, args("--compile"))               # --compile alone takes a static cache
+    assert (q.cache, q.compile) == ("static", True)
+    assert plan.merge(eager, args("--ctx", "256")).cache == "static"
+    q = plan.merge(p, args("--weights", "int4"))            # speculation was planned for float weights
+    assert (q.weights, q.draft, q.prompt_lookup) == ("int4", None, None)
+    assert plan.merge(p, args("--weights", "int4", "--draft", "bundled")).draft == "bundled"
+    q = plan.merge(p, args("--prompt-lookup", "2"))         # a method given replaces the plan's
+    assert (q.draft, q.prompt_lookup) == (None, 2)
+    q = plan.merge(p, args("--lookahead", "4,3,4"))
+    assert (q.draft, q.prompt_lookup, q.lookahead) == (None, None, "4,3,4")
+    for flags in (["--kv", "paged"], ["--decoder", "naive"], ["--tp", "2", "--prompt", "x"]):
+        q = plan.merge(p, args(*flags))
+        assert (q.compile, q.cache, q.draft, q.prompt_lookup) == (False, "dynamic", None, None), flags
+    with pytest.raises(ValueError, match="--compile needs --cache static"):
+        serve_local.check_flags(serve_local.parse_args(["--compile", "--cache", "dynamic"]))
+
+
+def test_no_speculation(smol):
+    p = plan.merge(plan.choose(cpu(), smol), args("--no-speculation"))
+    assert (p.draft, p.prompt_lookup, p.lookahead) == (None, None, None)
+    assert "no speculation" in plan.summary(p)
+    with pytest.raises(ValueError, match="--no-speculation"):
+        plan.merge(p, args("--no-speculation", "--draft", "bundled"))
+
+
+def test_probe_measures_once_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    t0 = time.perf_counter()
+    m = plan.probe(torch.device("cpu"), (256, 128))
+    assert time.perf_counter() - t0 < 10
+    assert m.device == "cpu" and m.memory > GB and m.bandwidth > 1e8 and m.threads == torch.get_num_threads()
+    assert set(m.ns_per_weight) >= {"float32", "int8", "int4"} and all(v > 0 for v in m.ns_per_weight.values())
+    [path] = (tmp_path / "nanoinfer" / "plan").glob("*.json")
+    assert json.loads(path.read_text())["name"] == m.name
+    t0 = time.perf_counter()
+    assert plan.probe(torch.device("cpu"), (256, 128)) == m and time.perf_counter() - t0 < 0.1
+
+
+@pytest.mark.parametrize("flags", [[], ["--model", "tinyllama", "--ctx", "8192"]])
+def test_serve_local_plan_prints_and_exits(flags):
+    """As a user runs it: the converted bundled model and the probe's cache in ~/.cache/nanoinfer."""
+    t0 = time.perf_counter()
+    rc, out, err = run_cli("serve_local.py", "--plan", *flags, env={"HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert rc == 0, err[-2000:]
+    assert time.perf_counter() - t0 < 60
+    assert out.startswith("plan for ") and "why:" in out and "cost model:" in out and "tok/s" in out
+    assert "loading" not in err                  # no weights read
+    assert ("EAGLE head" in out) == (not flags)
+    print(out)
+
+
+def test_the_plan_needs_no_download():
+    assert plan.model_info("TinyLlama").config.vocab_size == checkpoint.TINYLLAMA_CONFIG["vocab_size"]
