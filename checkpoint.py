@@ -438,14 +438,13 @@ def gguf_fingerprint(path: Path) -> str:
 
 def convert_gguf(path: Path, out_root: Path | None = None) -> Path:
     """Convert a GGUF file into an HF directory in the cache (once) and return it."""
-    import gguf
-    from gguf.quants import dequantize
-    from tqdm import tqdm
-
     path = Path(path)
     out = (out_root or cache_root()) / f"{path.stem}-{gguf_fingerprint(path)}"
     if (out / "model.safetensors").is_file():
         return out
+    import gguf     # here, not above: a start that finds the cache does not pay its import (0.1 s)
+    from gguf.quants import dequantize
+    from tqdm import tqdm
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf raises bare ValueError/struct errors on bad files
