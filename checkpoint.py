@@ -19,6 +19,11 @@ We convert a GGUF file once into an HF directory in the user's cache
 (``$XDG_CACHE_HOME/nanoinfer`` or ``~/.cache/nanoinfer``), so the rest of the
 project knows a single layout. Dequantized weights are stored as fp32: the
 values ``scale * q + min`` are exact there and would be rounded in fp16/bf16.
+The converted file is laid out for a fast start: each group of matrices the model
+multiplies as one (q/k/v, gate/up: FUSED) is stored stacked, so a load stacks nothing
+(read_weights hands out the parts as views, fuse joins them back without a copy), and
+the conversion checks once that every weight is finite and records the largest |w|,
+so a load need not read all of them again to know it (check_finite).
 
 Names resolve through one small alias table; everything that can go wrong on
 disk (missing files, truncated weights, offline without a cached copy) ends in
@@ -429,7 +434,7 @@ CONVERTED_FORMAT = 2
 
 def gguf_fingerprint(path: Path) -> str:
     # Size + the first MiB (header, metadata, start of the tensors) name a file
-    # well enough for a cache key without reading gigabytes (2 ms here).
+    # well enough for a cache key without reading gigabytes.
     h = hashlib.sha256(f"{CONVERTED_FORMAT}:{path.stat().st_size}".encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
@@ -442,7 +447,7 @@ def convert_gguf(path: Path, out_root: Path | None = None) -> Path:
     out = (out_root or cache_root()) / f"{path.stem}-{gguf_fingerprint(path)}"
     if (out / "model.safetensors").is_file():
         return out
-    import gguf     # here, not above: a start that finds the cache does not pay its import (0.1 s)
+    import gguf     # here, not above: a start that finds the cache does not import its 38 modules
     from gguf.quants import dequantize
     from tqdm import tqdm
     try:

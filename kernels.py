@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # Triton (GPU kernels written in Python): optional, used by flash.py's kernels and paged_decode below. They run on a
-# CUDA GPU or in Triton's CPU interpreter; elsewhere its import (0.2-0.5 s of every start) is skipped.
+# CUDA GPU or in Triton's CPU interpreter; elsewhere its import (79 modules) is skipped.
 triton = tl = None
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     try:

@@ -284,9 +284,9 @@ class Llama(nn.Module):
         self.config = cfg
         self.attn = attn            # attend()'s implementation, passed down to every layer
         # On the meta device, where from_pretrained builds, nn.Embedding's own init (normal_) imports torch._dynamo:
-        # 2-4 s of every start. So the table is drawn (the same draws) only on a device with memory.
+        # 894 more modules at every start. So the table is drawn (the same draws) only on a device with memory.
         w = torch.empty(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=w if w.is_meta else nn.init.normal_(w))
+        self.embed_tokens = nn.Embedding(*w.shape, _weight=w if w.is_meta else nn.init.normal_(w))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         # A draft model's head may score only the tokens it is ever likely to

@@ -413,7 +413,7 @@ def _byte_alphabet() -> dict[int, str]:
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
 
 
-# The GGUF functions import gguf themselves: it is needed only while converting, and would add 0.1 s to every start.
+# The GGUF functions import gguf themselves: it is needed only while converting, and is 38 modules to import.
 
 def _byte_level_bpe(tokens, types, merges, pre) -> tuple[HFTokenizer, list[str]]:
     from gguf import TokenType
