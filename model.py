@@ -416,7 +416,7 @@ class Llama(nn.Module):
             state.pop("lm_head.weight", None)
         checkpoint.check_tensors(state, checkpoint_shapes(model), model_dir)
         # Quantized tensors and their scales keep their dtypes; the layers prepare them below.
-        state = {k: v.to(device=device, dtype=dtype if quantize.is_plain(k, v) else None) for k, v in state.items()}
+        state = checkpoint.cast(state, device, lambda k, v: dtype if quantize.is_plain(k, v) else None)
         checkpoint.check_finite({k: v for k, v in state.items() if quantize.is_plain(k, v)}, model_dir)
         state = checkpoint.fuse(state, FUSED, cfg.n_layers)
         if cfg.quantization:

@@ -119,3 +119,8 @@ def test_converted_groups_are_stored_stacked_and_read_as_views(bundled_dir):
     assert checkpoint.recorded_max_abs(bundled_dir) == max(t.abs().max().item() for t in state.values())
     apart = checkpoint.joined([k, q])                   # not in storage order: a copy
     assert apart.data_ptr() not in (q.data_ptr(), k.data_ptr()) and torch.equal(apart, torch.cat([k, q]))
+    # cast converts a group as one tensor: its parts stay back to back, so joining them copies nothing either
+    small = checkpoint.cast(state, "cpu", lambda name, t: torch.bfloat16)
+    q16, k16, v16 = (small[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert list(small) == list(state) and q16.dtype == torch.bfloat16 and torch.equal(q16, q.bfloat16())
+    assert checkpoint.joined([q16, k16, v16]).data_ptr() == q16.data_ptr()
