@@ -229,8 +229,11 @@ def bench_decode(args):
                         fast, prompt, 8 if warmup else args.new_tokens, static))
             if not args.no_peers:
                 try:
-                    from transformers import LlamaForCausalLM
-                    hf = LlamaForCausalLM.from_pretrained(path, dtype=kernels.DTYPES[dtype]).to(args.device).eval()
+                    from transformers import AutoConfig, LlamaForCausalLM
+                    # the tensors through read_weights: a converted GGUF stores q/k/v and gate/up stacked
+                    hf = LlamaForCausalLM.from_pretrained(None, config=AutoConfig.from_pretrained(path),
+                                                          state_dict=checkpoint.read_weights(path),
+                                                          dtype=kernels.DTYPES[dtype]).to(args.device).eval()
                     impls["transformers generate"] = (dtype, per_token, lambda warmup: run_transformers(
                         hf, prompt, 8 if warmup else args.new_tokens))
                 except ImportError:

@@ -31,11 +31,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:    # Triton (GPU kernels written in Python): optional, used by flash.py's kernels and paged_decode below
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = tl = None
+# Triton (GPU kernels written in Python): optional, used by flash.py's kernels and paged_decode below. They run on a
+# CUDA GPU or in Triton's CPU interpreter; elsewhere its import (79 modules) is skipped.
+triton = tl = None
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        pass
 
 
 def jit(fn):
@@ -47,12 +51,12 @@ def jit(fn):
 
 def check_triton(device: torch.device):
     """Triton kernels run on a CUDA GPU (or on a CPU in Triton's interpreter); elsewhere, one line."""
-    if triton is None:
-        raise ValueError("the Triton kernels need triton: pip install triton==3.9.0 (CUDA builds of torch "
-                         "ship with it)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"--attn triton runs on a CUDA GPU, not on {device.type}: use --attn flash (the "
                          f"same algorithm in PyTorch) or sdpa")
+    if triton is None:
+        raise ValueError("the Triton kernels need triton: pip install triton==3.9.0 (CUDA builds of torch "
+                         "ship with it)")
 
 
 # ----------------------------------------------------------------------------

@@ -108,7 +108,8 @@ class LlamaConfig:
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     d = cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    # d/2 numbers, on the CPU even while Llama.__init__ builds on the meta device (whose arange imports torch._dynamo)
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d)
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()
@@ -249,9 +250,8 @@ class Block(nn.Module):
 # Checkpoints store W_q, W_k, W_v and W_gate, W_up as separate matrices; the model
 # keeps each group stacked ("fused"), so a decode step makes 4 matmul calls per layer,
 # not 7: batch-1 decode is a chain of small matrix-vector products whose fixed cost
-# per call counts (kernels.py's cost model).
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# per call counts (kernels.py's cost model). The groups: checkpoint.FUSED.
+FUSED = checkpoint.FUSED
 
 
 def unfuse(model: "Llama") -> dict:
@@ -283,7 +283,10 @@ class Llama(nn.Module):
             raise ValueError(f"unknown attention '{attn}': use {', '.join(ATTN)}")
         self.config = cfg
         self.attn = attn            # attend()'s implementation, passed down to every layer
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # On the meta device, where from_pretrained builds, nn.Embedding's own init (normal_) imports torch._dynamo:
+        # 894 more modules at every start. So the table is drawn (the same draws) only on a device with memory.
+        w = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(*w.shape, _weight=w if w.is_meta else nn.init.normal_(w))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         # A draft model's head may score only the tokens it is ever likely to
@@ -291,10 +294,7 @@ class Llama(nn.Module):
         # which makes its head 6x cheaper to run and to train. `head_ids` are
         # their ids; every other token gets logit −inf, i.e. probability 0, which
         # speculative.py's rejection rule handles exactly.
-        if cfg.head_vocab:
-            self.register_buffer("head_ids", torch.zeros(cfg.head_vocab, dtype=torch.long))
-        else:
-            self.head_ids = None
+        self.register_buffer("head_ids", torch.zeros(cfg.head_vocab, dtype=torch.long) if cfg.head_vocab else None)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.head_vocab or cfg.vocab_size, bias=False)
         # An EAGLE draft head (Li et al. 2024; drafting.EagleDraft) is a Llama of
         # one block whose input at position j is fc([embed(x_j+1); f_j]): the next
@@ -416,7 +416,7 @@ class Llama(nn.Module):
             state.pop("lm_head.weight", None)
         checkpoint.check_tensors(state, checkpoint_shapes(model), model_dir)
         # Quantized tensors and their scales keep their dtypes; the layers prepare them below.
-        state = {k: v.to(device=device, dtype=dtype if quantize.is_plain(k, v) else None) for k, v in state.items()}
+        state = checkpoint.cast(state, device, lambda k, v: dtype if quantize.is_plain(k, v) else None)
         checkpoint.check_finite({k: v for k, v in state.items() if quantize.is_plain(k, v)}, model_dir)
         state = checkpoint.fuse(state, FUSED, cfg.n_layers)
         if cfg.quantization:

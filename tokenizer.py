@@ -46,7 +46,6 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-import gguf
 import jinja2
 import jinja2.ext
 import sentencepiece
@@ -414,7 +413,10 @@ def _byte_alphabet() -> dict[int, str]:
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
 
 
+# The GGUF functions import gguf themselves: it is needed only while converting, and is 38 modules to import.
+
 def _byte_level_bpe(tokens, types, merges, pre) -> tuple[HFTokenizer, list[str]]:
+    from gguf import TokenType
     spell = _byte_alphabet()
     alphabet = set(spell.values())
     # A few converters store some tokens as raw text; respell those so BPE can reach them.
@@ -430,11 +432,12 @@ def _byte_level_bpe(tokens, types, merges, pre) -> tuple[HFTokenizer, list[str]]
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     # A CONTROL token outside the byte alphabet is a llama.cpp mislabel; transformers skips it.
-    control = [t for t, ty in zip(tokens, types) if ty == gguf.TokenType.CONTROL and set(t) <= alphabet]
+    control = [t for t, ty in zip(tokens, types) if ty == TokenType.CONTROL and set(t) <= alphabet]
     return tok, control
 
 
 def _sentencepiece_bpe(tokens, types, scores, add_space_prefix) -> tuple[HFTokenizer, list[str]]:
+    from gguf import TokenType
     vocab = {t: i for i, t in enumerate(tokens)}
     # A sentencepiece BPE model stores no merges: at each step it joins the adjacent pair whose
     # result scores highest. Listing every split of every token, best score first, makes
@@ -444,7 +447,7 @@ def _sentencepiece_bpe(tokens, types, scores, add_space_prefix) -> tuple[HFToken
         pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
         merges += [(score, left, right) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
     merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
-    unk = next((t for t, ty in zip(tokens, types) if ty == gguf.TokenType.UNKNOWN), None)
+    unk = next((t for t, ty in zip(tokens, types) if ty == TokenType.UNKNOWN), None)
     tok = HFTokenizer(models.BPE(vocab, [(left, right) for _, left, right in merges], unk_token=unk,
                                  fuse_unk=True, byte_fallback=True))
     # Spaces become "▁", and like sentencepiece's dummy prefix every stretch of text between special
@@ -455,18 +458,20 @@ def _sentencepiece_bpe(tokens, types, scores, add_space_prefix) -> tuple[HFToken
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), space]) if add_space_prefix else space
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
-    control = [t for t, ty in zip(tokens, types) if ty == gguf.TokenType.CONTROL]
+    control = [t for t, ty in zip(tokens, types) if ty == TokenType.CONTROL]
     return tok, control
 
 
-def write_tokenizer_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> None:
+def write_tokenizer_from_gguf(reader, out_dir: Path) -> None:
+    """A tokenizer.json (and tokenizer_config.json) from a gguf.GGUFReader's vocabulary."""
+    from gguf import TokenType
     def field(key, default=None):
         f = reader.fields.get(key)
         return f.contents() if f is not None else default
 
     kind = field("tokenizer.ggml.model")
     tokens = field("tokenizer.ggml.tokens", [])
-    types = field("tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens)
+    types = field("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
     if kind == "gpt2":
         tok, control = _byte_level_bpe(tokens, types, field("tokenizer.ggml.merges", []), field("tokenizer.ggml.pre"))
     elif kind == "llama":
@@ -484,7 +489,7 @@ def write_tokenizer_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> None:
     # USER_DEFINED tokens (e.g. <think>) are matched whole too but are ordinary text when decoding.
     specials = list(dict.fromkeys(control + [t for t in named.values() if tok.token_to_id(t) is not None]))
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
-    user = [t for t, ty in zip(tokens, types) if ty == gguf.TokenType.USER_DEFINED and tok.token_to_id(t) is not None]
+    user = [t for t, ty in zip(tokens, types) if ty == TokenType.USER_DEFINED and tok.token_to_id(t) is not None]
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
     # Old sentencepiece GGUFs have no flag, and llama.cpp adds BOS for them.
@@ -531,6 +536,7 @@ if __name__ == "__main__":
         sys.exit("usage: python tokenizer.py MODEL_DIR_OR_GGUF   (python checkpoint.py shows the bundled model's)")
     path = Path(sys.argv[1])
     if path.suffix == ".gguf":
+        import gguf
         out = Path(tempfile.mkdtemp(prefix="tokenizer-"))
         write_tokenizer_from_gguf(gguf.GGUFReader(path), out)
         path = out

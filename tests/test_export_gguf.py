@@ -81,3 +81,26 @@ def test_llama_cpp_runs_the_export_like_we_do(tmp_path, tokenizer, tied):
     if tokenizer:   # the exported vocabulary, merges and pre-tokenizer cut text as ours does
         text = "The quick brown fox. def add(a, b):\n    return a + b 1234"
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == Tokenizer.from_dir(src).encode(text)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 1e5])
+def test_conversion_records_what_the_load_need_not_check(tmp_path, bad):
+    """convert_gguf checks its output once and records the largest |w|; a load skips the full read
+    only where its dtype holds that value. A NaN records nothing, and is refused by name at load;
+    1e5 is finite in fp32 but inf in fp16, and is refused there."""
+    src = make_checkpoint(tmp_path / "hf")
+    state = {k.removeprefix("model."): v.clone() for k, v in checkpoint.read_weights(src).items()}
+    state["layers.1.mlp.down_proj.weight"][3, 5] = bad
+    checkpoint.save(tmp_path / "bad", state, checkpoint.read_config(src), copy_files_from=src)
+    back = checkpoint.convert_gguf(checkpoint.export_gguf(tmp_path / "bad", tmp_path / "bad.gguf", config(src), "f32"),
+                                   tmp_path / "cache")
+    refused = "tensor layers.1.mlp.down_proj.weight in .* holds 1 non-finite values"
+    if bad != bad:
+        assert checkpoint.recorded_max_abs(back) is None
+        with pytest.raises(checkpoint.CheckpointError, match=refused):
+            M.Llama.from_pretrained(back, "cpu", "float32")
+    else:
+        assert checkpoint.recorded_max_abs(back) == bad
+        assert M.Llama.from_pretrained(back, "cpu", "float32").layers[1].mlp.down_proj.weight[3, 5] == bad
+        with pytest.raises(checkpoint.CheckpointError, match=refused):
+            M.Llama.from_pretrained(back, "cpu", "float16")

@@ -1,6 +1,9 @@
 """GGUF import on the bundled SmolLM2-135M-Instruct (Q4_1), against transformers' own GGUF loader."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,7 +11,7 @@ import torch
 
 import checkpoint
 import model as M
-from conftest import bundled_gguf, run_cli
+from conftest import ROOT, bundled_gguf, run_cli
 
 
 def test_config_from_gguf_metadata(bundled_dir):
@@ -81,3 +84,43 @@ def test_runner_answers_paris(cache_home):
     assert "Paris" in out
     assert "tok/s" in err and "tok/s" not in out and "loaded" not in out
     assert "538 MB + 538 MB of oneDNN-prepacked copies" in err      # model.prepack, every big matrix
+
+
+def test_a_second_start_converts_copies_and_rereads_nothing(cache_home):
+    """Start fast (issue 21): with the conversion cached, loading the bundled model imports neither
+    gguf (no conversion) nor torch._dynamo (nothing built on the meta device calls into it) nor
+    triton (no GPU, no interpreter), stacks q/k/v and gate/up without one torch.cat (the cache
+    stores them stacked), and reads no weight to check it is finite (checked when converted)."""
+    code = ("import json, sys, torch, model\n"
+            "calls = {'cat': 0, 'isfinite': 0}\n"
+            "for name in calls:\n"
+            "    def counted(*a, _f=getattr(torch, name), _n=name, **k):\n"
+            "        calls[_n] += 1\n"
+            "        return _f(*a, **k)\n"
+            "    setattr(torch, name, counted)\n"
+            "m, tok = model.load()\n"
+            "qkv = m.layers[0].self_attn.qkv_proj.weight\n"
+            "print(json.dumps({**calls, 'imported': [n for n in ('gguf', 'torch._dynamo', 'triton') if n in sys.modules],\n"
+            "                  'qkv': list(qkv.shape), 'eos': m.config.eos_ids}))\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert got == {"cat": 0, "isfinite": 0, "imported": [], "qkv": [960, 576], "eos": [2]}
+
+
+def test_converted_groups_are_stored_stacked_and_read_as_views(bundled_dir):
+    state = checkpoint.read_weights(bundled_dir)        # Hugging Face names, as every reader expects
+    q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert q.shape == (576, 576) and k.shape == v.shape == (192, 576)
+    fused = checkpoint.joined([q, k, v])                # back to back in one storage: a view
+    assert fused.data_ptr() == q.data_ptr() and torch.equal(fused, torch.cat([q, k, v]))
+    assert checkpoint.recorded_max_abs(bundled_dir) == max(t.abs().max().item() for t in state.values())
+    apart = checkpoint.joined([k, q])                   # not in storage order: a copy
+    assert apart.data_ptr() not in (q.data_ptr(), k.data_ptr()) and torch.equal(apart, torch.cat([k, q]))
+    # cast converts a group as one tensor: its parts stay back to back, so joining them copies nothing either
+    small = checkpoint.cast(state, "cpu", lambda name, t: torch.bfloat16)
+    q16, k16, v16 = (small[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert list(small) == list(state) and q16.dtype == torch.bfloat16 and torch.equal(q16, q.bfloat16())
+    assert checkpoint.joined([q16, k16, v16]).data_ptr() == q16.data_ptr()
