@@ -309,6 +309,8 @@ def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None
 # ----------------------------------------------------------------------------
 # Compiling a decode step.
 
+CPU_OPTIONS = {"realize_opcount_threshold": 0}     # inductor's settings for a CPU step: compile_step says why
+
 def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path | None = None):
     """torch.compile a one-token decode step whose shapes never change (a static
     cache), so it compiles once, for the device its weights are on.
@@ -341,8 +343,8 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
 
     Given a ``folder``, a CPU step is compiled ahead of time instead, with the
     same settings (AheadOfTime below): built once, loaded by every later start.
-    Without one, torch.compile compiles it at every start: 1-2.5 minutes the
-    first time on 2 cores, ~20 s later from inductor's on-disk cache."""
+    Without one, torch.compile compiles it again at every start (faster after
+    the first, from inductor's on-disk cache)."""
     if torch.device(device).type == "cuda":
         return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)
     if folder is not None:
@@ -350,28 +352,25 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
     return torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})
 
 
-CPU_OPTIONS = {"realize_opcount_threshold": 0}
-
-
 class AheadOfTime:
     """A model's one-token step compiled once into a file that later starts load.
 
     torch.compile keeps its result in the process: every start traces the step
-    again, checks inductor's cache and rebuilds the wrapper (~20 s on 2 cores
-    with a warm cache, 1-2.5 min without). AOTInductor instead exports the step
-    as a graph (torch.export), compiles it to a shared library with the same
-    C++ kernels and packages it as a .pt2 file; loading that is a dlopen (well
-    under a second for SmolLM2), and each call runs the step without Python
-    guards. A package holds one set of shapes, so each variant of a call (a
-    cache size, last_only, hidden, features) gets its own file, built on its
-    first call.
+    again, looks its kernels up in inductor's disk cache and rebuilds the
+    wrapper. AOTInductor instead exports the step as a graph (torch.export),
+    compiles it to a shared library with the same C++ kernels (compile_step's
+    settings) and packages it as a .pt2 file; a later start only unpacks and
+    dlopens it, and each call runs the step with no Python guards.
+    `python bench.py compiled-start` measures both starts and both steps. A
+    package holds one set of shapes, so each variant of a call (a cache size,
+    last_only, hidden, features) gets its own file, built at its first call.
 
     The weights are not in the package (package_constants_in_so off): the
-    library reads the model's own tensors (user_managed: no copy), so a
-    SmolLM2 package is ~4 MB instead of a second 540 MB copy of fp32 weights,
-    and one package serves every checkpoint of the same shapes. If a weight is
-    swapped for another tensor later (tying, quantizing), compile again: the
-    library keeps the pointers it was handed at the variant's first call.
+    library reads the model's own tensors (user_managed: no copy), so the file
+    is a few MB of code, not a second copy of the weights (540 MB for SmolLM2
+    in fp32), and one package serves every checkpoint of the same shapes. The
+    library keeps the pointers it was handed at a variant's first call: if a
+    weight is swapped for another tensor later (tying, quantizing), compile again.
 
     The K/V tensors of the cache are inputs that the step writes in place: they
     are the cache's current tensors at each call (a fork may have replaced them).
@@ -428,7 +427,7 @@ class AheadOfTime:
             self.build(path, call)
             self.log.append(f"compiled (once) in {time.perf_counter() - t0:.1f} s: {path}")
             t0 = time.perf_counter()
-        with warnings.catch_warnings():     # torch 2.13 unpickles its call spec through a deprecated check
+        with warnings.catch_warnings():     # as in build
             warnings.simplefilter("ignore", FutureWarning)
             runner = torch._inductor.aoti_load_package(str(path))
         weights = self.weights()
@@ -442,7 +441,8 @@ class AheadOfTime:
         tokens, positions, mask, cache, last_only, features, hidden = call
         part = path.with_name(f"{path.stem}.{os.getpid()}.pt2")     # another process may build it too
         path.parent.mkdir(parents=True, exist_ok=True)
-        with torch.inference_mode(False), torch.no_grad():     # export writes into ordinary tensors only
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)    # torch 2.13 pickles its spec via a deprecated check
             like = [None if t is None else torch.zeros_like(t) for t in (tokens, positions, mask, features)]
             args = (*like[:3], [torch.zeros_like(t) for t in cache.k], [torch.zeros_like(t) for t in cache.v],
                     like[3])
@@ -470,14 +470,16 @@ class StepModule(nn.Module):
 
 
 def project_sources(module, home: Path) -> set[Path]:
-    """The files of ``module`` and of every module in ``home`` that it imports, directly or not."""
+    """The files of ``module`` and of every module in ``home`` that it imports, directly or not: the
+    modules among its globals and those its imported names come from (``from kvcache import StaticCache``)."""
     found, todo = set(), [module]
     while todo:
         m = todo.pop()
         path = Path(getattr(m, "__file__", None) or "/")
         if path.parent == home and path not in found:
             found.add(path)
-            todo += [v for v in vars(m).values() if inspect.ismodule(v)]
+            todo += [v if inspect.ismodule(v) else sys.modules.get(getattr(v, "__module__", None) or "")
+                     for v in vars(m).values()]
     return found
 
 

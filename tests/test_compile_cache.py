@@ -2,7 +2,6 @@
 loads it instead of compiling; its tokens equal the eager step's; a different context or dtype builds its own."""
 
 import pytest
-import torch
 
 import kernels
 import model as M
@@ -39,8 +38,14 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
     assert len(builds) == 1 and second.compiled_step.log == [second.compiled_step.log[0]]
     assert second.compiled_step.log[0].startswith("compiled step loaded from cache in")
 
+    handed = second.compiled_step.handed[0]                               # the model's own tensors, no copy
+    assert handed["model.embed_tokens.weight"] is second.embed_tokens.weight
+
     decode(second, prompt, max_len=128, n=2)                              # another context: its own package
     assert len(builds) == 2 and builds[1] != builds[0]
-    bf16 = start("bfloat16").compile_decode()                             # another dtype: its own too
-    decode(bf16, prompt, n=2)
-    assert len(builds) == 3 and builds[2] not in builds[:2]
+    variant = next(iter(second.compiled_step.runners))
+    bf16 = start("bfloat16").compile_decode()                             # another dtype: another name
+    assert bf16.compiled_step.path(variant) not in builds
+    # and another source: the step's modules, and the modules their imported names come from
+    sources = {p.name for p in kernels.project_sources(M, kernels.Path(M.__file__).parent)}
+    assert {"model.py", "kernels.py", "kvcache.py", "flash.py", "quantize.py"} <= sources
