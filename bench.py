@@ -1488,7 +1488,8 @@ def bench_compiled_start(args):
         ["step", "median ms", "min ms", "ready in s", f"{args.tokens} greedy tokens equal eager's"], rows,
         notes=[f"the package (kernels.AheadOfTime) holds no weights: {size / 1e6:.1f} MB on disk; it reads the "
                f"model's own tensors", "torch.compile's start: tracing and inductor's on-disk cache, in this process "
-               "after an earlier run filled that cache"])
+               "after an earlier run filled that cache", f"load average {os.getloadavg()[0]:.1f} on this machine's "
+               f"{os.cpu_count()} cores at the end of the run (other processes slow every column alike)"])
     print(f"\n{step_table.markdown()}", flush=True)
     # The runner as a user starts it a second time: the package is on disk now.
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
