@@ -347,7 +347,7 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
     the first, from inductor's on-disk cache)."""
     if torch.device(device).type == "cuda":
         return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)
-    if folder is not None:
+    if folder is not None and torch.device(device).type == "cpu":
         return AheadOfTime(step, folder)
     return torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})
 
