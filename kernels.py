@@ -311,6 +311,7 @@ def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None
 
 CPU_OPTIONS = {"realize_opcount_threshold": 0}     # inductor's settings for a CPU step: compile_step says why
 
+
 def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path | None = None):
     """torch.compile a one-token decode step whose shapes never change (a static
     cache), so it compiles once, for the device its weights are on.
@@ -406,9 +407,10 @@ class AheadOfTime:
         return found
 
     def path(self, variant) -> Path:
+        """Where this variant's package lives: its name is the digest of what its code depends on."""
         m = self.model
         home = Path(sys.modules[type(m).__module__].__file__).parent
-        config = {k: v for k, v in vars(m.config).items() if k not in ("eos_ids", "bos_id")}  # not computed with
+        config = {k: v for k, v in vars(m.config).items() if k not in ("eos_ids", "bos_id")}  # ids: not in the step
         key = [repr(variant), repr(config), str(m), repr(getattr(m, "attn", None)),
                repr(getattr(m, "quantization", None)), torch.__version__, platform.machine(),
                torch.backends.cpu.get_cpu_capability()]
