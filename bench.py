@@ -62,9 +62,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -1590,6 +1592,95 @@ def bench_runner(args):
          "decode tok/s (median)", "× llama.cpp", "tokens (median)", "text = no-speculation run"], rows, notes)
     print(f"\n{table.markdown()}")
     print(f"saved {results.save('runner', 'runner', [table])}")
+# compiled-start: a compiled step built once and loaded by later starts (kernels.AheadOfTime).
+
+def bench_compiled_start(args):
+    """What a compiled configuration's start costs and what its step gains: torch.compile (traced at every
+    start) against an AOTInductor package (built once, loaded later); the per-step ms of eager, torch.compile
+    and the package, alternating; their greedy tokens; and the runner's second start to its first token."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = load(args.model, dtype=args.dtype)
+    dtype, cpu = str(model.norm.weight.dtype).removeprefix("torch."), torch.device("cpu")
+    prompt = list(range(100, 130))
+
+    def ready(step) -> float:      # seconds until its first one-token step has run
+        t0, cache = time.perf_counter(), model.new_cache("static", max_len=args.ctx)
+        with torch.inference_mode():
+            pos = torch.tensor([0])
+            step(torch.tensor([[1]]), pos, cache.begin(pos), cache, True)
+        return time.perf_counter() - t0
+
+    def decode(step, cache, tokens) -> list[int]:
+        out = []
+        with torch.inference_mode():
+            for t in tokens:
+                pos = torch.tensor([cache.length])
+                out.append(int(step(torch.tensor([[t]]), pos, cache.begin(pos), cache, True)[0, -1].argmax()))
+        return out
+
+    first = kernels.compile_step(model.step, cpu, checkpoint.cache_root() / "compiled")
+    first_s = ready(first)
+    built = any("(once)" in line for line in first.log)
+    package = kernels.compile_step(model.step, cpu, checkpoint.cache_root() / "compiled")   # a later start's
+    load_s = ready(package)
+    print(f"package {'built' if built else 'found'} in {first_s:.1f} s, loaded by a second object in {load_s:.2f} s",
+          flush=True)
+    compiled = kernels.compile_step(model.step, cpu)
+    compile_s = ready(compiled)
+    print(f"torch.compile ready in {compile_s:.1f} s", flush=True)
+    steps = {"eager": model.step, "torch.compile": compiled, "AOTInductor package": package}
+    texts = {}
+    for name, step in steps.items():     # greedy: each step's own argmax fed back, from the same prefill
+        cache = model.new_cache("static", max_len=args.ctx)
+        with torch.inference_mode():
+            t = int(model(torch.tensor([prompt]), torch.arange(len(prompt)), cache, last_only=True)[0, -1].argmax())
+        texts[name] = [t]
+        for _ in range(args.tokens - 1):
+            texts[name] += decode(step, cache, texts[name][-1:])
+    caches = {name: model.new_cache("static", max_len=args.ctx) for name in steps}
+    for cache in caches.values():
+        decode(model.step, cache, prompt)
+    ms = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            caches[name].crop(len(prompt))
+            t0 = time.perf_counter()
+            decode(step, caches[name], [5] * 10)
+            ms[name].append((time.perf_counter() - t0) / 10 * 1e3)
+    start = {"eager": "", "torch.compile": f"{compile_s:.1f} (every start)",
+             "AOTInductor package": f"{load_s:.2f} (built once: {first_s:.0f} s)" if built else f"{load_s:.2f}"}
+    rows = [[name, f"{statistics.median(ms[name]):.1f}", f"{min(ms[name]):.1f}", start[name],
+             "yes" if texts[name] == texts["eager"] else f"no (parts at {common_prefix(texts[name], texts['eager'])})"]
+            for name in steps]
+    size = package.path(next(iter(package.runners))).stat().st_size
+    step_table = results.Table(
+        f"{args.model} ({dtype}, {torch.get_num_threads()} threads): the one-token step on a {args.ctx}-row static "
+        f"cache, ms per step ({args.rounds} rounds of 10, alternating), and the seconds until the first step runs",
+        ["step", "median ms", "min ms", "ready in s", f"{args.tokens} greedy tokens equal eager's"], rows,
+        notes=[f"the package (kernels.AheadOfTime) holds no weights: {size / 1e6:.1f} MB on disk; it reads the "
+               f"model's own tensors", "torch.compile's start: tracing and inductor's on-disk cache, in this process "
+               "after an earlier run filled that cache", f"load average {os.getloadavg()[0]:.1f} on this machine's "
+               f"{os.cpu_count()} cores at the end of the run (other processes slow every column alike)"])
+    print(f"\n{step_table.markdown()}", flush=True)
+    # The runner as a user starts it a second time: the package is on disk now.
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    flags = ["--model", args.model, "--dtype", dtype, "--cache", "static", "--compile", "--ctx", str(args.ctx),
+             "--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "16"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "serve_local.py", *flags], cwd=Path(__file__).parent, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.read(1)           # the answer's first character: the first token is out
+    first_token_s = time.perf_counter() - t0
+    err = proc.communicate(timeout=600)[1]
+    said = {key: re.search(rf"{key} in ([\d.]+) s", err) for key in ("loaded", "loaded from cache")}
+    runner = results.Table(
+        f"python serve_local.py {' '.join(flags)}: a second start (the package on disk), s",
+        ["to its first token", "model load", "compiled step loaded and run once"],
+        [[f"{first_token_s:.1f}", *(m.group(1) if m else "?" for m in said.values())]],
+        notes=["from starting the process to the answer's first character on stdout"])
+    print(f"\n{runner.markdown()}")
+    print(f"saved {results.save(f'compiled-start-{dtype}', 'kernels', [step_table, runner])}")
 
 
 def main():
@@ -1712,6 +1803,14 @@ def main():
                     help="the third configuration's flags")
     rn.add_argument("--flags", default="", help="flags added to every configuration (e.g. --model)")
     rn.add_argument("--no-peer", action="store_true", help="our runner alone (no llama-server)")
+    cs = sub.add_parser("compiled-start", help="kernels.py: the compiled step built once (AOTInductor) and loaded by "
+                        "later starts, against torch.compile at every start; step ms; the runner's second start")
+    cs.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
+    cs.add_argument("--dtype", default="float32", choices=list(kernels.DTYPES))
+    cs.add_argument("--ctx", type=int, default=2048)
+    cs.add_argument("--tokens", type=int, default=32)
+    cs.add_argument("--rounds", type=int, default=8)
+    cs.add_argument("--threads", type=int, default=None)
     sub.add_parser("report", help="render RESULTS.md from results/*.json (what every benchmark saves)")
     args = ap.parse_args()
     try:
@@ -1725,6 +1824,8 @@ def main():
             bench_batching(args)
         elif args.cmd == "engine-step":
             bench_engine_step(args)
+        elif args.cmd == "compiled-start":
+            bench_compiled_start(args)
         elif args.cmd == "engine":
             if args.threads:
                 torch.set_num_threads(args.threads)

@@ -24,8 +24,14 @@ attacks and what it measured (`python bench.py decode` reruns the whole step).
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
+import platform
+import sys
 import time
+import warnings
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -307,7 +313,10 @@ def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None
 # ----------------------------------------------------------------------------
 # Compiling a decode step.
 
-def compile_step(step, device: torch.device = torch.device("cpu")):
+CPU_OPTIONS = {"realize_opcount_threshold": 0}     # inductor's settings for a CPU step: compile_step says why
+
+
+def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path | None = None):
     """torch.compile a one-token decode step whose shapes never change (a static
     cache), so it compiles once, for the device its weights are on.
 
@@ -337,12 +346,147 @@ def compile_step(step, device: torch.device = torch.device("cpu")):
       weight, doubling the bytes each step reads.
     * not max_autotune: measured no faster here.
 
-    The first compile takes 1-2.5 minutes on 2 cores; inductor caches it on disk
-    (TORCHINDUCTOR_CACHE_DIR), and later runs start in ~20 s."""
+    Given a ``folder``, a CPU step is compiled ahead of time instead, with the
+    same settings (AheadOfTime below): built once, loaded by every later start.
+    Without one, torch.compile compiles it again at every start (faster after
+    the first, from inductor's on-disk cache)."""
     if torch.device(device).type == "cuda":
         return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)
-    return torch.compile(step, dynamic=False, fullgraph=True,
-                         options={"cpp_wrapper": True, "realize_opcount_threshold": 0})
+    if folder is not None and torch.device(device).type == "cpu":
+        return AheadOfTime(step, folder)
+    return torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})
+
+
+class AheadOfTime:
+    """A model's one-token step compiled once into a file that later starts load.
+
+    torch.compile keeps its result in the process: every start traces the step
+    again, looks its kernels up in inductor's disk cache and rebuilds the
+    wrapper. AOTInductor instead exports the step as a graph (torch.export),
+    compiles it to a shared library with the same C++ kernels (compile_step's
+    settings) and packages it as a .pt2 file; a later start only unpacks and
+    dlopens it, and each call runs the step with no Python guards.
+    `python bench.py compiled-start` measures both starts and both steps. A
+    package holds one set of shapes, so each variant of a call (a cache size,
+    last_only, hidden, features) gets its own file, built at its first call.
+
+    The weights are not in the package (package_constants_in_so off): the
+    library reads the model's own tensors (user_managed: no copy), so the file
+    is a few MB of code, not a second copy of the weights (540 MB for SmolLM2
+    in fp32), and one package serves every checkpoint of the same shapes. The
+    library keeps the pointers it was handed at a variant's first call: if a
+    weight is swapped for another tensor later (tying, quantizing), compile again.
+
+    The K/V tensors of the cache are inputs that the step writes in place: they
+    are the cache's current tensors at each call (a fork may have replaced them).
+
+    The file's name is a digest of everything the compiled code depends on, so a
+    different model, dtype, context, attention, cache codec, torch version, CPU
+    or source of the step never loads a wrong one: the call's shapes and flags,
+    every weight's name, shape and dtype, the model's config and module tree,
+    and the source of the step's module and of the project modules it imports."""
+
+    def __init__(self, step, folder: Path):
+        self.step, self.folder = step, Path(folder)
+        self.model = step.__self__
+        self.runners = {}           # variant -> loaded package
+        self.handed = []            # the weights each runner reads: kept alive
+        self.log: list[str] = []    # what each variant cost: loaded or compiled, in seconds
+        self.announce = None        # called with the package's path before a build (minutes): the runner says so
+
+    def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
+        variant = (tuple(tokens.shape), None if mask is None else tuple(mask.shape), cache.k[0].shape,
+                   cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
+                   None if features is None else (features.shape, features.dtype))
+        runner = self.runners.get(variant)
+        if runner is None:
+            call = (tokens, positions, mask, cache, last_only, features, hidden)
+            runner = self.runners[variant] = self.load(variant, call)
+        return runner(tokens, positions, mask, cache.k, cache.v, features)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by the names the package uses (tied ones under each name)."""
+        found = dict(self.model.named_parameters("model", remove_duplicate=False))
+        found.update(self.model.named_buffers("model", remove_duplicate=False))
+        return found
+
+    def path(self, variant) -> Path:
+        """Where this variant's package lives: its name is the digest of what its code depends on."""
+        m = self.model
+        home = Path(sys.modules[type(m).__module__].__file__).parent
+        config = {k: v for k, v in vars(m.config).items() if k not in ("eos_ids", "bos_id")}  # ids: not in the step
+        key = [repr(variant), repr(config), str(m), repr(getattr(m, "attn", None)),
+               repr(getattr(m, "quantization", None)), torch.__version__, platform.machine(),
+               torch.backends.cpu.get_cpu_capability()]
+        key += [f"{k} {tuple(t.shape)} {t.dtype}" for k, t in self.weights().items()]
+        digest = hashlib.sha256("\n".join(key).encode())
+        for source in sorted(project_sources(sys.modules[type(m).__module__], home)):
+            digest.update(source.read_bytes())
+        return self.folder / f"{type(m).__name__.lower()}-{digest.hexdigest()[:16]}.pt2"
+
+    def load(self, variant, call):
+        """Load this variant's package, compiling it first if no earlier run did."""
+        t0, path = time.perf_counter(), self.path(variant)
+        if not path.exists():
+            if self.announce is not None:
+                self.announce(path)
+            self.build(path, call)
+            self.log.append(f"compiled (once) in {time.perf_counter() - t0:.1f} s: {path}")
+            t0 = time.perf_counter()
+        with warnings.catch_warnings():     # as in build
+            warnings.simplefilter("ignore", FutureWarning)
+            runner = torch._inductor.aoti_load_package(str(path))
+        weights = self.weights()
+        self.handed.append({k: weights[k] for k in runner.get_constant_fqns()})
+        runner.load_constants(self.handed[-1], check_full_update=True, user_managed=True)
+        self.log.append(f"compiled step loaded from cache in {time.perf_counter() - t0:.2f} s")
+        return runner
+
+    def build(self, path: Path, call):
+        """torch.export the step on stand-in tensors of the call's shapes, then AOTInductor."""
+        tokens, positions, mask, cache, last_only, features, hidden = call
+        part = path.with_name(f"{path.stem}.{os.getpid()}.pt2")     # another process may build it too
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)    # torch 2.13 pickles its spec via a deprecated check
+            like = [None if t is None else torch.zeros_like(t) for t in (tokens, positions, mask, features)]
+            args = (*like[:3], [torch.zeros_like(t) for t in cache.k], [torch.zeros_like(t) for t in cache.v],
+                    like[3])
+            program = torch.export.export(StepModule(self.step, cache, last_only, hidden), args, strict=False)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs={
+                **CPU_OPTIONS, "aot_inductor.package_constants_in_so": False})
+        os.replace(part, path)
+
+
+class StepModule(nn.Module):
+    """The step as a module for torch.export: the model is a submodule (its weights become the
+    package's constants, named model.*), and the cache's K/V lists are the inputs while it runs."""
+
+    def __init__(self, step, cache, last_only: bool, hidden: bool):
+        super().__init__()
+        self.model, self.step, self.cache, self.flags = step.__self__, step, cache, (last_only, hidden)
+
+    def forward(self, tokens, positions, mask, k, v, features):
+        cache, kept = self.cache, (self.cache.k, self.cache.v)
+        cache.k, cache.v = list(k), list(v)
+        try:
+            return self.step(tokens, positions, mask, cache, self.flags[0], features, self.flags[1])
+        finally:
+            cache.k, cache.v = kept
+
+
+def project_sources(module, home: Path) -> set[Path]:
+    """The files of ``module`` and of every module in ``home`` that it imports, directly or not: the
+    modules among its globals and those its imported names come from (``from kvcache import StaticCache``)."""
+    found, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        path = Path(getattr(m, "__file__", None) or "/")
+        if path.parent == home and path not in found:
+            found.add(path)
+            todo += [v if inspect.ismodule(v) else sys.modules.get(getattr(v, "__module__", None) or "")
+                     for v in vars(m).values()]
+    return found
 
 
 def static_address(t: torch.Tensor) -> torch.Tensor:

@@ -394,8 +394,10 @@ class Llama(nn.Module):
     def compile_decode(self):
         """Compile the one-token step (use it with a StaticCache, whose shapes never change, so it compiles once):
         the elementwise work between the matrix products fuses into a few loops and the per-op dispatch of the eager
-        step goes away (kernels.compile_step says how, and what each setting buys)."""
-        self.compiled_step = kernels.compile_step(self.step, self.norm.weight.device)
+        step goes away (kernels.compile_step says how, and what each setting buys). A CPU builds it once, into
+        cache_root()/compiled, and later starts load it (kernels.AheadOfTime; its log says which happened)."""
+        folder = checkpoint.cache_root() / "compiled"
+        self.compiled_step = kernels.compile_step(self.step, self.norm.weight.device, folder)
         return self
 
     @classmethod

@@ -366,10 +366,19 @@ def report(chat: Chat, stats: GenerationStats, interactive: bool = True):
 
 
 def warm_up(chat: Chat):
-    """Compile before the user types: one throwaway decode step through the real cache."""
+    """Compile before the user types: one throwaway decode step through the real cache. On a CPU a compiled
+    step is built once and loaded by every later start (kernels.AheadOfTime); its log says which happened."""
     t0 = time.perf_counter()
-    print("compiling the decode step ...", file=sys.stderr, flush=True)
     chat.model.compile_decode()
+    draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
+    drafted = isinstance(draft, drafting.DraftModel) and draft.static   # its step is compiled too (make_proposer)
+    steps = [chat.model.compiled_step] + ([draft.model.compiled_step] if drafted else [])
+    ahead = all(isinstance(step, kernels.AheadOfTime) for step in steps)
+    for step in steps if ahead else []:
+        step.announce = lambda path: print(f"compiling (once) a decode step into {path} ...", file=sys.stderr,
+                                           flush=True)
+    if not ahead:
+        print("compiling the decode step ...", file=sys.stderr, flush=True)
     list(generate_cached(chat.model, [0], SamplingParams(max_new_tokens=2), cache=chat.cache))
     if chat.proposer is not None and chat.proposer.needs_features:
         # An EAGLE head reads the target's features, so a one-token target step (a
@@ -380,10 +389,13 @@ def warm_up(chat: Chat):
             chat.model(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([chat.cache.length], device=dev),
                        chat.cache, last_only=True, hidden=True)
     chat.cache.crop(0)
-    draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
-    if isinstance(draft, drafting.DraftModel) and draft.static:   # its step is compiled too (make_proposer)
+    if drafted:
         draft.warm_up(chat.model, sizes=(512, 1024))   # a chat's first turns, then longer ones
-    print(f"compiled in {time.perf_counter() - t0:.1f} s (cached on disk for the next run)", file=sys.stderr)
+    took = time.perf_counter() - t0
+    if ahead and not any("(once)" in line for step in steps for line in step.log):
+        print(f"compiled step loaded from cache in {took:.1f} s", file=sys.stderr)
+    else:
+        print(f"compiled in {took:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
 
 HISTORY_LINE = 500      # longer lines (pastes) stay out of the ↑ history

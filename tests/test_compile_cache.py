@@ -1,0 +1,51 @@
+"""kernels.AheadOfTime: a compiled one-token step is built once, and a second model object (a later start)
+loads it instead of compiling; its tokens equal the eager step's; a different context or dtype builds its own."""
+
+import pytest
+
+import kernels
+import model as M
+from conftest import make_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def decode(model, prompt, max_len=64, n=32):
+    cache = model.new_cache("static", max_len=max_len)
+    return list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=n), cache=cache))
+
+
+def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = make_checkpoint(tmp_path / "m", tokenizer=False, num_hidden_layers=1)
+    builds = []
+    build = kernels.AheadOfTime.build
+    monkeypatch.setattr(kernels.AheadOfTime, "build", lambda self, *a: builds.append(a[0]) or build(self, *a))
+
+    def start(dtype="float32"):
+        model = M.Llama.from_pretrained(path, "cpu", dtype)
+        model.config.eos_ids = []
+        return model
+
+    eager, prompt = start(), list(range(10, 30))
+    first = start().compile_decode()
+    assert decode(first, prompt) == decode(eager, prompt)                # ≥ 32 greedy tokens, fp32
+    assert len(builds) == 1 and "compiled (once)" in first.compiled_step.log[0]
+    assert [p.name for p in (tmp_path / "xdg" / "nanoinfer" / "compiled").iterdir()] == [builds[0].name]
+
+    second = start().compile_decode()                                     # a later start: loads, no compile
+    assert decode(second, [7, 8]) == decode(eager, [7, 8])
+    assert len(builds) == 1 and second.compiled_step.log == [second.compiled_step.log[0]]
+    assert second.compiled_step.log[0].startswith("compiled step loaded from cache in")
+
+    handed = second.compiled_step.handed[0]                               # the model's own tensors, no copy
+    assert handed["model.embed_tokens.weight"] is second.embed_tokens.weight
+
+    decode(second, prompt, max_len=128, n=2)                              # another context: its own package
+    assert len(builds) == 2 and builds[1] != builds[0]
+    variant = next(iter(second.compiled_step.runners))
+    bf16 = start("bfloat16").compile_decode()                             # another dtype: another name
+    assert bf16.compiled_step.path(variant) not in builds
+    # and another source: the step's modules, and the modules their imported names come from
+    sources = {p.name for p in kernels.project_sources(M, kernels.Path(M.__file__).parent)}
+    assert {"model.py", "kernels.py", "kvcache.py", "flash.py", "quantize.py"} <= sources
