@@ -264,6 +264,7 @@ class Plan:
     spec_k: int = 4
     weights: str = "auto"            # auto (the checkpoint's) / int8 / int4
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
+    eager_draft: str | None = None   # the speculation an eager step would take (a flag turning compile off)
     reasons: list = field(default_factory=list)
     cost: list = field(default_factory=list)
 
@@ -323,8 +324,8 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
     else:
         p.compile = True
         why.append(f"compiled one-token step on a static cache of {ctx} tokens ({machine.compiler} found): "
-                   f"inductor fuses the step's hundreds of small kernels; the first start compiles once "
-                   f"(minutes), later starts reuse inductor's disk cache")
+                   f"inductor fuses the step's hundreds of small kernels; the first start compiles it once "
+                   f"(minutes: kernels.AheadOfTime), later starts load the package in seconds")
     p.cache = "static" if p.compile else "dynamic"
 
     # Weights: full precision unless they do not fit, or the checkpoint's own bits are 4 and int4 is fast here.
@@ -379,6 +380,11 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
         why.append(f"no speculation: the {scheme} layers' kernels are built for one row, so a pass verifying "
                    f"k+1 positions costs a multiple of a step (float weights' prepacked kernels check 4 guesses "
                    f"for about one step's cost: kernels.prepack); --draft bundled asks for it anyway")
+    elif "bundled" in info.drafts and p.compile and machine.device == "cpu":
+        p.eager_draft = "bundled"
+        why.append("no speculation: the compiled step runs one token; a pass verifying k+1 guesses would run "
+                   "eagerly, and on a CPU an eager pass costs several compiled steps, more than the 2-3 tokens "
+                   "it accepts save (bench.py runner measures both; --draft bundled --prompt-lookup 3 asks for it)")
     elif "bundled" in info.drafts:
         p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
         exact = ("exact: in fp32 the text is the one plain greedy decoding gives" if fdt == "float32" else
@@ -472,6 +478,8 @@ def merge(p: Plan, given: dict) -> Plan:
         out.draft, out.prompt_lookup, out.lookahead = methods.values()
     elif own or out.weights in QUANTIZED:     # the plan's speculation assumed float weights (choose)
         out.draft = out.prompt_lookup = None
+    elif p.eager_draft and not out.compile:   # a flag made the step eager: the speculation an eager step takes
+        out.draft, out.prompt_lookup = p.eager_draft, 3
     if g.get("tp") and "weights" not in g:
         out.weights = "auto"
     return out

@@ -52,9 +52,13 @@ def test_model_info_from_configs(smol, tiny):
 def test_cpu_without_bf16(smol):
     p = plan.choose(cpu(), smol)
     assert (p.dtype, p.attn, p.cache, p.ctx, p.compile) == ("float32", "sdpa", "static", 2048, True)
-    assert (p.draft, p.prompt_lookup, p.spec_k, p.weights, p.kv_dtype) == ("bundled", 3, 4, "auto", "auto")
+    # compiled: no speculation (its verify pass would run eagerly); eager: the EAGLE head + lookup, exact in fp32
+    assert (p.draft, p.prompt_lookup, p.eager_draft, p.weights, p.kv_dtype) == (None, None, "bundled", "auto", "auto")
     text = plan.describe(p)
-    assert "no native bf16" in text and "compiles once" in text and "exact: in fp32" in text
+    assert "no native bf16" in text and "compiles it once" in text and "would run eagerly" in text
+    eager = plan.choose(cpu(), smol, answer_tokens=256)
+    assert (eager.compile, eager.draft, eager.prompt_lookup, eager.spec_k) == (False, "bundled", 3, 4)
+    assert "exact: in fp32" in plan.describe(eager)
     assert "int4 would be the GGUF's own Q4_1 bits, but it computes no faster here (1.200" in text
     tok = smol.token_bytes("float", "float32")
     assert f"{20e9 / tok:,.0f} tok/s empty" in text            # ceiling = bandwidth / bytes per token
@@ -67,7 +71,7 @@ def test_cpu_with_bf16_and_fast_int4(smol):
     text = plan.describe(p)
     assert "computes bf16 natively" in text and "0.160 ns/weight against fp32's 0.300" in text
     assert "model's own bits" in text and p.draft is None and "built for one row" in text
-    p = plan.choose(cpu(bf16=True), smol)
+    p = plan.choose(cpu(bf16=True), smol, answer_tokens=256)
     assert (p.dtype, p.weights, p.draft) == ("bfloat16", "auto", "bundled")
     assert "rounds differently from a one-token step" in plan.describe(p)   # bf16 speculation is not exact
     # bf16 native but measured no faster: fp32
@@ -122,8 +126,9 @@ def test_explicit_flags_override_the_plan(smol):
                            "--spec-k", "6", "--ctx", "512", "--draft", "medusa"))
     assert (q.dtype, q.weights, q.kv_dtype, q.attn, q.spec_k, q.ctx) == ("bfloat16", "int8", "int8", "flash", 6, 512)
     assert (q.draft, q.prompt_lookup) == ("medusa", None)
-    q = plan.merge(p, args("--cache", "dynamic"))          # an explicit cache turns the plan's compile off
-    assert (q.cache, q.compile, q.draft) == ("dynamic", False, "bundled")
+    q = plan.merge(p, args("--cache", "dynamic"))          # an explicit cache turns the plan's compile off,
+    assert (q.cache, q.compile, q.draft, q.prompt_lookup) == ("dynamic", False, "bundled", 3)   # and speculates
+    assert plan.merge(p, args("--compile", "--draft", "bundled")).draft == "bundled"
     q = plan.merge(p, args("--no-compile"))
     assert (q.cache, q.compile) == ("dynamic", False)
     eager = plan.choose(cpu(compiler=None), smol)
@@ -174,7 +179,7 @@ def test_serve_local_plan_prints_and_exits(flags):
     assert time.perf_counter() - t0 < 60
     assert out.startswith("plan for ") and "why:" in out and "cost model:" in out and "tok/s" in out
     assert "loading" not in err                  # no weights read
-    assert ("EAGLE head" in out) == (not flags)
+    assert ("verifying k+1 guesses would run eagerly" in out) == (not flags)   # a draft exists; compiled: off
     print(out)
 
 
