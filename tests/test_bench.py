@@ -143,3 +143,23 @@ def test_long_prompts_scenario_saves_its_table(tmp_path, capsys):
     assert table["notes"][0].startswith("same tokens in every run (greedy): True; 22 inter-token gaps per run")
     assert "2 requests decode 12 tokens each while 2 prompts of" in table["title"]
     assert "| off (whole prompts) |" in capsys.readouterr().out
+
+
+def test_runner_session_reads_each_answer_and_its_stats():
+    """bench.py runner's driver: prompts typed into a real runner's chat, /reset between them. Each
+    answer comes back whole and equals what `serve_local.py --prompt` prints for the same prompt."""
+    import subprocess
+    flags = ["--cache", "dynamic", "--no-speculation"]
+    session = bench.RunnerSession(flags, max_new_tokens=12, timeout=300)
+    try:
+        answers = [session.ask(p) for p in ("What is the capital of France?", "Name a colour.")]
+    finally:
+        session.close()
+    assert session.loaded_s is not None and session.ready_s >= session.loaded_s
+    alone = subprocess.run([sys.executable, "serve_local.py", "--prompt", "What is the capital of France?",
+                            "--temperature", "0", "--max-new-tokens", "12", *flags], cwd=bench.ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert answers[0]["text"] == alone.stdout.strip() and "Paris" in answers[0]["text"]
+    assert answers[1]["text"] and answers[1]["text"] != answers[0]["text"]     # /reset: a fresh conversation
+    for a in answers:
+        assert 0 < a["new_tokens"] <= 12 and a["tok_s"] > 0 and a["ttft_ms"] > 0 and a["estimate"] is None

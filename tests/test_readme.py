@@ -86,6 +86,7 @@ SLOW = {
     "python bench.py batching --long-prompts-only": "~4 min (7 on a 2-core machine at load 6)",
     "python bench.py serve": "~6 min (llama-server beside it: scripts/build_llama_server.sh, ~10 min once)",
     "python bench.py serve --seconds 30": "~5 min",
+    "python bench.py runner": "~10 min (a first run builds the compiled step: +1-2.5 min)",
 }
 
 
