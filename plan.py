@@ -264,7 +264,6 @@ class Plan:
     spec_k: int = 4
     weights: str = "auto"            # auto (the checkpoint's) / int8 / int4
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
-    eager_draft: str | None = None   # the speculation an eager step would take (a flag turning compile off)
     reasons: list = field(default_factory=list)
     cost: list = field(default_factory=list)
 
@@ -320,7 +319,12 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
         why.append("eager, dynamic cache: no C++ compiler ($CXX, g++ or c++) for inductor to compile the step")
     elif answer_tokens is not None:
         why.append(f"eager, dynamic cache: one answer of at most {answer_tokens} tokens does not repay a compile "
-                   f"(minutes the first time, tens of seconds from inductor's disk cache); a chat compiles")
+                   f"(minutes the first time, seconds to load its package later); a chat compiles")
+    elif "bundled" in info.drafts:
+        why.append(f"eager, dynamic cache: a compiled step needs a static cache, and attention reads all {ctx} of "
+                   f"its slots every step ({mb(info.kv_bytes(ctx, 'auto', p.dtype))} beside the weights); its verify "
+                   f"passes would run eagerly; the eager step with this model's draft (below) measured as fast "
+                   f"in bench.py runner, and starts without a compile (--compile asks for one)")
     else:
         p.compile = True
         why.append(f"compiled one-token step on a static cache of {ctx} tokens ({machine.compiler} found): "
@@ -380,11 +384,6 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
         why.append(f"no speculation: the {scheme} layers' kernels are built for one row, so a pass verifying "
                    f"k+1 positions costs a multiple of a step (float weights' prepacked kernels check 4 guesses "
                    f"for about one step's cost: kernels.prepack); --draft bundled asks for it anyway")
-    elif "bundled" in info.drafts and p.compile and machine.device == "cpu":
-        p.eager_draft = "bundled"
-        why.append("no speculation: the compiled step runs one token; a pass verifying k+1 guesses would run "
-                   "eagerly, and on a CPU an eager pass costs several compiled steps, more than the 2-3 tokens "
-                   "it accepts save (bench.py runner measures both; --draft bundled --prompt-lookup 3 asks for it)")
     elif "bundled" in info.drafts:
         p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
         exact = ("exact: in fp32 the text is the one plain greedy decoding gives" if fdt == "float32" else
@@ -478,8 +477,6 @@ def merge(p: Plan, given: dict) -> Plan:
         out.draft, out.prompt_lookup, out.lookahead = methods.values()
     elif own or out.weights in QUANTIZED:     # the plan's speculation assumed float weights (choose)
         out.draft = out.prompt_lookup = None
-    elif p.eager_draft and not out.compile:   # a flag made the step eager: the speculation an eager step takes
-        out.draft, out.prompt_lookup = p.eager_draft, 3
     if g.get("tp") and "weights" not in g:
         out.weights = "auto"
     return out
