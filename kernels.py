@@ -120,6 +120,21 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def read_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
+    """Bytes per second a sum streams from memory, best of 5: what a decode step does with its
+    weights (reads them once, writes almost nothing), so its ceiling is this over bytes per token.
+    On a CPU it is below a copy's read + write figure only by the write stream the copy adds."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        t0 = time.perf_counter()
+        x.sum()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Bytes per second a device-to-device copy moves (read + write), best of 5: the practical
     ceiling that a memory-bound decode step's GB/s is compared with on a GPU."""

@@ -75,7 +75,7 @@ class Machine:
     bf16: bool                  # bf16 arithmetic in hardware (kernels.bf16_supported)
     fp16: bool
     memory: int                 # bytes
-    bandwidth: float            # bytes/s a device copy moves (kernels.copy_bandwidth)
+    bandwidth: float            # bytes/s a read stream reaches (kernels.read_bandwidth)
     compiler: str | None        # the C++ compiler inductor would call, or None
     threads: int
     ns_per_weight: dict = field(default_factory=dict)   # dtype -> one matrix-vector product's ns per weight
@@ -144,7 +144,7 @@ def calibrate(shape: tuple[int, int], bf16: bool, reps: int = 5) -> dict[str, fl
 
 
 def probe_path(device: torch.device, name: str, shape) -> Path:
-    key = f"{device.type}-{name}-torch{torch.__version__}-{torch.get_num_threads()}t-{shape[0]}x{shape[1]}"
+    key = f"v2-{device.type}-{name}-torch{torch.__version__}-{torch.get_num_threads()}t-{shape[0]}x{shape[1]}"
     return checkpoint.cache_root() / "plan" / (re.sub(r"[^\w.+-]+", "_", key) + ".json")
 
 
@@ -164,7 +164,7 @@ def probe(device: torch.device, shape: tuple[int, int] = (1536, 576)) -> Machine
     bf16 = kernels.bf16_supported(device)
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else cpu_memory()
     timings = calibrate(shape, bf16) if device.type == "cpu" else {}
-    bandwidth = kernels.copy_bandwidth(device, 2**28)
+    bandwidth = kernels.read_bandwidth(device, 2**28)
     machine = Machine(device.type, name, bf16, cuda, memory, bandwidth, find_compiler(), torch.get_num_threads(),
                       timings, tuple(shape))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -405,7 +405,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
         f"KV: ctx · {c.n_layers} layers · 2 · {c.n_kv_heads} kv heads · {c.head_dim} dims · "
         f"{'int8 + scale' if p.kv_dtype == 'int8' else f'{SIZES[fdt]} B'} = {mb(kv)} at {ctx} tokens",
         f"bytes per token: {mb(tok)} at an empty context, {mb(tok + kv)} at {ctx} tokens",
-        f"ceiling at the measured {bw / 1e9:.1f} GB/s copy bandwidth: {bw / tok:,.0f} tok/s empty, "
+        f"ceiling at the measured {bw / 1e9:.1f} GB/s read bandwidth: {bw / tok:,.0f} tok/s empty, "
         f"{bw / (tok + kv):,.0f} tok/s at {ctx} tokens (real steps add a fixed cost per kernel call)",
         f"memory: {gb(w_held)} of weights" + (" (with the prepacked copy)" if packed and scheme == "float" else "")
         + f" + {mb(kv)} of KV = {(w_held + kv) / machine.memory:.0%} of {gb(machine.memory)}",
