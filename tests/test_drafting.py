@@ -97,6 +97,8 @@ def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
         assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == plain(target, prompt, 64)
         check_cache_lengths(prompt, spec, kind)
     assert draft.compiled_step is not None and proposer.cache.limit == 512     # the smallest size
+    if kind != "draft":
+        return      # growing the cache is the same code for every draft: one kind builds the second size
     long = list(range(1, 300)) * 3
     proposer = D.draft_proposer(draft, target, 4, compile=True)
     assert list(S.generate(target, long, greedy, proposer)) == plain(target, long, 64)
