@@ -1221,7 +1221,6 @@ def free_port() -> int:
 
 def start_server(cmd: list[str], port: int, log: Path, timeout: float = 600):
     """Start a server process (its output to ``log``) and wait until /health answers."""
-    import subprocess
     import httpx
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
     deadline = time.time() + timeout
@@ -1293,11 +1292,17 @@ async def serve_load(url: str, concurrency: int, requests: list, max_tokens: int
 
 
 def llama_server_binary() -> Path | None:
-    import os
     import shutil
     found = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
     built = checkpoint.cache_root() / "llama-server" / "build" / "bin" / "llama-server"
     return Path(found) if found else built if built.is_file() else None
+
+
+def llama_server_command(binary: Path, gguf: Path, threads: int, slots: int, ctx: int) -> list[str]:
+    """llama-server with its defaults but for what a fair comparison fixes: our thread count, the
+    parallel slots, the context, and the GGUF's own chat template (--jinja)."""
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
+            "--parallel", str(slots), "-c", str(ctx), "--jinja"]
 
 
 def bench_serve(args):
@@ -1321,9 +1326,8 @@ def bench_serve(args):
         if not gguf.is_file():
             print(f"writing {gguf} (once)", flush=True)
             checkpoint.export_gguf(path, gguf, LlamaConfig.from_hf(checkpoint.read_config(path)), dtype)
-        servers.append((f"llama-server {dtype.upper()}", [str(binary), "-m", str(gguf), "--host", "127.0.0.1",
-                        "-t", str(threads), "-tb", str(threads), "--parallel", str(slots), "-c", str(slots * 1024),
-                        "--jinja"], log_dir / "llama-server.log"))
+        servers.append((f"llama-server {dtype.upper()}",
+                        llama_server_command(binary, gguf, threads, slots, slots * 1024), log_dir / "llama-server.log"))
     rows = []
     for name, cmd, log in servers:
         port = free_port()
@@ -1447,8 +1451,6 @@ class RunnerSession:
     whole answer already sits in the stdout pipe and a non-blocking read takes it."""
 
     def __init__(self, flags: list[str], max_new_tokens: int, timeout: float = 900):
-        import os
-        import subprocess
         self.t0, self.timeout = time.perf_counter(), timeout
         self.proc = subprocess.Popen([sys.executable, "serve_local.py", "--temperature", "0", "--max-new-tokens",
                                       str(max_new_tokens), *flags], cwd=ROOT, stdin=subprocess.PIPE,
@@ -1466,7 +1468,6 @@ class RunnerSession:
                 self.compile_s = float(m.group(1) or m.group(2))
 
     def read(self, f) -> bytes:
-        import os
         chunks = []
         while True:
             try:
@@ -1522,8 +1523,7 @@ def llama_cpp_answers(gguf: Path, prompts: list[str], max_new_tokens: int, threa
     log = checkpoint.cache_root() / "bench" / "llama-server-runner.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    proc = start_server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                         "-tb", str(threads), "--jinja", "-c", "4096", "--parallel", "1"], port, log)
+    proc = start_server(llama_server_command(binary, gguf, threads, 1, 4096) + ["--port", str(port)], port, log)
     ready, rows = time.perf_counter() - t0, []
     try:
         for i, p in enumerate([prompts[0]] + prompts):     # the first answer warms it up and is dropped

@@ -120,33 +120,32 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def read_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
-    """Bytes per second a sum streams from memory, best of 5: what a decode step does with its
-    weights (reads them once, writes almost nothing), so its ceiling is this over bytes per token.
-    On a CPU it is below a copy's read + write figure only by the write stream the copy adds."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+def best_seconds(fn, device: torch.device, reps: int = 5) -> float:
+    """The fastest of ``reps`` runs of fn(), the device's queue drained around each: on a shared
+    machine the slower runs measure the neighbours, not the memory."""
     best = float("inf")
-    for _ in range(5):
+    for _ in range(reps):
         synchronize(device)
         t0 = time.perf_counter()
-        x.sum()
+        fn()
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return best
+
+
+def read_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
+    """Bytes per second a sum streams from memory: what a decode step does with its weights (reads
+    them once, writes almost nothing), so its ceiling in tok/s is this over bytes per token."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return nbytes / best_seconds(x.sum, device)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
-    """Bytes per second a device-to-device copy moves (read + write), best of 5: the practical
-    ceiling that a memory-bound decode step's GB/s is compared with on a GPU."""
+    """Bytes per second a device-to-device copy moves (read + write): the practical ceiling that a
+    memory-bound decode step's GB/s is compared with on a GPU."""
     x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
-    y, best = torch.empty_like(x), float("inf")
-    for _ in range(5):
-        synchronize(device)
-        t0 = time.perf_counter()
-        y.copy_(x)
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
+    y = torch.empty_like(x)
+    return 2 * nbytes / best_seconds(lambda: y.copy_(x), device)
 
 
 def busy_machine_hint() -> str | None:

@@ -55,6 +55,7 @@ import checkpoint
 import drafting
 import kernels
 import quantize
+from kvcache import kv_bytes_per_token
 from model import LlamaConfig
 
 DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static cache is read whole every step)
@@ -209,17 +210,20 @@ class ModelInfo:
         """ctx · n_layers · 2 (K and V) · n_kv_heads · bytes of a head's row (int8: d values + a scale)."""
         c = self.config
         row = quantize.KV_CODECS[kv_dtype].row_bytes(c.head_dim) if kv_dtype != "auto" else c.head_dim * SIZES[dtype]
-        return ctx * c.n_layers * 2 * c.n_kv_heads * row
+        return round(ctx * kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, row / c.head_dim))
 
 
 def fitting_drafts(hf: dict) -> list[str]:
     """The bundled drafts (drafts/) whose target has this config's shape: train.py copies the
     target's config into the EAGLE head's (one layer); the Medusa heads record vocab and width."""
+    try:
+        eagle = checkpoint.read_config(drafting.BUNDLED_DRAFT)   # the target's shape, for both
+    except ValueError:
+        return []
     found = []
     for name, where in (("bundled", drafting.BUNDLED_DRAFT), ("medusa", drafting.BUNDLED_MEDUSA)):
         try:
             d = checkpoint.read_config(where)
-            eagle = checkpoint.read_config(drafting.BUNDLED_DRAFT)
         except ValueError:
             continue
         keys = ("vocab_size", "hidden_size") if "medusa_heads" in d else DRAFT_KEYS

@@ -317,7 +317,7 @@ def parse_args(argv=None):
                          "full score matrix, or flash.py's Triton kernels (a CUDA GPU); default: the plan's (sdpa)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decode step on a static cache (warm-up is printed); default: the "
-                         "plan's (a chat compiles where a C++ compiler is present)")
+                         "plan's (compiled where a C++ compiler is present and the model has no bundled draft)")
     ap.add_argument("--no-prepack", action="store_true",
                     help="keep one copy of the model's weights: half the memory on a CPU, slower eager steps "
                          "(kernels.prepack: +540 MB for SmolLM2 in fp32; several-position passes get slower)")
