@@ -47,6 +47,7 @@ from torch import nn
 
 import checkpoint
 import kernels
+import quantize
 from kvcache import common_prefix
 from model import Llama, build, load
 from sampling import SamplingParams, sampling_probs
@@ -309,7 +310,7 @@ class MedusaHeads(nn.Module):
         self.rows: torch.Tensor | None = None      # the target's LM head rows for head_ids (share_target)
 
     def share_target(self, target: Llama) -> "MedusaHeads":
-        w = target.lm_head.weight.detach()
+        w = quantize.float_weight(target.lm_head)
         self.rows = w[self.head_ids.to(w.device)].to(self.blocks[0].weight.dtype)
         return self
 

@@ -24,10 +24,12 @@ attacks and what it measured (`python bench.py decode` reruns the whole step).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
 import platform
+import subprocess
 import sys
 import time
 import warnings
@@ -187,7 +189,7 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
     packed = packed_weight(layer)
     if packed is not None and packed.dtype == x.dtype and cpu_inference and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return prepacked_linear(x, packed)
     if x.dtype == layer.weight.dtype == torch.float32 and cpu_inference and ONEDNN and \
             layer.weight.numel() >= ONEDNN_MIN:
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
@@ -218,6 +220,217 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 
 
 # ----------------------------------------------------------------------------
+# int4 and int8 weights: a small C++ kernel, built on first use.
+#
+# Decoding with int4 weights reads 0.5 byte per weight plus a scale and a
+# minimum per 32 (0.75 B in all), a sixth of fp32's 4 B: at this machine's
+# ~16 GB/s that is a 0.05 ns/weight ceiling against fp32's 0.25. PyTorch's
+# CPU int4 kernel (aten._weight_int4pack_mm_for_cpu) takes 1.15 ns/weight at
+# one row on a 2-core AVX2 EPYC, 4x slower than reading fp32, and 8.8 at five
+# rows (a speculative verify pass); its int8 kernel 0.54 and 4.3. Both are
+# compute-bound: they convert and scale weights in ways the memory would
+# outrun ten times over. The loop below does per 32 weights: one 16-byte load,
+# two masks for the nibbles, four widenings to fp32 and one fused multiply-add
+# per 8 weights (q·s + lo), then one multiply-add per 8 weights per row of x.
+# Measured (python kernels.py --native): 0.05 ns/weight at one row (the
+# memory's speed), 0.16 at five rows, on 2 threads.
+#
+# Each output y[m, n] is summed in one fixed order whatever the number of rows
+# (four 8-lane partial sums over the row, then a fixed reduction), so a pass
+# verifying k+1 positions gives each position exactly the bits a one-token step
+# gives it: speculative decoding stays exact with these weights.
+#
+# Built with torch.utils.cpp_extension (needs a C++ compiler and ninja; ~30 s
+# once, then cached by torch under ~/.cache/torch_extensions). Without a
+# compiler, quantize.py's layers keep the aten kernels: slower, same math.
+
+NATIVE_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <cmath>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// Ask for the weights 1 KB ahead of the loop: each 16 bytes of int4 feed ~30 instructions, so the
+// core's own lookahead reaches only ~100 bytes ahead and DRAM's latency shows (+20% measured).
+#define AHEAD 1024
+
+// The fixed reduction: (a0 + a1) + (a2 + a3), then the 8 lanes pairwise.
+static inline float hsum(const __m256* a) {
+  __m256 s = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// w[0..3]: 32 weights as fp32, fed to MT rows of x at once (one dequantization, MT uses).
+template <int MT>
+static inline void feed(const __m256* w, const float* x, int64_t K, __m256 (*acc)[4]) {
+  for (int t = 0; t < MT; t++)
+    for (int j = 0; j < 4; j++) acc[t][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * K + 8 * j), acc[t][j]);
+}
+
+// One weight row (int4: 16 bytes per 32 weights, even weight in the low nibble) against MT rows of x.
+template <int MT>
+static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                     const float* x, float* y, int64_t N) {
+  __m256 acc[MT][4], w[4];
+  for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  for (int64_t c = 0; c < K / 32; c++) {
+    __m256 vs = _mm256_set1_ps(s[c * 32 / group]), vl = _mm256_set1_ps(lo[c * 32 / group]);
+    _mm_prefetch((const char*)(q + c * 16 + AHEAD), _MM_HINT_T0);
+    __m128i raw = _mm_loadu_si128((const __m128i*)(q + c * 16));
+    __m128i even = _mm_and_si128(raw, nib), odd = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+    __m128i a = _mm_unpacklo_epi8(even, odd), b = _mm_unpackhi_epi8(even, odd);   // weights 0-15, 16-31
+    __m128i part[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
+    for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[j])), vs, vl);
+    feed<MT>(w, x + c * 32, K, acc);
+  }
+  for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t]);
+}
+
+// One int8 row (its scale applied after the sum, as aten's kernel does).
+template <int MT>
+static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, float* y, int64_t N) {
+  __m256 acc[MT][4], w[4];
+  for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / 32; c++) {
+    _mm_prefetch((const char*)(q + c * 32 + AHEAD), _MM_HINT_T0);
+    for (int j = 0; j < 4; j++)
+      w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + c * 32 + 8 * j))));
+    feed<MT>(w, x + c * 32, K, acc);
+  }
+  for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t]) * scale;
+}
+#else
+// Without AVX2 the same sums in the same order, one lane at a time.
+static inline float hsum(const float* a) {
+  float l[8];
+  for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+template <int MT>
+static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                     const float* x, float* y, int64_t N) {
+  for (int t = 0; t < MT; t++) {
+    float a[32] = {0};
+    for (int64_t k = 0; k < K; k++) {
+      float w = std::fma(float((q[k / 2] >> (4 * (k % 2))) & 15), s[k / group], lo[k / group]);
+      a[k % 32] = std::fma(w, x[t * K + k], a[k % 32]);
+    }
+    y[t * N] = hsum(a);
+  }
+}
+template <int MT>
+static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, float* y, int64_t N) {
+  for (int t = 0; t < MT; t++) {
+    float a[32] = {0};
+    for (int64_t k = 0; k < K; k++) a[k % 32] = std::fma(float(q[k]), x[t * K + k], a[k % 32]);
+    y[t * N] = hsum(a) * scale;
+  }
+}
+#endif
+
+// Rows of x in tiles of 4, then 2, then 1: each tile dequantizes the weights once. Four rows
+// need 16 accumulators, more than the 16 vector registers with the weights, yet five rows as 4 + 1
+// took 0.18 ns/weight against 0.25 as 2 + 2 + 1. Weight rows are split across threads.
+// ROW(MT, n, m) computes y[m..m+MT, n].
+#define TILED(ROW)                                                                \
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {                       \
+    for (int64_t n = n0; n < n1; n++) {                                           \
+      int64_t m = 0;                                                              \
+      for (; m + 4 <= M; m += 4) ROW(4, n, m);                                    \
+      for (; m + 2 <= M; m += 2) ROW(2, n, m);                                    \
+      if (m < M) ROW(1, n, m);                                                    \
+    }                                                                             \
+  });
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& lo,
+                   int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int4_mm: x (M, K) fp32");
+  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && q.size(1) * 2 == K && s.size(1) == G, "int4_mm: shapes");
+  auto y = at::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *sp = s.data_ptr<float>(), *lp = lo.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, group, xp + m * K, yp + m * N + n, N)
+  TILED(INT4)
+  return y;
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int8_mm: x (M, K) fp32");
+  int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(K % 32 == 0 && q.size(1) == K && s.numel() == N, "int8_mm: shapes");
+  auto y = at::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *sp = s.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+#define INT8(MT, n, m) int8_row<MT>(qp + n * K, sp[n], K, xp + m * K, yp + m * N + n, N)
+  TILED(INT8)
+  return y;
+}
+
+TORCH_LIBRARY(nanoinfer, m) {
+  m.def("int4_mm(Tensor x, Tensor q, Tensor scale, Tensor lo, int group) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(nanoinfer, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+  m.impl("int8_mm", &int8_mm);
+}
+"""
+
+
+@functools.cache
+def native_kernels(quiet: bool = False) -> bool:
+    """Build (first use, ~30 s) or load the kernels above; False where they cannot be built: not x86,
+    no compiler or ninja, or NANOINFER_NATIVE=0 (how the tests run the aten fallback)."""
+    if hasattr(torch.ops.nanoinfer, "int4_mm"):
+        return True
+    if os.environ.get("NANOINFER_NATIVE") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    from torch.utils import cpp_extension
+    vector = ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
+    flags = ["-O3", "-fopenmp", *vector]          # OpenMP: at::parallel_for runs serially without it
+    key = hashlib.sha256((NATIVE_SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    # torch's own place for extensions (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
+                                                          Path.home() / ".cache") / "torch_extensions"
+    folder = Path(root) / f"nanoinfer_native_{key}"
+    if not (folder / "nanoinfer_native.so").exists() and not quiet:
+        print("building the int4/int8 CPU kernels (once, ~30 s)", file=sys.stderr, flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpp_extension.load_inline("nanoinfer_native", NATIVE_SOURCE, is_python_module=False,
+                                      extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
+        if not quiet:
+            print(f"no native int4/int8 kernels ({str(e).strip().splitlines()[0][:100]}); using aten's, "
+                  f"slower (they need a C++ compiler and ninja)", file=sys.stderr)
+        return False
+    torch.library.register_fake("nanoinfer::int4_mm")(lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::int8_mm")(lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
+    return True
+
+
+def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group: int) -> torch.Tensor:
+    """x (M, K) fp32 · Wᵀ for W (N, K) int4 as quantize.Int4Linear stores it: q (N, K/2) uint8 (even
+    column in the low nibble), scale and lo (N, K/group) fp32; W = lo + q·s. Needs native_kernels()."""
+    return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group)
+
+
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (M, K) fp32 · Wᵀ for W = q (N, K) int8 · scale (N,) fp32, per row. Needs native_kernels()."""
+    return torch.ops.nanoinfer.int8_mm(x, q, scale)
+
+
+# ----------------------------------------------------------------------------
 # Prepacked weights: the layout oneDNN wants, made once.
 
 def prepack(model: nn.Module) -> nn.Module:
@@ -240,6 +453,11 @@ def prepack(model: nn.Module) -> nn.Module:
         return model
     bf16_ok = bf16_supported(torch.device("cpu"))
     for m in model.modules():
+        if getattr(m, "native", False) and packed_weight(m) is None:
+            # a quantized layer on the C++ kernels (quantize.py): its one-row passes read the small
+            # weights; a prefill (compute-bound) gets the same values widened to fp32, blocked once
+            m.onednn = (m.weight, torch.ops.mkldnn._reorder_linear_weight(m.dequantized().float(), 16))
+            continue
         w = getattr(m, "weight", None)
         if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.numel() < ONEDNN_MIN or \
                 not (w.dtype == torch.float32 or w.dtype == torch.bfloat16 and bf16_ok):
@@ -258,7 +476,13 @@ def packed_weight(layer: nn.Module) -> torch.Tensor | None:
 
 def prepacked_bytes(model: nn.Module) -> int:
     """The memory prepack's copies take (the runner prints it next to the weights')."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if packed_weight(m) is not None)
+    packed = (packed_weight(m) for m in model.modules())
+    return sum(p.numel() * p.element_size() for p in packed if p is not None)
+
+
+def prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x·Wᵀ on prepack's blocked copy of W (oneDNN)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 # ----------------------------------------------------------------------------
@@ -511,6 +735,39 @@ def static_address(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def quantized_table(n: int = 1536, k: int = 576, stream: int = 64 << 20):
+    """ns per weight of x·Wᵀ from DRAM (copies of W past the L3 cache) at 1 and 5 rows of x:
+    fp32 (oneDNN, prepacked), aten's int8 and int4 kernels and ours (int4: groups of 32)."""
+    import results
+    q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    s, lo = torch.rand(n, k // 32) * 0.01, torch.rand(n, k // 32) * -0.05
+    tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.stack([q4 & 15, q4 >> 4], -1).reshape(n, k)
+                                                               .to(torch.int32), 1)
+    zeros = torch.stack([s, lo + 8 * s], -1).transpose(0, 1).contiguous()
+    q8, s8 = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.01
+    fp32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), 16)
+    kinds = {   # name: (bytes per weight, the tensors one copy holds, the call on a copy)
+        "fp32, oneDNN prepacked": (4, (fp32,), lambda x, w: prepacked_linear(x, w)),
+        "int8, aten": (1, (q8, s8), lambda x, q, sc: torch.ops.aten._weight_int8pack_mm(x, q, sc)),
+        "int8, kernels.int8_mm": (1, (q8, s8), int8_mm),
+        "int4, aten": (0.75, (tiled, zeros), lambda x, t, z: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t, 32, z)),
+        "int4, kernels.int4_mm": (0.75, (q4, s, lo), lambda x, q, a, b: int4_mm(x, q, a, b, 32)),
+    }
+    rows = []
+    with torch.inference_mode():
+        for name, (size, tensors, call) in kinds.items():
+            copies = [[t.clone() for t in tensors] for _ in range(max(2, int(stream / (size * n * k))))]
+            row = [name, size]
+            for m in (1, 5):
+                x = torch.randn(m, k)
+                seconds = best_seconds(lambda: [call(x, *c) for c in copies], torch.device("cpu"))
+                row.append(f"{seconds / (len(copies) * n * k) * 1e9:.3f}")
+            rows.append(row + [f"{size / float(row[2]):.1f}"])
+    return results.Table(f"x·Wᵀ with W {n}×{k} (SmolLM2's MLP) read from DRAM, ns per weight (best of 5 passes "
+                         f"over {stream >> 20} MB of copies), {torch.get_num_threads()} threads",
+                         ["kernel", "bytes per weight", "1 row", "5 rows", "GB/s at 1 row"], rows)
+
+
 if __name__ == "__main__":
     import results
     dev = pick_device("cpu")
@@ -533,4 +790,8 @@ if __name__ == "__main__":
                           ["rows of x", "F.linear", "kernels.linear", "kernels.linear, prepacked",
                            "F.linear / prepacked"], rows)
     print(table.markdown())
-    results.save("kernels-linear", "kernels", [table])
+    tables = [table]
+    if native_kernels():
+        tables.append(quantized_table())
+        print(tables[-1].markdown())
+    results.save("kernels-linear", "kernels", tables)

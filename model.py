@@ -368,7 +368,7 @@ class Llama(nn.Module):
         rows, copied once, in the head's own dtype: drafting.narrow_draft runs a bf16 head under an fp32 target), so
         its features mean what the target's mean and it stores neither (~113 MB for SmolLM2)."""
         self.embed_tokens = target.embed_tokens
-        w = target.lm_head.weight.detach()
+        w = quantize.float_weight(target.lm_head)
         w = w if self.head_ids is None else w[self.head_ids]
         self.lm_head.weight = nn.Parameter(w.to(self.norm.weight.dtype), requires_grad=False)
         return self
@@ -459,7 +459,7 @@ def build(model_dir, device=None, dtype=None, weights: str | None = None, group_
                          f"drop --weights or load the full-precision checkpoint")
     model = Llama.from_pretrained(model_dir, device, dtype, cfg, attn)
     quantize.quantize_model(model, weights, group_size, prepare)
-    if prepacked:           # a no-op off the CPU and for quantized layers
+    if prepacked:           # a no-op off the CPU; quantized layers get it where they run the C++ kernels
         kernels.prepack(model)
     return model
 

@@ -25,13 +25,18 @@ row scales), 84 MB in int4 with groups of 32 (4 bits + two 16-bit numbers per
 32 weights: 5 bits a weight).
 
 Kernels. Weights are stored quantized and never expanded in memory: each
-quantized Linear calls the fastest matrix-vector kernel PyTorch has for the
-device. On a CPU those are ``aten._weight_int8pack_mm`` (int8 weights, one scale
-per output row, activations in the model's dtype; inside a compiled one-token
-step Int8Linear is kernels.matvec_sum instead, which inductor fuses into one
-loop that widens each int8 weight as it reads it: RESULTS.md, runner section)
-and ``aten._weight_int4pack_mm_for_cpu`` (int4 in a CPU-specific tiled layout,
-a scale and a zero per group). Elsewhere, a GPU included, a layer dequantizes
+quantized Linear calls the fastest matrix-vector kernel the device has. On a
+CPU with fp32 activations those are kernels.int4_mm and kernels.int8_mm, a
+small C++ loop built on first use that streams the weights at the memory's
+speed (0.05 ns/weight for int4 on 2 cores, against 1.15 for aten's int4 kernel
+and 0.30 for fp32: kernels.py says why) and sums every row in the same order
+however many positions a pass holds, so speculative decoding stays exact.
+Without a compiler, and for bf16 activations, PyTorch's own kernels run:
+``aten._weight_int8pack_mm`` (int8 weights, one scale per output row; inside a
+compiled one-token step kernels.matvec_sum, which inductor fuses into one loop
+that widens each int8 weight as it reads it) and
+``aten._weight_int4pack_mm_for_cpu`` (int4 in a CPU-specific tiled layout, a
+scale and a zero per group). Elsewhere, a GPU included, a layer dequantizes
 its weights for one matmul (correct, not fast). The KV cache dequantizes one
 layer's rows when attention reads them (kvcache.py), so only one layer's keys
 are ever held in full precision.
@@ -190,6 +195,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features))
+        self.native = False                   # prepare() decides: kernels.int8_mm or aten's kernel
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Linear":
@@ -198,19 +204,27 @@ class Int8Linear(nn.Module):
         layer.weight, layer.weight_scale = q, s.squeeze(-1)
         return layer
 
-    def prepare(self, dtype: torch.dtype):
+    def prepare(self, dtype: torch.dtype, native: bool | None = None):
+        """Ready the layer for ``dtype`` activations on its device. ``native`` (default: where it builds)
+        picks kernels.int8_mm for fp32 on a CPU; False keeps aten's kernel."""
         # The CPU kernel wants the scales in the activations' dtype, and its own
         # memory: it uses aligned vector loads, and a tensor mapped straight from a
         # safetensors file may start anywhere (a crash, not an error).
-        self.weight_scale = self.weight_scale.to(dtype)
+        self.weight_scale = self.weight_scale.to(dtype).contiguous()
         if self.weight.device.type == "cpu" and self.weight.data_ptr() % 64:
             self.weight = self.weight.clone()
+        self.native = uses_native(self, dtype, native)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_int8(self.weight, self.weight_scale[:, None], self.weight_scale.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if self.native and x.dtype == torch.float32:
+            if rows >= PREFILL_ROWS:
+                return wide_linear(self, x)
+            return kernels.int8_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale) \
+                .reshape(*x.shape[:-1], -1)
         if rows == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
             return kernels.matvec_sum(x, self.weight, self.weight_scale)
         if x.device.type == "cpu" and rows < PREFILL_ROWS:
@@ -218,6 +232,23 @@ class Int8Linear(nn.Module):
             return y.reshape(*x.shape[:-1], -1)
         # Many rows (a prefill) are compute-bound: widen W once, then the fast matrix-matrix kernel.
         return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
+
+
+def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A many-row pass of a layer on the C++ kernels: oneDNN on kernels.prepack's fp32 copy of the
+    dequantized weights where the model keeps one (a 39-token prefill of SmolLM2 in 105 ms, as fp32's,
+    against 290 ms widening every matrix at every call), else widened for this call."""
+    packed = kernels.packed_weight(layer)
+    if packed is not None and not torch.is_grad_enabled():
+        return kernels.prepacked_linear(x, packed)
+    return F.linear(x, layer.dequantized().to(x.dtype))
+
+
+def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bool:
+    """Whether a quantized layer runs kernels.py's C++ kernels: fp32 activations on a CPU, rows a
+    multiple of 32 long, and the kernels built (``native`` None: build them if they can be)."""
+    fits = layer.weight.device.type == "cpu" and dtype == torch.float32 and layer.in_features % 32 == 0
+    return fits and (kernels.native_kernels() if native is None else native)
 
 
 class Int4Linear(nn.Module):
@@ -234,6 +265,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_min", torch.zeros(out_features, in_features // group))
         self.register_buffer("tiled", None, persistent=False)             # the CPU kernel's layout
         self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.native = False                   # prepare() decides: kernels.int4_mm or aten's tiled kernel
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group: int) -> "Int4Linear":
@@ -242,12 +274,18 @@ class Int4Linear(nn.Module):
         layer.weight, layer.weight_scale, layer.weight_min = join_nibbles(q), s, lo
         return layer
 
-    def prepare(self, dtype: torch.dtype):
-        """On a CPU, convert to the kernel's layout and drop the portable copy (it would
-        double the memory). The kernel computes W = (q - 8)·s + z per group, so
+    def prepare(self, dtype: torch.dtype, native: bool | None = None):
+        """On a CPU with fp32 activations: kernels.int4_mm reads this very layout (``native``, default:
+        where it builds). Otherwise aten's kernel: convert to its tiled layout and drop the portable
+        copy (it would double the memory). aten computes W = (q - 8)·s + z per group, so
         z = lo + 8·s gives our lo + q·s."""
         self.dtype = dtype
         if self.weight.device.type != "cpu":
+            return
+        self.native = uses_native(self, dtype, native)
+        if self.native:
+            self.weight = self.weight.contiguous()
+            self.weight_scale, self.weight_min = self.weight_scale.float().contiguous(), self.weight_min.float().contiguous()
             return
         q = split_nibbles(self.weight).to(torch.int32)
         z = self.weight_min + 8 * self.weight_scale
@@ -259,12 +297,26 @@ class Int4Linear(nn.Module):
         return dequantize_int4(split_nibbles(self.weight), self.weight_scale, self.weight_min, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.native and rows < PREFILL_ROWS and x.dtype == torch.float32:
+            return kernels.int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
+                                   self.weight_min, self.group).reshape(*x.shape[:-1], -1)
+        if self.native:             # a prefill: compute-bound, so the matrix-matrix kernel on fp32 weights
+            return wide_linear(self, x)
         if self.tiled is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.tiled,
                                                           self.group, self.scales_and_zeros)
             return y.reshape(*x.shape[:-1], -1)
         return x @ self.dequantized().to(x.dtype).t()
 
+
+
+def float_weight(layer: nn.Module) -> torch.Tensor:
+    """A Linear's W in full precision, whether the layer is quantized or not (an EAGLE
+    head or Medusa heads copy rows of the target's LM head)."""
+    if isinstance(layer, (Int8Linear, Int4Linear)):
+        return layer.dequantized()
+    return layer.weight.detach()
 
 WEIGHT_SCHEMES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)

@@ -232,6 +232,22 @@ def test_committed_draft(bundled_dir):
     assert min(per_forward) > 1.5 and per_forward[2] > per_forward[0] + 0.3, per_forward
 
 
+
+def test_committed_draft_with_int4_weights(bundled_dir):
+    """The plan's int4 target (the GGUF's own Q4_1 bits, an int8 LM head): the EAGLE head scores with the
+    head's dequantized rows (not its raw int8 codes), so it still guesses well, and with the C++ kernels
+    (batch-invariant) the speculative text is the int4 model's own greedy text."""
+    target, tok = M.load(str(bundled_dir), "cpu", "float32", weights="int4")
+    head = D.load_draft("bundled", target, tok)
+    text = "Write a short poem about a lighthouse keeper."
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
+    greedy = M.SamplingParams(temperature=0, max_new_tokens=48)
+    spec = S.SpecStats()
+    got = list(S.generate(target, prompt, greedy, D.EagleDraft(head, target, 3), spec=spec))
+    if target.lm_head.native:
+        assert got == list(M.generate_cached(target, prompt, greedy))
+    assert spec.tokens_per_forward > 1.5, spec.tokens_per_forward
+
 def test_committed_medusa(bundled_dir):
     """drafts/ also holds train.py --medusa 4's heads for the bundled model: within the
     25 MB budget, only their blocks and head_ids (the LM head is the target's);

@@ -70,3 +70,52 @@ def test_compiled_matvec_equals_linear(k):
         q8.prepare(torch.float32)
         step8 = torch.compile(lambda x: q8(x), dynamic=False, fullgraph=True)
         torch.testing.assert_close(step8(x), torch.nn.functional.linear(x, q8.dequantized()), atol=1e-4, rtol=1e-4)
+
+
+# --- the C++ int4/int8 kernels ------------------------------------------------------
+
+def native_or_skip():
+    if not kernels.native_kernels(quiet=True):
+        pytest.skip("no C++ compiler or ninja here: the quantized layers run aten's kernels")
+
+
+def quantized_pair(scheme, w, group):
+    """The same quantized layer twice: on the C++ kernel and on aten's."""
+    make = (lambda: quantize.Int8Linear.from_float(w)) if scheme == "int8" else \
+        (lambda: quantize.Int4Linear.from_float(w, group))
+    native, aten = make(), make()
+    reference = native.dequantized()
+    native.prepare(torch.float32)
+    aten.prepare(torch.float32, native=False)
+    assert native.native and not aten.native
+    return native, aten, reference
+
+
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_native_kernels_equal_aten_and_the_dequantized_matrix(scheme, group):
+    native_or_skip()
+    torch.manual_seed(0)
+    w = torch.randn(176, 384) * 0.05       # aten needs rows in 16s
+    native, aten, reference = quantized_pair(scheme, w, group)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5, 9, 40):               # 40: a prefill, through the widened matrix
+            x = torch.randn(1, rows, 384)
+            exact = x @ reference.t()
+            for y in (native(x), aten(x)):
+                assert y.shape == (1, rows, 176)
+                assert (y - exact).abs().max() < 1e-4 * exact.abs().max()
+            assert (native(x) - aten(x)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_native_kernels_are_batch_invariant(scheme):
+    """Each position of a several-row pass gets the bits a one-row call gives it: what keeps
+    speculative decoding exact with quantized weights."""
+    native_or_skip()
+    torch.manual_seed(1)
+    layer = quantized_pair(scheme, torch.randn(96, 160 * 2) * 0.05, 32)[0]
+    x = torch.randn(7, 320)
+    with torch.inference_mode():
+        together = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(7)])
+    assert torch.equal(together, alone)

@@ -180,7 +180,8 @@ def test_serve_local_plan_prints_and_exits(flags):
     assert time.perf_counter() - t0 < 60
     assert out.startswith("plan for ") and "why:" in out and "cost model:" in out and "tok/s" in out
     assert "loading" not in err                  # no weights read
-    assert ("EAGLE head" in out) == (not flags)
+    # the bundled model: its EAGLE head, or its own Q4_1 bits through the int4 kernels where they measure faster
+    assert ("EAGLE head" in out or "weights int4" in out) == (not flags)
     print(out)
 
 
