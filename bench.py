@@ -157,6 +157,31 @@ def llama_cpp_files(name: str, path) -> dict[str, Path]:
     return files
 
 
+class LlamaServerDecode:
+    """llama.cpp through llama-server where llama-cpp-python is not installed: the same greedy run
+    (the prompt's token ids, ``new_tokens`` generated, EOS ignored), timed by the server itself.
+    The server starts at the first call and joins ``servers``, which the caller stops."""
+
+    def __init__(self, gguf: Path, threads: int, ctx: int, servers: list):
+        self.gguf, self.threads, self.ctx, self.servers, self.port = gguf, threads, ctx, servers, None
+
+    def run(self, prompt: list[int], new_tokens: int):
+        def fn(warmup: bool):
+            import httpx
+            if self.port is None:
+                self.port = free_port()
+                log = checkpoint.cache_root() / "bench" / "llama-server-decode.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                command = llama_server_command(llama_server_binary(), self.gguf, self.threads, 1, self.ctx)
+                self.servers.append(start_server(command + ["--port", str(self.port)], self.port, log))
+            n = 8 if warmup else new_tokens
+            body = {"prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0, "cache_prompt": False}
+            t = httpx.post(f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600).json()["timings"]
+            assert t["predicted_n"] == n, t
+            return t["prompt_ms"] / 1e3, (new_tokens - 1) / t["predicted_per_second"]
+        return fn
+
+
 def run_llama_cpp(llm, prompt, new_tokens):
     """Greedy decoding with llama.cpp's low-level loop: `eval` runs tokens through the
     model (the prompt as one batch), then we take the argmax of the last position's
@@ -249,24 +274,35 @@ def bench_decode(args):
                         hf, prompt, 8 if warmup else args.new_tokens))
                 except ImportError:
                     print("transformers not installed: skipping it (pip install -r requirements-bench.txt)")
+            servers = []     # llama-server processes of this group, stopped after it
             if not args.no_peers and dtype == args.dtypes[0] and args.device == "cpu":    # GGUF rows do not depend on our dtype
                 try:
                     import llama_cpp
                 except ImportError:
-                    print("llama-cpp-python not installed: skipping llama.cpp (pip install -r requirements-bench.txt)")
-                else:
-                    for label, gguf_path in llama_cpp_files(name, path).items():
-                        threads = torch.get_num_threads()
+                    llama_cpp = None
+                peer = llama_cpp is not None or llama_server_binary() is not None
+                if not peer:
+                    print("neither llama-cpp-python nor llama-server: skipping llama.cpp "
+                          "(pip install -r requirements-bench.txt, or scripts/build_llama_server.sh)")
+                for label, gguf_path in llama_cpp_files(name, path).items() if peer else []:
+                    threads = torch.get_num_threads()
+                    if llama_cpp is not None:
                         llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
                                               n_threads_batch=threads, n_batch=512, logits_all=False,
                                               verbose=False)
-                        impls[f"llama.cpp {label}"] = (label, gguf_bytes_per_token(
-                            gguf_path, model.config, args.prompt_tokens + args.new_tokens // 2),
-                            lambda warmup, llm=llm: run_llama_cpp(llm, prompt, 8 if warmup else args.new_tokens))
+                        fn = lambda warmup, llm=llm: run_llama_cpp(llm, prompt, 8 if warmup else args.new_tokens)
+                    else:
+                        fn = LlamaServerDecode(gguf_path, threads, n_ctx, servers).run(prompt, args.new_tokens)
+                    impls[f"llama.cpp {label}"] = (label, gguf_bytes_per_token(
+                        gguf_path, model.config, args.prompt_tokens + args.new_tokens // 2), fn)
             group = []
             for impl, (label, per_tok, fn) in impls.items():
                 with torch.inference_mode():
                     ttft, decode_s = measure(fn, args.reps)
+                for proc in servers:
+                    proc.terminate()
+                    proc.wait(60)
+                servers.clear()
                 tok_s = (args.new_tokens - 1) / decode_s
                 group.append([name, impl, label, ttft, args.prompt_tokens / ttft, tok_s,
                               per_tok * tok_s / 1e9])

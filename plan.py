@@ -274,6 +274,7 @@ class Plan:
     spec_k: int = 4
     weights: str = "auto"            # auto (the checkpoint's) / int8 / int4
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
+    prepack: bool = True             # kernels.prepack's copies (fp32/bf16 weights; quantized ones' prefill copy)
     reasons: list = field(default_factory=list)
     cost: list = field(default_factory=list)
 
@@ -318,6 +319,41 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
     why.append("attention sdpa: PyTorch's fused kernel (flash-attention inside on a GPU); flash.py's tiled "
                "version is the lesson, slower when run op by op")
 
+    # Weights: full precision unless they do not fit, or the checkpoint's own bits are 4 and int4 is fast here.
+    room = machine.memory * HEADROOM
+    packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0   # kernels.prepack's copy
+
+    def held(weights, copy=True):      # a quantized layer's prefill copy is in the model's dtype too
+        return info.weight_bytes(weights, fdt) + (packed if copy else 0)
+
+    if info.source in QUANTIZED:
+        scheme, p.prepack = info.source, held(info.source) <= room
+        why.append(f"weights {info.source}: the checkpoint is stored quantized (quantize.py) and loads as it is"
+                   + ("" if p.prepack or not packed else "; no fp32 copy for prefills (it would not fit)"))
+    else:
+        scheme = next((w for w in ("float", "int8", "int4") if held(w, w == "float") <= room), "int4")
+        if scheme != "float":
+            p.weights, p.prepack = scheme, held(scheme) <= room
+            why.append(f"weights {scheme}: {fdt} weights need {gb(held('float'))} (with the prepacked copy on a "
+                       f"CPU), more than {HEADROOM:.0%} of {gb(machine.memory)}; {scheme} holds them in "
+                       f"{gb(held(scheme, p.prepack))}" + ("" if held(scheme, False) <= room else
+                                                           " (still too many: expect swapping)")
+                       + ("" if p.prepack or not packed else "; no fp32 copy for prefills (it would not fit): "
+                          "each prefill widens a matrix at a time"))
+        elif info.source == "Q4_1" and ns.get("int4", 1e9) < MARGIN * ns.get(fdt, 0):
+            p.weights = scheme = "int4"
+            why.append(f"weights int4: the GGUF holds Q4_1, which round-trips exactly through int4 groups of 32, "
+                       f"so these are the model's own bits; calibrated int4 {ns['int4']:.3f} ns/weight against "
+                       f"{fdt}'s {ns[fdt]:.3f}" + (f"; prefills run on a {fdt} copy ({gb(packed)}: "
+                                                  f"kernels.prepack)" if packed else ""))
+        else:
+            note = ""
+            if info.source == "Q4_1" and "int4" in ns:
+                note = (f"; int4 would be the GGUF's own Q4_1 bits, but it computes no faster here "
+                        f"({ns['int4']:.3f} ns/weight against {fdt}'s {ns.get(fdt, 0):.3f})")
+            prepacked = " with kernels.prepack's copy" if packed else ""
+            why.append(f"weights {fdt}: {gb(held('float'))}{prepacked} fits in {gb(machine.memory)}{note}")
+
     # Compiled step: removes the per-kernel fixed cost, once a compile is paid for.
     if machine.device == "cuda":
         p.compile = True
@@ -330,7 +366,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
     elif answer_tokens is not None:
         why.append(f"eager, dynamic cache: one answer of at most {answer_tokens} tokens does not repay a compile "
                    f"(minutes the first time, seconds to load its package later); a chat compiles")
-    elif "bundled" in info.drafts:
+    elif "bundled" in info.drafts and scheme not in QUANTIZED:
         why.append(f"eager, dynamic cache: a compiled step needs a static cache, and attention reads all {ctx} of "
                    f"its slots every step ({mb(info.kv_bytes(ctx, 'auto', p.dtype))} beside the weights); its verify "
                    f"passes would run eagerly; the eager step with this model's draft (below) measured as fast "
@@ -342,38 +378,8 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
                    f"(minutes: kernels.AheadOfTime), later starts load the package in seconds")
     p.cache = "static" if p.compile else "dynamic"
 
-    # Weights: full precision unless they do not fit, or the checkpoint's own bits are 4 and int4 is fast here.
-    room = machine.memory * HEADROOM
-    packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0   # kernels.prepack's copy
-
-    def held(weights):
-        return info.weight_bytes(weights, fdt) + (packed if weights == "float" else 0)
-
-    if info.source in QUANTIZED:
-        why.append(f"weights {info.source}: the checkpoint is stored quantized (quantize.py) and loads as it is")
-        scheme = info.source
-    else:
-        scheme = next((w for w in ("float", "int8", "int4") if held(w) <= room), "int4")
-        if scheme != "float":
-            p.weights = scheme
-            why.append(f"weights {scheme}: {fdt} weights need {gb(held('float'))} (with the prepacked copy on a "
-                       f"CPU), more than {HEADROOM:.0%} of {gb(machine.memory)}; {scheme} holds them in "
-                       f"{gb(held(scheme))}" + ("" if held(scheme) <= room else " (still too many: expect swapping)"))
-        elif info.source == "Q4_1" and ns.get("int4", 1e9) < MARGIN * ns.get(fdt, 0):
-            p.weights = scheme = "int4"
-            why.append(f"weights int4: the GGUF holds Q4_1, which round-trips exactly through int4 groups of 32, "
-                       f"so these are the model's own bits; calibrated int4 {ns['int4']:.3f} ns/weight against "
-                       f"{fdt}'s {ns[fdt]:.3f}")
-        else:
-            note = ""
-            if info.source == "Q4_1" and "int4" in ns:
-                note = (f"; int4 would be the GGUF's own Q4_1 bits, but it computes no faster here "
-                        f"({ns['int4']:.3f} ns/weight against {fdt}'s {ns.get(fdt, 0):.3f})")
-            prepacked = " with kernels.prepack's copy" if packed else ""
-            why.append(f"weights {fdt}: {gb(held('float'))}{prepacked} fits in {gb(machine.memory)}{note}")
-
     # KV: the model's dtype unless weights + KV at ctx do not fit; then int8 (half), then say what ctx fits.
-    w_held = held(scheme) if info.source not in QUANTIZED else info.weight_bytes(scheme, fdt)
+    w_held = held(scheme, p.prepack)
     kv = info.kv_bytes(ctx, "auto", fdt)
     if w_held + kv <= room:
         why.append(f"KV cache {fdt}: {mb(kv)} at {ctx} tokens, with the weights {gb(w_held + kv)} of "
@@ -391,9 +397,11 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
 
     # Speculative decoding: only with a draft trained for this very model.
     if "bundled" in info.drafts and scheme in QUANTIZED:
-        why.append(f"no speculation: the {scheme} layers' kernels are built for one row, so a pass verifying "
-                   f"k+1 positions costs a multiple of a step (float weights' prepacked kernels check 4 guesses "
-                   f"for about one step's cost: kernels.prepack); --draft bundled asks for it anyway")
+        why.append(f"no speculation: with {scheme} weights a step is cheap (the C++ kernels stream them at the "
+                   f"memory's speed) and the fixed costs of speculating are not: a pass verifying 5 positions reads "
+                   f"~2.6x a one-row pass's time in the int4 kernel (0.18 against 0.07 ns/weight) and the head drafts "
+                   f"in 4 eager steps; bench.py runner measured int4 plain 44.5 tok/s (median) against 30.5 with the "
+                   f"EAGLE head and prompt lookup; --draft bundled asks for it anyway")
     elif "bundled" in info.drafts:
         p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
         exact = ("exact: in fp32 the text is the one plain greedy decoding gives" if fdt == "float32" else
@@ -417,7 +425,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
         f"bytes per token: {mb(tok)} at an empty context, {mb(tok + kv)} at {ctx} tokens",
         f"ceiling at the measured {bw / 1e9:.1f} GB/s read bandwidth: {bw / tok:,.0f} tok/s empty, "
         f"{bw / (tok + kv):,.0f} tok/s at {ctx} tokens (real steps add a fixed cost per kernel call)",
-        f"memory: {gb(w_held)} of weights" + (" (with the prepacked copy)" if packed and scheme == "float" else "")
+        f"memory: {gb(w_held)} of weights" + (" (with the prepacked copy)" if packed and p.prepack else "")
         + f" + {mb(kv)} of KV = {(w_held + kv) / machine.memory:.0%} of {gb(machine.memory)}",
     ]
     if p.draft or p.prompt_lookup:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import checkpoint
+import kernels
 import plan
 import serve_local
 from conftest import run_cli
@@ -69,7 +70,8 @@ def test_cpu_with_bf16_and_fast_int4(smol):
     assert (p.dtype, p.weights) == ("bfloat16", "int4")
     text = plan.describe(p)
     assert "computes bf16 natively" in text and "0.160 ns/weight against fp32's 0.300" in text
-    assert "model's own bits" in text and p.draft is None and "built for one row" in text
+    assert "model's own bits" in text and p.draft is None and "fixed costs of speculating" in text
+    assert p.compile and p.prepack and "prefills run on a bfloat16 copy" in text   # no draft: the compiled step
     p = plan.choose(cpu(bf16=True), smol, answer_tokens=256)
     assert (p.dtype, p.weights, p.draft) == ("bfloat16", "auto", "bundled")
     assert "rounds differently from a one-token step" in plan.describe(p)   # bf16 speculation is not exact
@@ -110,6 +112,8 @@ def test_kv_quantized_when_the_context_does_not_fit(tiny):
 def test_weights_quantized_when_the_model_does_not_fit(tiny):
     p = plan.choose(cpu(memory=4 * GB), tiny)        # 8.5 GB in fp32 with its prepacked copy; int8 ~1.1 GB
     assert p.weights == "int8" and "weights int8" in plan.describe(p)
+    # quantized to fit: no fp32 copy of them for prefills (4.4 GB) beside the 1.1 GB of int8
+    assert not p.prepack and "no fp32 copy for prefills" in plan.describe(p)
     assert plan.choose(cpu(memory=int(1.2 * GB)), tiny).weights == "int4"
     assert plan.choose(CUDA, tiny).weights == "auto"
 
@@ -159,6 +163,7 @@ def test_no_speculation(smol):
 
 
 def test_probe_measures_once_and_caches(tmp_path, monkeypatch):
+    kernels.native_kernels(quiet=True)       # built (or found) where it lives, not again under tmp_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     t0 = time.perf_counter()
     m = plan.probe(torch.device("cpu"), (256, 128))
