@@ -592,7 +592,15 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
         return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)
     if folder is not None and torch.device(device).type == "cpu":
         return AheadOfTime(step, folder)
-    return torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})
+    compiled = torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})
+
+    def call(tokens, positions, mask, cache, *rest):
+        if mask is not None and getattr(cache, "live", False):    # one graph for every length, not one each
+            if mask.shape[-1] == cache.capacity:
+                return step(tokens, positions, mask, cache, *rest)          # the last row (as AheadOfTime)
+            torch._dynamo.mark_dynamic(mask, mask.dim() - 1, min=2, max=cache.capacity - 1)
+        return compiled(tokens, positions, mask, cache, *rest)
+    return call
 
 
 class AheadOfTime:
@@ -633,7 +641,11 @@ class AheadOfTime:
         self.announce = None        # called with the package's path before a build (minutes): the runner says so
 
     def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
-        variant = (tuple(tokens.shape), None if mask is None else tuple(mask.shape), cache.k[0].shape,
+        # a static cache's live rows (kvcache.StaticCache.live): one package for every length
+        keys = None if mask is None else (*mask.shape[:-1], "live" if getattr(cache, "live", False) else mask.shape[-1])
+        if keys is not None and keys[-1] == "live" and mask.shape[-1] == cache.capacity:
+            return self.step(tokens, positions, mask, cache, last_only, features, hidden)   # its last row: eager
+        variant = (tuple(tokens.shape), keys, cache.k[0].shape,
                    cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
                    None if features is None else (features.shape, features.dtype))
         runner = self.runners.get(variant)
@@ -675,6 +687,10 @@ class AheadOfTime:
             warnings.simplefilter("ignore", FutureWarning)
             runner = torch._inductor.aoti_load_package(str(path))
         weights = self.weights()
+        own = [k for k in runner.get_constant_fqns() if k not in weights]
+        if own:     # tensors inductor made at compile time (aten's int4 kernel with bf16 activations does)
+            raise ValueError(f"the compiled step made tensors of its own ({own[0]}, ...), which a package without "
+                             f"weights cannot hold: run this configuration without --compile")
         self.handed.append({k: weights[k] for k in runner.get_constant_fqns()})
         runner.load_constants(self.handed[-1], check_full_update=True, user_managed=True)
         self.log.append(f"compiled step loaded from cache in {time.perf_counter() - t0:.2f} s")
@@ -690,7 +706,12 @@ class AheadOfTime:
             like = [None if t is None else torch.zeros_like(t) for t in (tokens, positions, mask, features)]
             args = (*like[:3], [torch.zeros_like(t) for t in cache.k], [torch.zeros_like(t) for t in cache.v],
                     like[3])
-            program = torch.export.export(StepModule(self.step, cache, last_only, hidden), args, strict=False)
+            live = None
+            if mask is not None and getattr(cache, "live", False):      # the keys read: 2 .. all rows but one
+                live = {mask.dim() - 1: torch.export.Dim("live", min=2, max=cache.capacity - 1)}   # all: a slice no-op
+            shapes = (None, None, live, [None] * len(cache.k), [None] * len(cache.v), None)
+            program = torch.export.export(StepModule(self.step, cache, last_only, hidden), args, strict=False,
+                                          dynamic_shapes=shapes)
             torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs={
                 **CPU_OPTIONS, "aot_inductor.package_constants_in_so": False})
         os.replace(part, path)

@@ -228,14 +228,14 @@ class DynamicCache(KVCache):
 
 
 class StaticCache(KVCache):
-    """Preallocated to ``max_len``; position p lives in row p. Attention always reads all ``max_len`` rows and
-    the mask hides rows past the query, so the shapes of a decode step never change (one compilation) and a crop
-    is free: stale rows sit beyond every future query until they are overwritten."""
+    """Preallocated to ``max_len``; position p in row p, so a crop is free (stale rows sit past every future query).
+    On a GPU attention reads all rows (fixed shapes for a CUDA graph); on a CPU (``live``) only the live ones: fp32
+    SmolLM2's 2048 rows are 94 MB a step, more than its int4 weights (kernels.AheadOfTime compiles any length)."""
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu",
                  window=None, codec=None):
         super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window, codec)
-        self.slots = torch.arange(max_len, device=device)
+        self.slots, self.live = torch.arange(max_len, device=device), torch.device(device).type == "cpu"
         for t in self.k + self.v:   # written in place by a compiled step replayed as a CUDA graph
             kernels.static_address(t)
 
@@ -249,7 +249,7 @@ class StaticCache(KVCache):
             raise ValueError(f"static cache is full: {self.length} + {t} tokens > max_len {self.capacity}")
         self._own(self.length)
         self.length += t
-        return attention_mask(positions, self.slots, self.window)
+        return attention_mask(positions, self.slots[:self.length] if self.live else self.slots, self.window)
 
     def _write(self, layer, k, v, positions):
         return write_rows(self.k[layer], positions, k), write_rows(self.v[layer], positions, v)

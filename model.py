@@ -170,12 +170,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = kernels.linear(x, self.qkv_proj).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         in_place = getattr(cache_layer, "in_place", False)     # a paged decode step on a GPU (kvcache.py)
         if cache_layer is not None and not in_place:
-            k, v = cache_layer.update(k, v, positions)   # all K/V so far: (B, n_kv, L, d)
+            # all K/V so far (B, n_kv, L, d); a static cache's mask covers its live rows only (kvcache.py)
+            k, v = (t[:, :, :None if mask is None else mask.shape[-1]] for t in cache_layer.update(k, v, positions))
         window = self.config.sliding_window if cache_layer is None and mask is None else None   # else in the mask
         y = cache_layer.attend(q, k, v) if in_place else attend(q, k, v, mask, attn, window)
         return kernels.linear(y.transpose(1, 2).reshape(B, T, -1), self.o_proj)

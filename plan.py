@@ -341,10 +341,15 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
                        + ("" if p.prepack or not packed else "; no fp32 copy for prefills (it would not fit): "
                           "each prefill widens a matrix at a time"))
         elif info.source == "Q4_1" and ns.get("int4", 1e9) < MARGIN * ns.get(fdt, 0):
-            p.weights = scheme = "int4"
+            p.weights, scheme, versus = "int4", "int4", f"{fdt}'s {ns[fdt]:.3f}"
+            if fdt != "float32":       # the int4 kernel was calibrated (and runs) with fp32 activations
+                why.append(f"dtype float32 after all: the int4 weights below run with fp32 activations "
+                           f"(kernels.int4_mm), as calibrated; {fdt} ones would take aten's slower kernel")
+                p.dtype = fdt = "float32"
+                packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
             why.append(f"weights int4: the GGUF holds Q4_1, which round-trips exactly through int4 groups of 32, "
                        f"so these are the model's own bits; calibrated int4 {ns['int4']:.3f} ns/weight against "
-                       f"{fdt}'s {ns[fdt]:.3f}" + (f"; prefills run on a {fdt} copy ({gb(packed)}: "
+                       f"{versus}" + (f"; prefills run on a {fdt} copy ({gb(packed)}: "
                                                   f"kernels.prepack)" if packed else ""))
         else:
             note = ""

@@ -285,7 +285,8 @@ class Int4Linear(nn.Module):
         self.native = uses_native(self, dtype, native)
         if self.native:
             self.weight = self.weight.contiguous()
-            self.weight_scale, self.weight_min = self.weight_scale.float().contiguous(), self.weight_min.float().contiguous()
+            self.weight_scale = self.weight_scale.float().contiguous()
+            self.weight_min = self.weight_min.float().contiguous()
             return
         q = split_nibbles(self.weight).to(torch.int32)
         z = self.weight_min + 8 * self.weight_scale

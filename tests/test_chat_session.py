@@ -4,6 +4,7 @@ answers exactly as a fresh chat with the same history would."""
 
 import io
 import re
+import os
 import sys
 
 import pytest
@@ -20,7 +21,8 @@ FOLLOW_UP = "What is 2+2?"
 
 
 def test_ctrl_c_in_an_answer_and_at_the_prompt(bundled_dir, tmp_path):
-    env = {"XDG_CACHE_HOME": str(tmp_path), "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
+    env = {"XDG_CACHE_HOME": str(tmp_path), "TERM": "dumb", "PYTHONUNBUFFERED": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}     # conftest: the one kernel build
     child = pexpect.spawn(sys.executable, ["serve_local.py", "--model", str(bundled_dir), "--temperature", "0",
                                            "--max-new-tokens", "300", "--dtype", "float32",
                                            "--no-compile"],   # the plan's EAGLE head + lookup, eager (no compile wait)

@@ -67,11 +67,12 @@ def test_cpu_without_bf16(smol):
 
 def test_cpu_with_bf16_and_fast_int4(smol):
     p = plan.choose(cpu(bf16=True, int4=0.05), smol)
-    assert (p.dtype, p.weights) == ("bfloat16", "int4")
+    assert (p.dtype, p.weights) == ("float32", "int4")        # the int4 kernel's activations are fp32
     text = plan.describe(p)
     assert "computes bf16 natively" in text and "0.160 ns/weight against fp32's 0.300" in text
+    assert "dtype float32 after all" in text and "against bfloat16's 0.160" in text
     assert "model's own bits" in text and p.draft is None and "fixed costs of speculating" in text
-    assert p.compile and p.prepack and "prefills run on a bfloat16 copy" in text   # no draft: the compiled step
+    assert p.compile and p.prepack and "prefills run on a float32 copy" in text   # no draft: the compiled step
     p = plan.choose(cpu(bf16=True), smol, answer_tokens=256)
     assert (p.dtype, p.weights, p.draft) == ("bfloat16", "auto", "bundled")
     assert "rounds differently from a one-token step" in plan.describe(p)   # bf16 speculation is not exact
