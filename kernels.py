@@ -641,17 +641,19 @@ class AheadOfTime:
         self.announce = None        # called with the package's path before a build (minutes): the runner says so
 
     def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
-        # a static cache's live rows (kvcache.StaticCache.live): one package for every length
-        keys = None if mask is None else (*mask.shape[:-1], "live" if getattr(cache, "live", False) else mask.shape[-1])
-        if keys is not None and keys[-1] == "live" and mask.shape[-1] == cache.capacity:
-            return self.step(tokens, positions, mask, cache, last_only, features, hidden)   # its last row: eager
+        # a static cache's live rows (kvcache.StaticCache.live): one package for every length from 2 to all
+        # rows but one (export fixes lengths 0, 1 and a no-op slice); those three run the eager step
+        live = mask is not None and getattr(cache, "live", False)
+        keys = None if mask is None else (*mask.shape[:-1], "live" if live else mask.shape[-1])
         variant = (tuple(tokens.shape), keys, cache.k[0].shape,
                    cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
                    None if features is None else (features.shape, features.dtype))
         runner = self.runners.get(variant)
-        if runner is None:
+        if runner is None:         # built (or loaded) even by a call that then runs eagerly: a warm-up's
             call = (tokens, positions, mask, cache, last_only, features, hidden)
             runner = self.runners[variant] = self.load(variant, call)
+        if live and not 2 <= mask.shape[-1] < cache.capacity:
+            return self.step(tokens, positions, mask, cache, last_only, features, hidden)
         return runner(tokens, positions, mask, cache.k, cache.v, features)
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -704,6 +706,8 @@ class AheadOfTime:
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)    # torch 2.13 pickles its spec via a deprecated check
             like = [None if t is None else torch.zeros_like(t) for t in (tokens, positions, mask, features)]
+            if mask is not None and getattr(cache, "live", False):        # a stand-in length inside the range
+                like[2] = mask.new_zeros(*mask.shape[:-1], min(max(mask.shape[-1], 2), cache.capacity - 1))
             args = (*like[:3], [torch.zeros_like(t) for t in cache.k], [torch.zeros_like(t) for t in cache.v],
                     like[3])
             live = None
