@@ -223,17 +223,19 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 # int4 and int8 weights: a small C++ kernel, built on first use.
 #
 # Decoding with int4 weights reads 0.5 byte per weight plus a scale and a
-# minimum per 32 (0.75 B in all), a sixth of fp32's 4 B: at this machine's
-# ~16 GB/s that is a 0.05 ns/weight ceiling against fp32's 0.25. PyTorch's
-# CPU int4 kernel (aten._weight_int4pack_mm_for_cpu) takes 1.15 ns/weight at
-# one row on a 2-core AVX2 EPYC, 4x slower than reading fp32, and 8.8 at five
-# rows (a speculative verify pass); its int8 kernel 0.54 and 4.3. Both are
-# compute-bound: they convert and scale weights in ways the memory would
-# outrun ten times over. The loop below does per 32 weights: one 16-byte load,
-# two masks for the nibbles, four widenings to fp32 and one fused multiply-add
-# per 8 weights (q·s + lo), then one multiply-add per 8 weights per row of x.
-# Measured (python kernels.py --native): 0.05 ns/weight at one row (the
-# memory's speed), 0.16 at five rows, on 2 threads.
+# minimum per 32 (0.75 B in all), int8 1 B, fp32 4 B. PyTorch's CPU kernels for
+# them are compute-bound: on a 2-core AVX2 EPYC aten's int4 kernel
+# (_weight_int4pack_mm_for_cpu) took 1.16 ns/weight at one row, 6x slower than
+# streaming fp32 through oneDNN (0.19), and 8.9 at five rows (a speculative
+# verify pass); its int8 kernel 0.55 and 4.4. The loop below does per 32
+# int4 weights: one 16-byte load, masks and shifts for the nibbles, four
+# widenings to fp32 and one fused multiply-add per 8 weights (q·s + lo), then
+# one multiply-add per 8 weights per row of x. `python kernels.py` measures
+# all of them reading DRAM: int8 0.045 ns/weight at one row (22 GB/s, the
+# memory's speed), int4 0.085 (8.8 GB/s: still bound by those ~30 instructions
+# per 16 bytes; llama.cpp multiplies the nibbles with 8-bit activations in
+# integer SIMD instead, fewer instructions, other rounding), 0.15 and 0.18 at
+# five rows.
 #
 # Each output y[m, n] is summed in one fixed order whatever the number of rows
 # (four 8-lane partial sums over the row, then a fixed reduction), so a pass
