@@ -77,6 +77,8 @@ SLOW = {
     "python bench.py decode": "~25 min",
     "python bench.py decode --models smollm2-135m --dtypes bfloat16": "~4 min",
     "python bench.py decode --models smollm2-135m --dtypes float32": "~4 min",
+    "python bench.py decode --dtypes float32": "~17 min (TinyLlama's fp32 rows and compiles take most)",
+    "python bench.py runner --fastest --weights int8 --compile --no-speculation": "~12 min",
     "python bench.py quantize --eval": "~10 min",
     "python bench.py kv-bytes": "~30 s",
     "python bench.py offload": "~2 min",
