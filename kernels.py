@@ -460,12 +460,23 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
     compiled = torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})
 
     def call(tokens, positions, mask, cache, *rest):
-        if mask is not None and getattr(cache, "live", False):    # one graph for every length, not one each
-            if mask.shape[-1] == cache.capacity:
-                return step(tokens, positions, mask, cache, *rest)          # the last row (as AheadOfTime)
+        live = live_rows(mask, cache)
+        if live is False:
+            return step(tokens, positions, mask, cache, *rest)
+        if live:                                           # one graph for every length, not one each
             torch._dynamo.mark_dynamic(mask, mask.dim() - 1, min=2, max=cache.capacity - 1)
         return compiled(tokens, positions, mask, cache, *rest)
     return call
+
+
+def live_rows(mask: torch.Tensor | None, cache) -> bool | None:
+    """For a static cache whose mask covers its live rows only (kvcache.StaticCache.live): whether this
+    call's length is one a compiled step covers, 2 to all rows but one (export fixes lengths 0 and 1,
+    and all rows make the slice a no-op); those others run the eager step. None for any other call:
+    its shapes are fixed."""
+    if mask is None or not getattr(cache, "live", False):
+        return None
+    return 2 <= mask.shape[-1] < cache.capacity
 
 
 class AheadOfTime:
@@ -506,10 +517,8 @@ class AheadOfTime:
         self.announce = None        # called with the package's path before a build (minutes): the runner says so
 
     def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
-        # a static cache's live rows (kvcache.StaticCache.live): one package for every length from 2 to all
-        # rows but one (export fixes lengths 0, 1 and a no-op slice); those three run the eager step
-        live = mask is not None and getattr(cache, "live", False)
-        keys = None if mask is None else (*mask.shape[:-1], "live" if live else mask.shape[-1])
+        live = live_rows(mask, cache)             # a static cache's live rows: one package for every length
+        keys = None if mask is None else (*mask.shape[:-1], mask.shape[-1] if live is None else "live")
         variant = (tuple(tokens.shape), keys, cache.k[0].shape,
                    cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
                    None if features is None else (features.shape, features.dtype))
@@ -517,7 +526,7 @@ class AheadOfTime:
         if runner is None:         # built (or loaded) even by a call that then runs eagerly: a warm-up's
             call = (tokens, positions, mask, cache, last_only, features, hidden)
             runner = self.runners[variant] = self.load(variant, call)
-        if live and not 2 <= mask.shape[-1] < cache.capacity:
+        if live is False:
             return self.step(tokens, positions, mask, cache, last_only, features, hidden)
         return runner(tokens, positions, mask, cache.k, cache.v, features)
 
@@ -571,13 +580,12 @@ class AheadOfTime:
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)    # torch 2.13 pickles its spec via a deprecated check
             like = [None if t is None else torch.zeros_like(t) for t in (tokens, positions, mask, features)]
-            if mask is not None and getattr(cache, "live", False):        # a stand-in length inside the range
+            live = None
+            if live_rows(mask, cache) is not None:      # the keys read: any length live_rows allows
                 like[2] = mask.new_zeros(*mask.shape[:-1], min(max(mask.shape[-1], 2), cache.capacity - 1))
+                live = {mask.dim() - 1: torch.export.Dim("live", min=2, max=cache.capacity - 1)}
             args = (*like[:3], [torch.zeros_like(t) for t in cache.k], [torch.zeros_like(t) for t in cache.v],
                     like[3])
-            live = None
-            if mask is not None and getattr(cache, "live", False):      # the keys read: 2 .. all rows but one
-                live = {mask.dim() - 1: torch.export.Dim("live", min=2, max=cache.capacity - 1)}   # all: a slice no-op
             shapes = (None, None, live, [None] * len(cache.k), [None] * len(cache.v), None)
             program = torch.export.export(StepModule(self.step, cache, last_only, hidden), args, strict=False,
                                           dynamic_shapes=shapes)

@@ -59,7 +59,7 @@ import quantize
 from kvcache import kv_bytes_per_token
 from model import LlamaConfig
 
-DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static cache is read whole every step)
+DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static cache's size)
 HEADROOM = 0.8          # plan to use at most this share of the machine's memory
 SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CALIBRATION_BYTES = 64 << 20   # weights streamed per format and pass: twice a big L3 (32 MB), so from DRAM
@@ -372,10 +372,9 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
         why.append(f"eager, dynamic cache: one answer of at most {answer_tokens} tokens does not repay a compile "
                    f"(minutes the first time, seconds to load its package later); a chat compiles")
     elif "bundled" in info.drafts and scheme not in QUANTIZED:
-        why.append(f"eager, dynamic cache: a compiled step needs a static cache, and attention reads all {ctx} of "
-                   f"its slots every step ({mb(info.kv_bytes(ctx, 'auto', p.dtype))} beside the weights); its verify "
-                   f"passes would run eagerly; the eager step with this model's draft (below) measured as fast "
-                   f"in bench.py runner, and starts without a compile (--compile asks for one)")
+        why.append("eager, dynamic cache: the compiled step runs one token, so with this model's draft (below) "
+                   "its verify passes would run eagerly anyway; the eager step with the draft measured as fast "
+                   "in bench.py runner, and starts without a compile (--compile asks for one)")
     else:
         p.compile = True
         why.append(f"compiled one-token step on a static cache of {ctx} tokens ({machine.compiler} found): "

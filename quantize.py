@@ -300,17 +300,16 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.native and rows < PREFILL_ROWS and x.dtype == torch.float32:
+        if self.native and x.dtype == torch.float32:
+            if rows >= PREFILL_ROWS:       # a prefill: compute-bound, so the matrix-matrix kernel on fp32 weights
+                return wide_linear(self, x)
             return kernels.int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
                                    self.weight_min, self.group).reshape(*x.shape[:-1], -1)
-        if self.native:             # a prefill: compute-bound, so the matrix-matrix kernel on fp32 weights
-            return wide_linear(self, x)
         if self.tiled is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.tiled,
                                                           self.group, self.scales_and_zeros)
             return y.reshape(*x.shape[:-1], -1)
         return x @ self.dequantized().to(x.dtype).t()
-
 
 
 def float_weight(layer: nn.Module) -> torch.Tensor:

@@ -305,8 +305,8 @@ def parse_args(argv=None):
                          "grows in host memory and visits the device a layer at a time (offloaded); default: "
                          "static where the plan compiles, else dynamic")
     ap.add_argument("--ctx", type=int, default=None,
-                    help="the context in tokens of a preallocated cache: --cache static (attention reads all "
-                         "of it every step, so size it to the conversation) or --kv paged, the block pool "
+                    help="the context in tokens of a preallocated cache: --cache static (on a GPU attention reads "
+                         "all of it every step, so size it to the conversation) or --kv paged, the block pool "
                          "(default: min(model context, 2048); alone, it asks for a static cache)")
     ap.add_argument("--kv", choices=["contiguous", "paged"], default="contiguous",
                     help="paged: the continuous-batching engine's block pool (engine.py); the conversation "
@@ -317,7 +317,7 @@ def parse_args(argv=None):
                          "full score matrix, or flash.py's Triton kernels (a CUDA GPU); default: the plan's (sdpa)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decode step on a static cache (warm-up is printed); default: the "
-                         "plan's (compiled where a C++ compiler is present and the model has no bundled draft)")
+                         "plan's (compiled where a C++ compiler is present, unless it speculates with the model's bundled draft)")
     ap.add_argument("--no-prepack", action="store_true",
                     help="keep one copy of the model's weights: half the memory on a CPU, slower eager steps "
                          "(kernels.prepack: +540 MB for SmolLM2 in fp32; several-position passes get slower)")
