@@ -5,46 +5,93 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <cmath>
+#include <vector>
+// Each 32 weights' x, reordered once per call so that the even and odd nibbles of 8 bytes meet their
+// x without shuffles: xp[16i..16i+7] = x[16i], x[16i+2], ..., x[16i+14]; xp[16i+8..16i+15] the odd ones.
+// And each group's sum of x, for the minimum's share: sum_k (lo + q_k s) x_k = lo·Σx + s·Σ q_k x_k.
+static void reorder_x(const float* x, int64_t K, int64_t group, float* xp, float* sx) {
+  for (int64_t c = 0; c < K; c += 16)
+    for (int i = 0; i < 8; i++) { xp[c + i] = x[c + 2 * i]; xp[c + 8 + i] = x[c + 2 * i + 1]; }
+  for (int64_t g = 0; g < K / group; g++) {
+    float a = 0.f;
+    for (int64_t k = g * group; k < (g + 1) * group; k++) a += x[k];
+    sx[g] = a;
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-// Ask for the weights 1 KB ahead of the loop: each 16 bytes of int4 feed ~30 instructions, so the
+// Ask for the weights 1 KB ahead of the loop: each 16 bytes of int4 feed ~20 instructions, so the
 // core's own lookahead reaches only ~100 bytes ahead and DRAM's latency shows (+20% measured).
 #define AHEAD 1024
 
-// The fixed reduction: (a0 + a1) + (a2 + a3), then the 8 lanes pairwise.
-static inline float hsum(const __m256* a) {
-  __m256 s = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+// The fixed reduction of 8 lanes, pairwise; of four vectors, (a0 + a1) + (a2 + a3) first.
+static inline float hsum8(__m256 s) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
+static inline float hsum(const __m256* a) {
+  return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+}
 
-// w[0..3]: 32 weights as fp32, fed to MT rows of x at once (one dequantization, MT uses).
+// 32 weights of one int4 row (16 bytes, even weight in the low nibble) against MT rows of reordered x,
+// into acc[t]. Per 16 weights: one widening load, an and, a shift, two conversions, then two FMAs per
+// row of x; the group's scale multiplies the block's sum once.
+template <int MT>
+static inline void int4_block(const uint8_t* q, float scale, const float* xp, int64_t K, __m256* acc) {
+  const __m256i nib = _mm256_set1_epi32(0x0F);
+  _mm_prefetch((const char*)(q + AHEAD), _MM_HINT_T0);
+  __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+  __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
+  __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)), o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  __m256 vs = _mm256_set1_ps(scale);
+  for (int t = 0; t < MT; t++) {
+    const float* xc = xp + t * K;
+    __m256 p = _mm256_fmadd_ps(e1, _mm256_loadu_ps(xc + 16), _mm256_mul_ps(e0, _mm256_loadu_ps(xc)));
+    __m256 r = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xc + 24), _mm256_mul_ps(o0, _mm256_loadu_ps(xc + 8)));
+    acc[t] = _mm256_fmadd_ps(_mm256_add_ps(p, r), vs, acc[t]);
+  }
+}
+
+// The minimum's share, lo·Σx over the row's groups, 8 groups to a vector: a scalar chain of 18 FMAs
+// (SmolLM2's 576 columns) would hold each row back by ~70 cycles.
+static inline float lo_share(const float* lo, const float* sx, int64_t G) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(lo + g), _mm256_loadu_ps(sx + g), a);
+  if (g < G) {
+    __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(G - g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    a = _mm256_fmadd_ps(_mm256_maskload_ps(lo + g, tail), _mm256_maskload_ps(sx + g, tail), a);
+  }
+  return hsum8(a);
+}
+
+// One weight row against MT rows of x. Even and odd blocks sum into their own accumulators (two
+// chains, so one FMA's latency does not gate the next), joined at the end; then the minimum's share.
+// shift = log2(group / 32): block c's scale is s[c >> shift].
+template <int MT>
+static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+                     const float* xp, const float* sx, float* y, int64_t N) {
+  __m256 even[MT], odd[MT];
+  for (int t = 0; t < MT; t++) even[t] = odd[t] = _mm256_setzero_ps();
+  int64_t c = 0, blocks = K / 32;
+  for (; c + 2 <= blocks; c += 2) {
+    int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, even);
+    int4_block<MT>(q + c * 16 + 16, s[(c + 1) >> shift], xp + c * 32 + 32, K, odd);
+  }
+  if (c < blocks) int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, even);
+  int64_t G = blocks >> shift;
+  for (int t = 0; t < MT; t++) y[t * N] = hsum8(_mm256_add_ps(even[t], odd[t])) + lo_share(lo, sx + t * G, G);
+}
+
+// w[0..3]: 32 weights as fp32, fed to MT rows of x at once (one conversion, MT uses).
 template <int MT>
 static inline void feed(const __m256* w, const float* x, int64_t K, __m256 (*acc)[4]) {
   for (int t = 0; t < MT; t++)
     for (int j = 0; j < 4; j++) acc[t][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * K + 8 * j), acc[t][j]);
-}
-
-// One weight row (int4: 16 bytes per 32 weights, even weight in the low nibble) against MT rows of x.
-template <int MT>
-static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
-                     const float* x, float* y, int64_t N) {
-  __m256 acc[MT][4], w[4];
-  for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  for (int64_t c = 0; c < K / 32; c++) {
-    __m256 vs = _mm256_set1_ps(s[c * 32 / group]), vl = _mm256_set1_ps(lo[c * 32 / group]);
-    _mm_prefetch((const char*)(q + c * 16 + AHEAD), _MM_HINT_T0);
-    __m128i raw = _mm_loadu_si128((const __m128i*)(q + c * 16));
-    __m128i even = _mm_and_si128(raw, nib), odd = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
-    __m128i a = _mm_unpacklo_epi8(even, odd), b = _mm_unpackhi_epi8(even, odd);   // weights 0-15, 16-31
-    __m128i part[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
-    for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[j])), vs, vl);
-    feed<MT>(w, x + c * 32, K, acc);
-  }
-  for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t]);
 }
 
 // One int8 row (its scale applied after the sum, as aten's kernel does).
@@ -62,21 +109,34 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
 }
 #else
 // Without AVX2 the same sums in the same order, one lane at a time.
+static inline float hsum8(const float* l) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
 static inline float hsum(const float* a) {
   float l[8];
   for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  return hsum8(l);
 }
 template <int MT>
-static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
-                     const float* x, float* y, int64_t N) {
+static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+                     const float* xp, const float* sx, float* y, int64_t N) {
   for (int t = 0; t < MT; t++) {
-    float a[32] = {0};
-    for (int64_t k = 0; k < K; k++) {
-      float w = std::fma(float((q[k / 2] >> (4 * (k % 2))) & 15), s[k / group], lo[k / group]);
-      a[k % 32] = std::fma(w, x[t * K + k], a[k % 32]);
+    float acc[2][8] = {{0}}, m = 0.f, l[8];
+    for (int64_t c = 0; c < K / 32; c++) {
+      const uint8_t* b = q + c * 16;
+      const float* xc = xp + t * K + c * 32;
+      for (int i = 0; i < 8; i++) {
+        float p = std::fma(float(b[8 + i] & 15), xc[16 + i], float(b[i] & 15) * xc[i]);
+        float r = std::fma(float(b[8 + i] >> 4), xc[24 + i], float(b[i] >> 4) * xc[8 + i]);
+        acc[c & 1][i] = std::fma(p + r, s[c >> shift], acc[c & 1][i]);
+      }
     }
-    y[t * N] = hsum(a);
+    int64_t G = (K / 32) >> shift;
+    for (int i = 0; i < 8; i++) l[i] = 0.f;
+    for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[t * G + g], l[g % 8]);
+    m = hsum8(l);
+    for (int i = 0; i < 8; i++) l[i] = acc[0][i] + acc[1][i];
+    y[t * N] = hsum8(l) + m;
   }
 }
 template <int MT>
@@ -108,11 +168,18 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int4_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && q.size(1) * 2 == K && s.size(1) == G, "int4_mm: shapes");
+  int shift = 0;
+  while ((32 << shift) < group) shift++;
+  TORCH_CHECK((32 << shift) == group, "int4_mm: group 32, 64 or 128");
   auto y = at::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *sp = s.data_ptr<float>(), *lp = lo.data_ptr<float>();
+  std::vector<float> reordered(M * K), sums(M * G);
+  float *xp = reordered.data(), *sx = sums.data();
+  for (int64_t m = 0; m < M; m++) reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
+  const float *sp = s.data_ptr<float>(), *lp = lo.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, group, xp + m * K, yp + m * N + n, N)
+#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, sx + m * G, \
+                                    yp + m * N + n, N)
   TILED(INT4)
   return y;
 }

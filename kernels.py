@@ -227,18 +227,21 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 # them are compute-bound: on a 2-core AVX2 EPYC aten's int4 kernel
 # (_weight_int4pack_mm_for_cpu) took 1.16 ns/weight at one row, 6x slower than
 # streaming fp32 through oneDNN (0.19), and 8.9 at five rows (a speculative
-# verify pass); its int8 kernel 0.55 and 4.4. The loop below does per 32
-# int4 weights: one 16-byte load, masks and shifts for the nibbles, four
-# widenings to fp32 and one fused multiply-add per 8 weights (q·s + lo), then
-# one multiply-add per 8 weights per row of x. `python kernels.py` measures
-# all of them reading DRAM: int8 0.045 ns/weight at one row (22 GB/s, the
-# memory's speed), int4 0.085 (8.8 GB/s: still bound by those ~30 instructions
-# per 16 bytes; llama.cpp multiplies the nibbles with 8-bit activations in
-# integer SIMD instead, fewer instructions, other rounding), 0.15 and 0.18 at
-# five rows.
+# verify pass); its int8 kernel 0.55 and 4.4. Ours, per 32 int4 weights: two
+# 8-byte loads widened to 32-bit lanes, a mask and a shift split each into its
+# 8 even and 8 odd nibbles, four conversions to fp32, then per row of x four
+# multiply-adds against x reordered once per call (evens, then odds: no
+# shuffles) and one by the group's scale; the minimum adds lo·Σx per group, Σx
+# also computed once per call. `python kernels.py` measures them reading DRAM:
+# int8 0.045 ns/weight at one row (22 GB/s, the memory's speed), int4 0.048
+# (15.6 GB/s, from 0.085 when every weight was dequantized, q·s + lo, before
+# its multiply-add); 0.15 and 0.14 at five rows. llama.cpp multiplies the
+# nibbles with 8-bit activations in integer SIMD (fewer instructions, its own
+# rounding): a standalone version of that loop ran ~25% faster than ours here,
+# and we keep fp32 activations, exact to the stored weights.
 #
 # Each output y[m, n] is summed in one fixed order whatever the number of rows
-# (four 8-lane partial sums over the row, then a fixed reduction), so a pass
+# (8-lane partial sums, even and odd blocks apart, then a fixed reduction), so a pass
 # verifying k+1 positions gives each position exactly the bits a one-token step
 # gives it: speculative decoding stays exact with these weights.
 #

@@ -28,7 +28,7 @@ Kernels. Weights are stored quantized and never expanded in memory: each
 quantized Linear calls the fastest matrix-vector kernel the device has. On a
 CPU with fp32 activations those are kernels.int4_mm and kernels.int8_mm, a
 small C++ loop built on first use: from DRAM on 2 cores int8 streams at the
-memory's speed (0.045 ns/weight) and int4 at 0.085, against 0.55 and 1.16 for
+memory's speed (0.045 ns/weight) and int4 at 0.048, against 0.55 and 1.16 for
 aten's kernels and 0.19 for fp32 (kernels.py says why), and it sums every row
 in the same order however many positions a pass holds, so speculative
 decoding stays exact.
