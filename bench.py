@@ -1609,12 +1609,13 @@ def bench_runner(args):
     if args.model != checkpoint.DEFAULT_MODEL:
         args.flags = f"--model {args.model} {args.flags}"
     runs, notes = {}, []
-    first = RunnerSession([*fastest, *args.flags.split()], args.max_new_tokens)   # builds the compiled steps once
-    first.ask(prompts[0])
-    first.close()
-    notes.append(f"a first start with the fastest flags before the runs below: ready in {first.ready_s:.1f} s, its "
-                 f"warm-up (compiling, or loading the compiled step) {first.compile_s or 0:.1f} s; the rows below "
-                 f"start again, as a user's next start does")
+    for label, flags in (("the defaults", []), ("the fastest flags", fastest)):   # build the compiled steps once
+        first = RunnerSession([*flags, *args.flags.split()], args.max_new_tokens)
+        first.ask(prompts[0])
+        first.close()
+        notes.append(f"a first start with {label} before the runs below: ready in {first.ready_s:.1f} s, its warm-up "
+                     f"(compiling, or loading the compiled step) {first.compile_s or 0:.1f} s")
+    notes.append("the rows below start again, as a user's next start does")
     for name, flags in runner_configs(fastest):
         print(f"{name} ...", flush=True)
         session = RunnerSession([*flags, *args.flags.split()], args.max_new_tokens)

@@ -1,7 +1,8 @@
 // kernels.py's int4 and int8 matrix-vector products for a CPU: kernels.py says why they exist, how they
 // sum (in one order whatever the rows) and what they measure; native_kernels() builds this file.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>     // not ATen.h, nor torch/extension.h: 10 s to build, not 48
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <cmath>

@@ -245,7 +245,7 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 # verifying k+1 positions gives each position exactly the bits a one-token step
 # gives it: speculative decoding stays exact with these weights.
 #
-# Built with torch.utils.cpp_extension (needs a C++ compiler and ninja; ~30 s
+# Built with torch.utils.cpp_extension (needs a C++ compiler and ninja; ~10 s
 # once, then cached by torch under ~/.cache/torch_extensions). Without a
 # compiler, quantize.py's layers keep the aten kernels: slower, same math.
 
@@ -254,7 +254,7 @@ NATIVE_SOURCE = Path(__file__).with_name("kernels.cpp")     # the C++ source, re
 
 @functools.cache
 def native_kernels(quiet: bool = False) -> bool:
-    """Build (first use, ~30 s) or load the kernels above; False where they cannot be built: not x86,
+    """Build (first use, ~10 s) or load the kernels above; False where they cannot be built: not x86,
     no compiler or ninja, or NANOINFER_NATIVE=0 (how the tests run the aten fallback)."""
     if hasattr(torch.ops.nanoinfer, "int4_mm"):
         return True
@@ -263,20 +263,19 @@ def native_kernels(quiet: bool = False) -> bool:
     from torch.utils import cpp_extension
     vector = ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
     flags = ["-O3", "-fopenmp", *vector]          # OpenMP: at::parallel_for runs serially without it
-    source = NATIVE_SOURCE.read_text()
-    key = hashlib.sha256((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    key = hashlib.sha256((NATIVE_SOURCE.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     # torch's own place for extensions (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
                                                           Path.home() / ".cache") / "torch_extensions"
     folder = Path(root) / f"nanoinfer_native_{key}"
     if not (folder / "nanoinfer_native.so").exists() and not quiet:
-        print("building the int4/int8 CPU kernels (once, ~30 s)", file=sys.stderr, flush=True)
+        print("building the int4/int8 CPU kernels (once, ~10 s)", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cpp_extension.load_inline("nanoinfer_native", source, is_python_module=False,
-                                      extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
+            cpp_extension.load("nanoinfer_native", [str(NATIVE_SOURCE)], is_python_module=False,
+                               extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
         if not quiet:
             print(f"no native int4/int8 kernels ({str(e).strip().splitlines()[0][:100]}); using aten's, "

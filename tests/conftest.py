@@ -25,7 +25,7 @@ os.environ.setdefault("NANOINFER_RESULTS", str(Path(__import__("tempfile").mkdte
 # so it is set here, before any test imports them (and subprocesses inherit it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# kernels.py's C++ kernels are built once (~30 s) under torch's extensions folder, which follows
+# kernels.py's C++ kernels are built once (~10 s) under torch's extensions folder, which follows
 # XDG_CACHE_HOME: fixed here, so the tests (and their subprocesses) that give XDG_CACHE_HOME a
 # fresh folder find the one build instead of compiling it again.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
