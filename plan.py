@@ -401,11 +401,11 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
 
     # Speculative decoding: only with a draft trained for this very model.
     if "bundled" in info.drafts and scheme in QUANTIZED:
-        why.append(f"no speculation: with {scheme} weights a step is cheap (the C++ kernels stream them at the "
-                   f"memory's speed) and the fixed costs of speculating are not: a pass verifying 5 positions reads "
-                   f"~2.6x a one-row pass's time in the int4 kernel (0.18 against 0.07 ns/weight) and the head drafts "
-                   f"in 4 eager steps; bench.py runner measured int4 plain 44.5 tok/s (median) against 30.5 with the "
-                   f"EAGLE head and prompt lookup; --draft bundled asks for it anyway")
+        why.append(f"no speculation: with {scheme} weights a step is cheap (the C++ kernels stream them near the "
+                   f"memory's speed) and the fixed costs of speculating are not: a pass verifying 5 positions takes "
+                   f"~3 one-row passes' time in the quantized kernels (`python kernels.py` measures both) and the "
+                   f"head drafts in 4 eager steps, so bench.py runner measured it slower than plain {scheme} "
+                   f"decoding; --draft bundled asks for it anyway")
     elif "bundled" in info.drafts:
         p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
         exact = ("exact: in fp32 the text is the one plain greedy decoding gives" if fdt == "float32" else
