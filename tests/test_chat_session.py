@@ -48,6 +48,8 @@ def test_ctrl_c_in_an_answer_and_at_the_prompt(bundled_dir, tmp_path):
         child.expect_exact("> ")
         child.sendeof()
         child.expect(pexpect.EOF)
+    except pexpect.TIMEOUT:        # the whole screen, not pexpect's last 100 characters
+        pytest.fail(f"no {child.searcher} within {child.timeout} s; the terminal showed:\n{child.before[-3000:]}")
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.exitstatus
