@@ -420,6 +420,9 @@ def interactive(chat: Chat):
     tty = sys.stdin.isatty()
     editing = history = None
     if tty:             # loaded for a terminal only: line editing and ↑ history for input()
+        # Ctrl-C stops an answer even where the runner was started with SIGINT ignored (a shell's
+        # background job passes SIG_IGN on, and Python then never raises KeyboardInterrupt).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             import readline as editing
             editing.set_auto_history(False)
