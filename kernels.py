@@ -516,6 +516,7 @@ class AheadOfTime:
         self.runners = {}           # variant -> loaded package
         self.handed = []            # the weights each runner reads: kept alive
         self.log: list[str] = []    # what each variant cost: loaded or compiled, in seconds
+        self.built: list[Path] = []  # the packages this object compiled (the others were loaded)
         self.announce = None        # called with the package's path before a build (minutes): the runner says so
 
     def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
@@ -559,6 +560,7 @@ class AheadOfTime:
             if self.announce is not None:
                 self.announce(path)
             self.build(path, call)
+            self.built.append(path)
             self.log.append(f"compiled (once) in {time.perf_counter() - t0:.1f} s: {path}")
             t0 = time.perf_counter()
         with warnings.catch_warnings():     # as in build

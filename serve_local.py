@@ -392,7 +392,7 @@ def warm_up(chat: Chat):
     if drafted:
         draft.warm_up(chat.model, sizes=(512, 1024))   # a chat's first turns, then longer ones
     took = time.perf_counter() - t0
-    if ahead and not any("(once)" in line for step in steps for line in step.log):
+    if ahead and not any(step.built for step in steps):
         print(f"compiled step loaded from cache in {took:.1f} s", file=sys.stderr)
     else:
         print(f"compiled in {took:.1f} s (cached on disk for the next run)", file=sys.stderr)

@@ -31,12 +31,14 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
     first = start().compile_decode()
     assert decode(first, prompt) == decode(eager, prompt)                # ≥ 32 greedy tokens, fp32
     assert len(builds) == 1 and "compiled (once)" in first.compiled_step.log[0]
+    assert first.compiled_step.built == builds
     assert [p.name for p in (tmp_path / "xdg" / "nanoinfer" / "compiled").iterdir()] == [builds[0].name]
 
     second = start().compile_decode()                                     # a later start: loads, no compile
     assert decode(second, [7, 8]) == decode(eager, [7, 8])
     assert len(builds) == 1 and second.compiled_step.log == [second.compiled_step.log[0]]
     assert second.compiled_step.log[0].startswith("compiled step loaded from cache in")
+    assert second.compiled_step.built == []
 
     handed = second.compiled_step.handed[0]                               # the model's own tensors, no copy
     assert handed["model.embed_tokens.weight"] is second.embed_tokens.weight
