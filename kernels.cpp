@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <cmath>
 #include <vector>
+
 // Each 32 weights' x, reordered once per call so that the even and odd nibbles of 8 bytes meet their
 // x without shuffles: xp[16i..16i+7] = x[16i], x[16i+2], ..., x[16i+14]; xp[16i+8..16i+15] the odd ones.
 // And each group's sum of x, for the minimum's share: sum_k (lo + q_k s) x_k = lo·Σx + s·Σ q_k x_k.
@@ -150,9 +151,10 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
 }
 #endif
 
-// Rows of x in tiles of 4, then 2, then 1: each tile dequantizes the weights once. Four rows
-// need 16 accumulators, more than the 16 vector registers with the weights, yet five rows as 4 + 1
-// took 0.18 ns/weight against 0.25 as 2 + 2 + 1. Weight rows are split across threads.
+// Rows of x in tiles of 4, then 2, then 1: each tile widens the weights once, for all its rows.
+// int4 keeps 2 accumulators per row of x (8 for a tile), int8 4 (16: more than the 16 vector
+// registers with the weights, yet a loop of that shape took 0.18 ns/weight for five rows as 4 + 1
+// against 0.25 as 2 + 2 + 1). Weight rows are split across threads.
 // ROW(MT, n, m) computes y[m..m+MT, n].
 #define TILED(ROW)                                                                \
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {                       \

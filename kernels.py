@@ -234,8 +234,8 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 # shuffles) and one by the group's scale; the minimum adds lo·Σx per group, Σx
 # also computed once per call. `python kernels.py` measures them reading DRAM:
 # int8 0.045 ns/weight at one row (22 GB/s, the memory's speed), int4 0.048
-# (15.6 GB/s, from 0.085 when every weight was dequantized, q·s + lo, before
-# its multiply-add); 0.15 and 0.14 at five rows. llama.cpp multiplies the
+# (15.6 GB/s; dequantizing each weight first, q·s + lo, then its multiply-add,
+# took 0.085); 0.15 and 0.14 at five rows. llama.cpp multiplies the
 # nibbles with 8-bit activations in integer SIMD (fewer instructions, its own
 # rounding): a standalone version of that loop ran ~25% faster than ours here,
 # and we keep fp32 activations, exact to the stored weights.
