@@ -1,23 +1,34 @@
-// kernels.py's int4 and int8 matrix-vector products for a CPU: kernels.py says why they exist, how they
-// sum (in one order whatever the rows) and what they measure; native_kernels() builds this file.
+// kernels.py's int4 and int8 matrix-vector products and one-token attention for a CPU: kernels.py says why
+// they exist, how they sum (in one order whatever the rows) and what they measure; native_kernels() builds it.
 
 #include <ATen/core/Tensor.h>     // not ATen.h, nor torch/extension.h: 10 s to build, not 48
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
-// Each 32 weights' x, reordered once per call so that the even and odd nibbles of 8 bytes meet their
-// x without shuffles: xp[16i..16i+7] = x[16i], x[16i+2], ..., x[16i+14]; xp[16i+8..16i+15] the odd ones.
-// And each group's sum of x, for the minimum's share: sum_k (lo + q_k s) x_k = lo·Σx + s·Σ q_k x_k.
-static void reorder_x(const float* x, int64_t K, int64_t group, float* xp, float* sx) {
-  for (int64_t c = 0; c < K; c += 16)
-    for (int i = 0; i < 8; i++) { xp[c + i] = x[c + 2 * i]; xp[c + 8 + i] = x[c + 2 * i + 1]; }
-  for (int64_t g = 0; g < K / group; g++) {
-    float a = 0.f;
-    for (int64_t k = g * group; k < (g + 1) * group; k++) a += x[k];
-    sx[g] = a;
+// Each 32 x as 8-bit integers with one scale (llama.cpp's Q8 activations): d = max|x|/127, q = round(x/d).
+// Reordered so the even columns fill bytes 0-15 and the odd ones 16-31, as the low and high nibbles of 16
+// weight bytes come out. And each group's Σx̂ = Σ d·Σq, for the minimum's share:
+// Σ_k (lo + n_k s)·x̂_k = lo·Σx̂ + s·d·Σ n_k q_k, the last sum exact in integers.
+static void quantize_x(const float* x, int64_t K, int64_t group, int8_t* xq, float* dx, float* sx) {
+  for (int64_t g = 0; g < K / group; g++) sx[g] = 0.f;
+  for (int64_t c = 0; c < K / 32; c++) {
+    const float* xc = x + c * 32;
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xc[i]));
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int i = 0; i < 16; i++) {
+      xq[c * 32 + i] = int8_t(std::nearbyint(xc[2 * i] * inv));
+      xq[c * 32 + 16 + i] = int8_t(std::nearbyint(xc[2 * i + 1] * inv));
+      sum += xq[c * 32 + i] + xq[c * 32 + 16 + i];
+    }
+    dx[c] = amax / 127.f;
+    sx[c * 32 / group] += dx[c] * float(sum);
   }
 }
 
@@ -38,23 +49,21 @@ static inline float hsum(const __m256* a) {
   return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
 }
 
-// 32 weights of one int4 row (16 bytes, even weight in the low nibble) against MT rows of reordered x,
-// into acc[t]. Per 16 weights: one widening load, an and, a shift, two conversions, then two FMAs per
-// row of x; the group's scale multiplies the block's sum once.
+// 32 weights of one int4 row (16 bytes, even weight in the low nibble) against MT rows of quantized x,
+// into acc[t]: a mask and a shift give the 32 nibbles as bytes; per row of x, maddubs multiplies them with
+// x's bytes and adds pairs (16-bit, at most 2·15·127), madd adds pairs again into 8 exact 32-bit sums,
+// and one FMA scales them by the weights' and x's scales.
 template <int MT>
-static inline void int4_block(const uint8_t* q, float scale, const float* xp, int64_t K, __m256* acc) {
-  const __m256i nib = _mm256_set1_epi32(0x0F);
+static inline void int4_block(const uint8_t* q, float scale, const int8_t* xq, const float* dx, int64_t K,
+                              __m256* acc) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
   _mm_prefetch((const char*)(q + AHEAD), _MM_HINT_T0);
-  __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
-  __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
-  __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-  __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)), o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-  __m256 vs = _mm256_set1_ps(scale);
+  __m128i raw = _mm_loadu_si128((const __m128i*)q);
+  __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nib), _mm_and_si128(raw, nib));
   for (int t = 0; t < MT; t++) {
-    const float* xc = xp + t * K;
-    __m256 p = _mm256_fmadd_ps(e1, _mm256_loadu_ps(xc + 16), _mm256_mul_ps(e0, _mm256_loadu_ps(xc)));
-    __m256 r = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xc + 24), _mm256_mul_ps(o0, _mm256_loadu_ps(xc + 8)));
-    acc[t] = _mm256_fmadd_ps(_mm256_add_ps(p, r), vs, acc[t]);
+    __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i*)(xq + t * K)));
+    p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale * dx[t * K / 32]), acc[t]);
   }
 }
 
@@ -76,15 +85,15 @@ static inline float lo_share(const float* lo, const float* sx, int64_t G) {
 // shift = log2(group / 32): block c's scale is s[c >> shift].
 template <int MT>
 static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                     const float* xp, const float* sx, float* y, int64_t N) {
+                     const int8_t* xq, const float* dx, const float* sx, float* y, int64_t N) {
   __m256 even[MT], odd[MT];
   for (int t = 0; t < MT; t++) even[t] = odd[t] = _mm256_setzero_ps();
   int64_t c = 0, blocks = K / 32;
   for (; c + 2 <= blocks; c += 2) {
-    int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, even);
-    int4_block<MT>(q + c * 16 + 16, s[(c + 1) >> shift], xp + c * 32 + 32, K, odd);
+    int4_block<MT>(q + c * 16, s[c >> shift], xq + c * 32, dx + c, K, even);
+    int4_block<MT>(q + c * 16 + 16, s[(c + 1) >> shift], xq + c * 32 + 32, dx + c + 1, K, odd);
   }
-  if (c < blocks) int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, even);
+  if (c < blocks) int4_block<MT>(q + c * 16, s[c >> shift], xq + c * 32, dx + c, K, even);
   int64_t G = blocks >> shift;
   for (int t = 0; t < MT; t++) y[t * N] = hsum8(_mm256_add_ps(even[t], odd[t])) + lo_share(lo, sx + t * G, G);
 }
@@ -119,18 +128,19 @@ static inline float hsum(const float* a) {
   for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
   return hsum8(l);
 }
+// Lane l of the vector loop holds bytes 4l..4l+3 of the 32 (even columns, then odd).
 template <int MT>
 static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                     const float* xp, const float* sx, float* y, int64_t N) {
+                     const int8_t* xq, const float* dx, const float* sx, float* y, int64_t N) {
   for (int t = 0; t < MT; t++) {
     float acc[2][8] = {{0}}, m = 0.f, l[8];
     for (int64_t c = 0; c < K / 32; c++) {
       const uint8_t* b = q + c * 16;
-      const float* xc = xp + t * K + c * 32;
+      const int8_t* xc = xq + t * K + c * 32;
       for (int i = 0; i < 8; i++) {
-        float p = std::fma(float(b[8 + i] & 15), xc[16 + i], float(b[i] & 15) * xc[i]);
-        float r = std::fma(float(b[8 + i] >> 4), xc[24 + i], float(b[i] >> 4) * xc[8 + i]);
-        acc[c & 1][i] = std::fma(p + r, s[c >> shift], acc[c & 1][i]);
+        int sum = 0;
+        for (int j = 4 * i; j < 4 * i + 4; j++) sum += (j < 16 ? b[j] & 15 : b[j - 16] >> 4) * xc[j];
+        acc[c & 1][i] = std::fma(float(sum), s[c >> shift] * dx[t * K / 32 + c], acc[c & 1][i]);
       }
     }
     int64_t G = (K / 32) >> shift;
@@ -175,14 +185,17 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   while ((32 << shift) < group) shift++;
   TORCH_CHECK((32 << shift) == group, "int4_mm: group 32, 64 or 128");
   auto y = at::empty({M, N}, x.options());
-  std::vector<float> reordered(M * K), sums(M * G);
-  float *xp = reordered.data(), *sx = sums.data();
-  for (int64_t m = 0; m < M; m++) reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
+  std::vector<int8_t> quantized(M * K);
+  std::vector<float> scales(M * K / 32), sums(M * G);
+  int8_t* xq = quantized.data();
+  float *dx = scales.data(), *sx = sums.data();
+  for (int64_t m = 0; m < M; m++)
+    quantize_x(x.data_ptr<float>() + m * K, K, group, xq + m * K, dx + m * K / 32, sx + m * G);
   const float *sp = s.data_ptr<float>(), *lp = lo.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, sx + m * G, \
-                                    yp + m * N + n, N)
+#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xq + m * K, dx + m * K / 32, \
+                                    sx + m * G, yp + m * N + n, N)
   TILED(INT4)
   return y;
 }
@@ -200,11 +213,165 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return y;
 }
 
+// ---- One new token's attention over L cached keys (kernels.py: decode_attention) ----
+// softmax(q·kᵀ/√d)·v for each query head; the H/H_kv query heads of a group read their K/V head once.
+// Keys go in chunks of 64 (flash-decoding): each chunk keeps its max, its sum of exponentials and its
+// weighted sum of V, and the chunks merge in their order, so the sums do not depend on the threads.
+#define CHUNK 64
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight dot products reduced into one vector: lane t = Σ a[t]'s lanes.
+static inline __m256 reduce8(const __m256* a) {
+  __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+// s[j] = q·k_j · scale for n keys, eight at a time (a tail repeats the last key; s has room).
+static inline void scores(const float* q, const float* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 a[8];
+    for (int t = 0; t < 8; t++) {
+      const float* kj = k + std::min(j + t, n - 1) * sk;
+      a[t] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
+      for (int64_t i = 8; i < d; i += 8) a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), a[t]);
+    }
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
+  }
+}
+// e^x for x ≤ 0, 8 lanes: x = n·ln2 + r, e^r by Cephes' degree-6 polynomial (~1 ulp), 2^n in the exponent.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+// p[j] = e^(s[j] - m) in place for n ≤ CHUNK scores (a masked key's s is -inf: p 0); returns Σp.
+static inline float exp_sum(float* s, float m, int64_t n) {
+  __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY), acc = _mm256_setzero_ps();
+  for (int64_t j = n; j < (n + 7) / 8 * 8; j++) s[j] = -INFINITY;
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 x = _mm256_loadu_ps(s + j);
+    __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x, vm)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(s + j, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  return hsum8(acc);
+}
+// o = Σ_j p_j·v_j, 64 columns at a time in 8 registers (a chain of FMAs per register, no stores).
+static inline void weighted_v(const float* p, const float* v, int64_t sv, int64_t n, int64_t d, float* o) {
+  int64_t i0 = 0;
+  for (; i0 + 64 <= d; i0 += 64) {
+    __m256 acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+      __m256 pj = _mm256_set1_ps(p[j]);
+      for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * sv + i0 + 8 * t), acc[t]);
+    }
+    for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + i0 + 8 * t, acc[t]);
+  }
+  for (; i0 < d; i0 += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * sv + i0), acc);
+    _mm256_storeu_ps(o + i0, acc);
+  }
+}
+#else
+static inline void scores(const float* q, const float* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {
+  for (int64_t j = 0; j < n; j++) {
+    float a = 0.f;
+    for (int64_t i = 0; i < d; i++) a = std::fma(q[i], k[j * sk + i], a);
+    s[j] = a * scale;
+  }
+}
+static inline float exp_sum(float* s, float m, int64_t n) {
+  float acc = 0.f;
+  for (int64_t j = 0; j < n; j++) acc += (s[j] = s[j] == -INFINITY ? 0.f : std::exp(s[j] - m));
+  return acc;
+}
+static inline void weighted_v(const float* p, const float* v, int64_t sv, int64_t n, int64_t d, float* o) {
+  for (int64_t i = 0; i < d; i++) o[i] = 0.f;
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t i = 0; i < d; i++) o[i] = std::fma(p[j], v[j * sv + i], o[i]);
+}
+#endif
+
+// q (B, H, 1, d); k, v (B, H_kv, L, d), any strides but d's; mask None or bool, L (all batches) or B·L.
+at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask) {
+  TORCH_CHECK(q_.dim() == 4 && q_.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() &&
+              q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attention: q (B, H, 1, d), k and v (B, H_kv, L, d), fp32");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v contiguous along d");
+  at::Tensor q = q_.contiguous();
+  int64_t B = q.size(0), H = q.size(1), d = q.size(3), Hkv = k.size(1), L = k.size(2), G = H / Hkv;
+  TORCH_CHECK(k.size(0) == B && k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && L > 0, "decode_attention: shapes");
+  const bool* mp = nullptr;
+  int64_t mb = 0;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() &&
+                (mask->numel() == L || mask->numel() == B * L), "decode_attention: mask bool, L or B·L");
+    mp = mask->data_ptr<bool>();
+    mb = mask->numel() == L ? 0 : L;
+  }
+  int64_t chunks = (L + CHUNK - 1) / CHUNK, units = B * Hkv * chunks;
+  std::vector<float> part(units * G * (d + 2));        // per unit and head: max, sum, Σ p·v (d)
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float scale = 1.f / std::sqrt(float(d));
+  int64_t sk = k.stride(2), sv = v.stride(2), kb0 = k.stride(0), kb1 = k.stride(1), vb0 = v.stride(0), vb1 = v.stride(1);
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> s(G * (CHUNK + 8));
+    for (int64_t u = u0; u < u1; u++) {
+      int64_t b = u / (Hkv * chunks), h = u / chunks % Hkv, j0 = u % chunks * CHUNK, n = std::min<int64_t>(CHUNK, L - j0);
+      const float* kb = kp + b * kb0 + h * kb1 + j0 * sk;
+      const float* vb = vp + b * vb0 + h * vb1 + j0 * sv;
+      const float* qg = qp + (b * H + h * G) * d;
+      for (int64_t g = 0; g < G; g++) {
+        float* sg = s.data() + g * (CHUNK + 8);
+        float* out = part.data() + (u * G + g) * (d + 2);
+        scores(qg + g * d, kb, sk, n, d, scale, sg);
+        if (mp)
+          for (int64_t j = 0; j < n; j++) sg[j] = mp[b * mb + j0 + j] ? sg[j] : -INFINITY;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) m = std::max(m, sg[j]);
+        out[0] = m;
+        out[1] = m == -INFINITY ? 0.f : exp_sum(sg, m, n);
+        if (m == -INFINITY) std::fill(out + 2, out + 2 + d, 0.f);
+        else weighted_v(sg, vb, sv, n, d, out + 2);
+      }
+    }
+  });
+  auto y = at::empty({B, H, 1, d}, q.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t bh = 0; bh < B * Hkv; bh++)             // merge the chunks in order: e^(m_c - M) weights
+    for (int64_t g = 0; g < G; g++) {
+      float M = -INFINITY, l = 0.f, *o = yp + (bh * G + g) * d;
+      for (int64_t c = 0; c < chunks; c++) M = std::max(M, part[((bh * chunks + c) * G + g) * (d + 2)]);
+      std::fill(o, o + d, 0.f);
+      for (int64_t c = 0; c < chunks; c++) {
+        const float* pc = part.data() + ((bh * chunks + c) * G + g) * (d + 2);
+        if (pc[0] == -INFINITY) continue;
+        float w = std::exp(pc[0] - M);
+        l += w * pc[1];
+        for (int64_t i = 0; i < d; i++) o[i] = std::fma(w, pc[2 + i], o[i]);
+      }
+      for (int64_t i = 0; i < d; i++) o[i] = l > 0.f ? o[i] / l : 0.f;
+    }
+  return y;
+}
+
 TORCH_LIBRARY(nanoinfer, m) {
   m.def("int4_mm(Tensor x, Tensor q, Tensor scale, Tensor lo, int group) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(nanoinfer, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
+  m.impl("decode_attention", &decode_attention);
 }

@@ -151,9 +151,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
 
 
 def busy_machine_hint() -> str | None:
-    """On a machine whose other processes keep every core busy, OpenMP threads wait for
-    each other whenever one is descheduled (a decode step measured here took 4-37x longer
-    with two threads than with one). Returns a hint, or None when it does not apply."""
+    """A hint, or None: on a machine whose other processes keep every core busy, OpenMP threads wait for each
+    other whenever one is descheduled (a decode step took 4-37x longer with two threads than with one)."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if torch.get_num_threads() > 1 and load > cores:
         return (f"note: this machine is busy (load {load:.1f} on {cores} cores); with {torch.get_num_threads()} "
@@ -220,34 +219,29 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 
 
 # ----------------------------------------------------------------------------
-# int4 and int8 weights: a small C++ kernel (kernels.cpp), built on first use.
+# int4 and int8 weights, one token's attention: C++ kernels (kernels.cpp), built on first use.
 #
 # Decoding with int4 weights reads 0.5 byte per weight plus a scale and a
-# minimum per 32 (0.75 B in all), int8 1 B, fp32 4 B. PyTorch's CPU kernels for
-# them are compute-bound: on a 2-core AVX2 EPYC aten's int4 kernel
-# (_weight_int4pack_mm_for_cpu) took 1.16 ns/weight at one row, 6x slower than
-# streaming fp32 through oneDNN (0.19), and 8.9 at five rows (a speculative
-# verify pass); its int8 kernel 0.55 and 4.4. Ours, per 32 int4 weights: two
-# 8-byte loads widened to 32-bit lanes, a mask and a shift split each into its
-# 8 even and 8 odd nibbles, four conversions to fp32, then per row of x four
-# multiply-adds against x reordered once per call (evens, then odds: no
-# shuffles) and one by the group's scale; the minimum adds lo·Σx per group, Σx
-# also computed once per call. `python kernels.py` measures them reading DRAM:
-# int8 0.045 ns/weight at one row (22 GB/s, the memory's speed), int4 0.048
-# (15.6 GB/s; dequantizing each weight first, q·s + lo, then its multiply-add,
-# took 0.085); 0.15 and 0.14 at five rows. llama.cpp multiplies the
-# nibbles with 8-bit activations in integer SIMD (fewer instructions, its own
-# rounding): a standalone version of that loop ran ~25% faster than ours here,
-# and we keep fp32 activations, exact to the stored weights.
+# minimum per 32 (0.75 B in all), int8 1 B, fp32 4 B. aten's CPU kernels for
+# them are compute-bound: on a 2-core AVX2 EPYC its int4 kernel took 1.16
+# ns/weight at one row (oneDNN streams fp32 at 0.19) and 8.9 at five rows (a
+# speculative verify pass); its int8 kernel 0.55 and 4.4. Ours for int4 is
+# llama.cpp's Q4_1 × Q8 product: x rounded once per call to 8-bit integers, a
+# scale per 32 (quantize.int8_activations); per 32 weights a mask and a shift
+# give the nibbles as bytes, then per row of x one integer multiply-add of the 32
+# byte pairs (exact), a conversion and an FMA by both scales. fp32 x (each nibble
+# widened, four FMAs a row: exact to the stored weights) ran ~20% slower at one
+# row; the rounding moved SmolLM2's perplexity by <0.01%. int8: widened to fp32,
+# four FMAs per 32 and row, at the memory's speed (`python kernels.py`).
+# Prefills (16+ rows) multiply fp32 x by the dequantized matrix.
 #
 # Each output y[m, n] is summed in one fixed order whatever the number of rows
 # (8-lane partial sums, even and odd blocks apart, then a fixed reduction), so a pass
 # verifying k+1 positions gives each position exactly the bits a one-token step
 # gives it: speculative decoding stays exact with these weights.
 #
-# Built with torch.utils.cpp_extension (needs a C++ compiler and ninja; ~10 s
-# once, then cached by torch under ~/.cache/torch_extensions). Without a
-# compiler, quantize.py's layers keep the aten kernels: slower, same math.
+# Built with torch.utils.cpp_extension (a C++ compiler and ninja; ~10 s once, cached under
+# ~/.cache/torch_extensions). Without them: aten's kernels and attend's own path, slower, same math.
 
 NATIVE_SOURCE = Path(__file__).with_name("kernels.cpp")     # the C++ source, read when built
 
@@ -283,6 +277,7 @@ def native_kernels(quiet: bool = False) -> bool:
         return False
     torch.library.register_fake("nanoinfer::int4_mm")(lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8_mm")(lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::decode_attention")(lambda q, k, v, mask: q.new_empty(q.shape))
     return True
 
 
@@ -297,6 +292,21 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     return torch.ops.nanoinfer.int8_mm(x, q, scale)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """One token's attention (kernels.cpp): q (B, H, 1, d), k, v (B, H_kv, L, d) fp32 on a CPU, mask None or bool
+    (B or 1, 1, 1, L); None where it does not apply or the kernels are not built. model.attend's own decode path
+    (two batched products, a softmax) runs aten's small-M GEMMs: 3 query rows a KV head read K and V at ~8 GB/s,
+    55 µs a layer at 400 keys. This reads each K/V row once for its query heads, 64 keys at a time in L1
+    (flash.decode's split keys, merged in a fixed order), in one call a layer."""
+    if not (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] == 1 and k.stride(-1) == 1
+            and v.stride(-1) == 1 and q.shape[-1] % 8 == 0 and hasattr(torch.ops.nanoinfer, "decode_attention")):
+        return None
+    if mask is not None and not (mask.dtype == torch.bool and mask.shape[-2:] == (1, k.shape[2])
+                                 and mask.numel() in (k.shape[2], q.shape[0] * k.shape[2])):
+        return None
+    return torch.ops.nanoinfer.decode_attention(q, k, v, None if mask is None else mask.contiguous())
+
+
 # ----------------------------------------------------------------------------
 # Prepacked weights: the layout oneDNN wants, made once.
 
@@ -304,17 +314,14 @@ def prepack(model: nn.Module) -> nn.Module:
     """Give every big Linear on the CPU a copy of its weight in oneDNN's blocked
     layout, which `linear` then uses in eager inference.
 
-    Handed a plain row-major W, oneDNN reorders it into its blocked layout on
-    every call that computes more than one position: a 3072×576 fp32 product
-    over 4 rows took 3.1x the time of one row, and 1.3x on a weight reordered
-    once (`python kernels.py` measures it here). So without the copy a pass over 2 to 11 positions (the
-    sizes speculative decoding verifies) cost far more than a one-token step;
-    with it, checking 4 guesses costs about one step. The values are oneDNN's
-    either way (bitwise equal). The price is a second copy of those weights
-    (+540 MB for SmolLM2 in fp32), kept because the compiled step, quantization
-    and checkpoints read the plain one. A layer keeps its copy only while its
-    weight is the same tensor (tying or sharing a weight swaps it: call prepack
-    again); weights changed in place (an optimizer step) are not noticed, so
+    Handed a row-major W, oneDNN reorders it on every call over more than one
+    position: a 3072×576 fp32 product over 4 rows took 3.1x one row's time, and
+    1.3x on a weight reordered once (`python kernels.py`). With the copy,
+    checking 4 speculated guesses costs about one step; the values are
+    bitwise equal. The price is a second copy (+540 MB for SmolLM2 in fp32):
+    the compiled step, quantization and checkpoints read the plain one. A layer
+    keeps its copy only while its weight is the same tensor (tying swaps it:
+    prepack again); in-place changes (an optimizer step) are not noticed, so
     train with F.linear (grad enabled) or not prepacked."""
     if not ONEDNN:
         return model
@@ -425,21 +432,17 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
     """torch.compile a one-token decode step whose shapes never change (a static
     cache), so it compiles once, for the device its weights are on.
 
-    On CUDA: mode="reduce-overhead", i.e. the compiled step's kernels are
-    recorded once as a CUDA graph and replayed with one launch per token. A
-    small model's step is a few hundred short kernels whose launch costs (~5 µs
-    each from Python) rival their work; a graph removes them. Chosen over an
-    explicit torch.cuda.CUDAGraph capture because torch.compile already keeps
-    the inputs' static copies and re-records when a shape or address changes
-    (an explicit capture would have to redo that by hand, and replays garbage if
-    an input moves); the cache's tensors are marked static (static_address) so
-    writing into them does not stop the replay. The CPU settings below do not
-    apply there: F.linear and cuBLAS handle the matrix-vector products.
+    On CUDA: mode="reduce-overhead": the step's kernels are recorded once as a
+    CUDA graph and replayed with one launch per token (a small model's few
+    hundred launches, ~5 µs each from Python, rival their work). torch.compile
+    keeps the inputs' static copies and re-records when a shape or address
+    changes, which an explicit torch.cuda.CUDAGraph capture would redo by hand;
+    the cache's tensors are marked static (static_address) so writing into them
+    does not stop the replay. cuBLAS does the matrix-vector products there.
 
-    On a CPU inductor emits C++ loops that fuse the
-    elementwise work between matmuls (RMSNorm, RoPE, SiLU·up, residual adds, the
-    softmax) and removes the per-op dispatch that dominates a small model's
-    eager step; the matrix-vector products become `matvec_sum`'s fused loops.
+    On a CPU inductor emits C++ loops that fuse the elementwise work between
+    matmuls (RMSNorm, RoPE, SiLU·up, residual adds) and removes the per-op
+    dispatch that dominates a small model's eager step.
 
     * cpp_wrapper: the kernels are called from C++, not Python (fewer µs per
       kernel; ~20% of a SmolLM2 bf16 step).
@@ -485,14 +488,12 @@ class AheadOfTime:
     """A model's one-token step compiled once into a file that later starts load.
 
     torch.compile keeps its result in the process: every start traces the step
-    again, looks its kernels up in inductor's disk cache and rebuilds the
-    wrapper. AOTInductor instead exports the step as a graph (torch.export),
-    compiles it to a shared library with the same C++ kernels (compile_step's
-    settings) and packages it as a .pt2 file; a later start only unpacks and
-    dlopens it, and each call runs the step with no Python guards.
-    `python bench.py compiled-start` measures both starts and both steps. A
-    package holds one set of shapes, so each variant of a call (a cache size,
-    last_only, hidden, features) gets its own file, built at its first call.
+    again and rebuilds the wrapper. AOTInductor exports the step (torch.export),
+    compiles it to a shared library with compile_step's settings and packages it
+    as a .pt2 file; a later start dlopens it, and each call runs with no Python
+    guards (`python bench.py compiled-start` measures both). A package holds one
+    set of shapes: each variant of a call (a cache size, last_only, hidden,
+    features) gets its own file, built at its first call.
 
     The weights are not in the package (package_constants_in_so off): the
     library reads the model's own tensors (user_managed: no copy), so the file

@@ -200,10 +200,9 @@ def attend(q, k, v, mask, impl: str = "sdpa", window: int | None = None):
     Prefill (T > 1) uses PyTorch's fused SDPA kernel, which never builds the
     T×L score matrix; enable_gqa lets each group of H/H_kv query heads read one
     K/V head without materialising repeated copies of K and V.
-    Decode (T = 1) is a matrix-vector product; here the query heads that share a
-    KV head are stacked as rows of one matrix, so GQA costs no copy either (~3.5×
-    SDPA with a mask, bf16, 9 heads × 512 keys). K/V gathered head-major (the
-    paged pool) batch in (H_kv, B) order, so matmul copies them no second time."""
+    Decode (T = 1) on a CPU in fp32 is one C++ call (kernels.decode_attention). Elsewhere the query heads
+    sharing a KV head are rows of one matrix (GQA costs no copy; ~3.5× SDPA with a mask, bf16, 9 heads × 512
+    keys); K/V gathered head-major (the paged pool) batch in (H_kv, B) order: matmul copies them no second time."""
     if impl == "naive":
         return flash.naive(q, k, v, causal=mask is None, mask=mask, window=window)[0]
     if impl in ("flash", "triton") or window and q.shape[2] > 1:    # mask None: causal, queries = last T positions
@@ -215,6 +214,8 @@ def attend(q, k, v, mask, impl: str = "sdpa", window: int | None = None):
     (B, H, T, d), n_kv = q.shape, k.shape[1]
     if T > 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=H != n_kv)
+    if (y := kernels.decode_attention(q, k, v, mask)) is not None:
+        return y
     swap = (lambda x: x.transpose(0, 1)) if B > 1 and k.transpose(0, 1).is_contiguous() else (lambda x: x)
     scores = swap(q.reshape(B, n_kv, H // n_kv, d)) @ swap(k).transpose(-1, -2) * d ** -0.5    # (…, group, L)
     if mask is not None:
@@ -364,9 +365,8 @@ class Llama(nn.Module):
                                                                            requires_grad=False)
 
     def share_target(self, target: "Llama"):
-        """An EAGLE head reads tokens with the target's embedding and scores with the target's LM head (its head_ids
-        rows, copied once, in the head's own dtype: drafting.narrow_draft runs a bf16 head under an fp32 target), so
-        its features mean what the target's mean and it stores neither (~113 MB for SmolLM2)."""
+        """An EAGLE head reads tokens with the target's embedding and scores with its LM head (head_ids rows, copied once
+        in the head's dtype: a bf16 head under an fp32 target), so its features mean the target's; ~113 MB saved."""
         self.embed_tokens = target.embed_tokens
         w = quantize.float_weight(target.lm_head)
         w = w if self.head_ids is None else w[self.head_ids]
@@ -392,10 +392,9 @@ class Llama(nn.Module):
         raise ValueError(f"unknown cache kind '{kind}': use {', '.join(CACHES)}")
 
     def compile_decode(self):
-        """Compile the one-token step (use it with a StaticCache, whose shapes never change, so it compiles once):
-        the elementwise work between the matrix products fuses into a few loops and the per-op dispatch of the eager
-        step goes away (kernels.compile_step says how, and what each setting buys). A CPU builds it once, into
-        cache_root()/compiled, and later starts load it (kernels.AheadOfTime; its log says which happened)."""
+        """Compile the one-token step (with a StaticCache: fixed shapes, one compile): the elementwise work between
+        the matrix products fuses and the eager per-op dispatch goes away (kernels.compile_step). A CPU builds it
+        once into cache_root()/compiled; later starts load it (kernels.AheadOfTime; its log says which)."""
         folder = checkpoint.cache_root() / "compiled"
         self.compiled_step = kernels.compile_step(self.step, self.norm.weight.device, folder)
         return self
@@ -449,15 +448,16 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
 def build(model_dir, device=None, dtype=None, weights: str | None = None, group_size: int = quantize.GROUP,
           attn: str = "sdpa", prepacked: bool = True, prepare: bool = True, cfg: LlamaConfig | None = None) -> Llama:
     """The one way a model is assembled from a checkpoint directory: read it, quantize every Linear if ``weights``
-    (int8/int4) asks, give the CPU's eager passes their prepacked weights (``prepacked=False`` keeps one copy: half
-    the memory, slower several-position passes; kernels.prepack). ``prepare=False`` keeps quantized layers in their
-    portable layout only, for writing a checkpoint."""
+    (int8/int4) asks, build the CPU's C++ kernels, give eager passes their prepacked weights (``prepacked=False``:
+    half the memory, slower several-position passes). ``prepare=False``: quantized layers stay portable (to save)."""
     quantize.check_scheme(weights, group_size)
     cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
     if cfg.quantization and weights not in (None, "auto"):
         raise ValueError(f"{model_dir} is already quantized ({cfg.quantization['weights']}); "
                          f"drop --weights or load the full-precision checkpoint")
     model = Llama.from_pretrained(model_dir, device, dtype, cfg, attn)
+    if model.embed_tokens.weight.device.type == "cpu":
+        kernels.native_kernels()
     quantize.quantize_model(model, weights, group_size, prepare)
     if prepacked:           # a no-op off the CPU; quantized layers get it where they run the C++ kernels
         kernels.prepack(model)
