@@ -10,25 +10,16 @@
 #include <optional>
 #include <vector>
 
-// Each 32 x as 8-bit integers with one scale (llama.cpp's Q8 activations): d = max|x|/127, q = round(x/d).
-// Reordered so the even columns fill bytes 0-15 and the odd ones 16-31, as the low and high nibbles of 16
-// weight bytes come out. And each group's Σx̂ = Σ d·Σq, for the minimum's share:
-// Σ_k (lo + n_k s)·x̂_k = lo·Σx̂ + s·d·Σ n_k q_k, the last sum exact in integers.
-static void quantize_x(const float* x, int64_t K, int64_t group, int8_t* xq, float* dx, float* sx) {
-  for (int64_t g = 0; g < K / group; g++) sx[g] = 0.f;
-  for (int64_t c = 0; c < K / 32; c++) {
-    const float* xc = x + c * 32;
-    float amax = 0.f;
-    for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xc[i]));
-    float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int i = 0; i < 16; i++) {
-      xq[c * 32 + i] = int8_t(std::nearbyint(xc[2 * i] * inv));
-      xq[c * 32 + 16 + i] = int8_t(std::nearbyint(xc[2 * i + 1] * inv));
-      sum += xq[c * 32 + i] + xq[c * 32 + 16 + i];
-    }
-    dx[c] = amax / 127.f;
-    sx[c * 32 / group] += dx[c] * float(sum);
+// Each 32 weights' x, reordered once per call so that the even and odd nibbles of 8 bytes meet their
+// x without shuffles: xp[16i..16i+7] = x[16i], x[16i+2], ..., x[16i+14]; xp[16i+8..16i+15] the odd ones.
+// And each group's sum of x, for the minimum's share: sum_k (lo + q_k s) x_k = lo·Σx + s·Σ q_k x_k.
+static void reorder_x(const float* x, int64_t K, int64_t group, float* xp, float* sx) {
+  for (int64_t c = 0; c < K; c += 16)
+    for (int i = 0; i < 8; i++) { xp[c + i] = x[c + 2 * i]; xp[c + 8 + i] = x[c + 2 * i + 1]; }
+  for (int64_t g = 0; g < K / group; g++) {
+    float a = 0.f;
+    for (int64_t k = g * group; k < (g + 1) * group; k++) a += x[k];
+    sx[g] = a;
   }
 }
 
@@ -49,21 +40,23 @@ static inline float hsum(const __m256* a) {
   return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
 }
 
-// 32 weights of one int4 row (16 bytes, even weight in the low nibble) against MT rows of quantized x,
-// into acc[t]: a mask and a shift give the 32 nibbles as bytes; per row of x, maddubs multiplies them with
-// x's bytes and adds pairs (16-bit, at most 2·15·127), madd adds pairs again into 8 exact 32-bit sums,
-// and one FMA scales them by the weights' and x's scales.
+// 32 weights of one int4 row (16 bytes, even weight in the low nibble) against MT rows of reordered x,
+// into acc[t]. Per 16 weights: one widening load, an and, a shift, two conversions, then two FMAs per
+// row of x; the group's scale multiplies the block's sum once.
 template <int MT>
-static inline void int4_block(const uint8_t* q, float scale, const int8_t* xq, const float* dx, int64_t K,
-                              __m256* acc) {
-  const __m128i nib = _mm_set1_epi8(0x0F);
+static inline void int4_block(const uint8_t* q, float scale, const float* xp, int64_t K, __m256* acc) {
+  const __m256i nib = _mm256_set1_epi32(0x0F);
   _mm_prefetch((const char*)(q + AHEAD), _MM_HINT_T0);
-  __m128i raw = _mm_loadu_si128((const __m128i*)q);
-  __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nib), _mm_and_si128(raw, nib));
+  __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+  __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
+  __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)), o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  __m256 vs = _mm256_set1_ps(scale);
   for (int t = 0; t < MT; t++) {
-    __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i*)(xq + t * K)));
-    p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale * dx[t * K / 32]), acc[t]);
+    const float* xc = xp + t * K;
+    __m256 p = _mm256_fmadd_ps(e1, _mm256_loadu_ps(xc + 16), _mm256_mul_ps(e0, _mm256_loadu_ps(xc)));
+    __m256 r = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xc + 24), _mm256_mul_ps(o0, _mm256_loadu_ps(xc + 8)));
+    acc[t] = _mm256_fmadd_ps(_mm256_add_ps(p, r), vs, acc[t]);
   }
 }
 
@@ -85,15 +78,15 @@ static inline float lo_share(const float* lo, const float* sx, int64_t G) {
 // shift = log2(group / 32): block c's scale is s[c >> shift].
 template <int MT>
 static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                     const int8_t* xq, const float* dx, const float* sx, float* y, int64_t N) {
+                     const float* xp, const float* sx, float* y, int64_t N) {
   __m256 even[MT], odd[MT];
   for (int t = 0; t < MT; t++) even[t] = odd[t] = _mm256_setzero_ps();
   int64_t c = 0, blocks = K / 32;
   for (; c + 2 <= blocks; c += 2) {
-    int4_block<MT>(q + c * 16, s[c >> shift], xq + c * 32, dx + c, K, even);
-    int4_block<MT>(q + c * 16 + 16, s[(c + 1) >> shift], xq + c * 32 + 32, dx + c + 1, K, odd);
+    int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, even);
+    int4_block<MT>(q + c * 16 + 16, s[(c + 1) >> shift], xp + c * 32 + 32, K, odd);
   }
-  if (c < blocks) int4_block<MT>(q + c * 16, s[c >> shift], xq + c * 32, dx + c, K, even);
+  if (c < blocks) int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, even);
   int64_t G = blocks >> shift;
   for (int t = 0; t < MT; t++) y[t * N] = hsum8(_mm256_add_ps(even[t], odd[t])) + lo_share(lo, sx + t * G, G);
 }
@@ -128,19 +121,18 @@ static inline float hsum(const float* a) {
   for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
   return hsum8(l);
 }
-// Lane l of the vector loop holds bytes 4l..4l+3 of the 32 (even columns, then odd).
 template <int MT>
 static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                     const int8_t* xq, const float* dx, const float* sx, float* y, int64_t N) {
+                     const float* xp, const float* sx, float* y, int64_t N) {
   for (int t = 0; t < MT; t++) {
     float acc[2][8] = {{0}}, m = 0.f, l[8];
     for (int64_t c = 0; c < K / 32; c++) {
       const uint8_t* b = q + c * 16;
-      const int8_t* xc = xq + t * K + c * 32;
+      const float* xc = xp + t * K + c * 32;
       for (int i = 0; i < 8; i++) {
-        int sum = 0;
-        for (int j = 4 * i; j < 4 * i + 4; j++) sum += (j < 16 ? b[j] & 15 : b[j - 16] >> 4) * xc[j];
-        acc[c & 1][i] = std::fma(float(sum), s[c >> shift] * dx[t * K / 32 + c], acc[c & 1][i]);
+        float p = std::fma(float(b[8 + i] & 15), xc[16 + i], float(b[i] & 15) * xc[i]);
+        float r = std::fma(float(b[8 + i] >> 4), xc[24 + i], float(b[i] >> 4) * xc[8 + i]);
+        acc[c & 1][i] = std::fma(p + r, s[c >> shift], acc[c & 1][i]);
       }
     }
     int64_t G = (K / 32) >> shift;
@@ -185,17 +177,14 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   while ((32 << shift) < group) shift++;
   TORCH_CHECK((32 << shift) == group, "int4_mm: group 32, 64 or 128");
   auto y = at::empty({M, N}, x.options());
-  std::vector<int8_t> quantized(M * K);
-  std::vector<float> scales(M * K / 32), sums(M * G);
-  int8_t* xq = quantized.data();
-  float *dx = scales.data(), *sx = sums.data();
-  for (int64_t m = 0; m < M; m++)
-    quantize_x(x.data_ptr<float>() + m * K, K, group, xq + m * K, dx + m * K / 32, sx + m * G);
+  std::vector<float> reordered(M * K), sums(M * G);
+  float *xp = reordered.data(), *sx = sums.data();
+  for (int64_t m = 0; m < M; m++) reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
   const float *sp = s.data_ptr<float>(), *lp = lo.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xq + m * K, dx + m * K / 32, \
-                                    sx + m * G, yp + m * N + n, N)
+#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, sx + m * G, \
+                                    yp + m * N + n, N)
   TILED(INT4)
   return y;
 }

@@ -225,15 +225,15 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 # minimum per 32 (0.75 B in all), int8 1 B, fp32 4 B. aten's CPU kernels for
 # them are compute-bound: on a 2-core AVX2 EPYC its int4 kernel took 1.16
 # ns/weight at one row (oneDNN streams fp32 at 0.19) and 8.9 at five rows (a
-# speculative verify pass); its int8 kernel 0.55 and 4.4. Ours for int4 is
-# llama.cpp's Q4_1 × Q8 product: x rounded once per call to 8-bit integers, a
-# scale per 32 (quantize.int8_activations); per 32 weights a mask and a shift
-# give the nibbles as bytes, then per row of x one integer multiply-add of the 32
-# byte pairs (exact), a conversion and an FMA by both scales. fp32 x (each nibble
-# widened, four FMAs a row: exact to the stored weights) ran ~20% slower at one
-# row; the rounding moved SmolLM2's perplexity by <0.01%. int8: widened to fp32,
-# four FMAs per 32 and row, at the memory's speed (`python kernels.py`).
-# Prefills (16+ rows) multiply fp32 x by the dequantized matrix.
+# speculative verify pass); its int8 kernel 0.55 and 4.4. Ours, per 32 int4
+# weights: two 8-byte loads widened to 32-bit lanes, a mask and a shift split
+# each into its 8 even and 8 odd nibbles, four conversions to fp32, then per row
+# of x four FMAs against x reordered once per call (evens, then odds: no
+# shuffles) and one by the group's scale; the minimum adds lo·Σx per group.
+# `python kernels.py` measures them from DRAM: int8 at the memory's speed, int4
+# near it (dequantizing each weight, q·s + lo, then its FMA: 1.8x as long).
+# llama.cpp rounds x to 8 bits per 32 for integer SIMD: ~20% faster here at one
+# row, the runner ~5%, but compiled and eager texts then part. We keep fp32 x.
 #
 # Each output y[m, n] is summed in one fixed order whatever the number of rows
 # (8-lane partial sums, even and odd blocks apart, then a fixed reduction), so a pass

@@ -110,15 +110,6 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtyp
     return (lo.float()[..., None] + g * scale.float()[..., None]).reshape(rows, cols).to(dtype)
 
 
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the int4 kernel reads it (kernels.cpp; llama.cpp's Q8 activations): each 32 values rounded to
-    8-bit integers with one scale, max|x|/127, returned as those integers times their scale."""
-    b = x.reshape(*x.shape[:-1], -1, 32)
-    amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, 0)
-    return (torch.round(b * inv) * (amax / 127)).reshape(x.shape)
-
-
 def join_nibbles(q: torch.Tensor) -> torch.Tensor:
     """Two 4-bit values per byte (even column in the low nibble): the portable,
     on-disk layout. A kernel converts it into its own layout at load time."""
@@ -315,8 +306,6 @@ class Int4Linear(nn.Module):
             return kernels.int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
                                    self.weight_min, self.group).reshape(*x.shape[:-1], -1)
         if self.tiled is not None:
-            if x.dtype == torch.float32 and rows < PREFILL_ROWS:     # the C++ kernel's rounding, as it would
-                x = int8_activations(x)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.tiled,
                                                           self.group, self.scales_and_zeros)
             return y.reshape(*x.shape[:-1], -1)
