@@ -363,16 +363,13 @@ def prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 # Paged attention in place: a decode step's attention read straight from the
 # block pool (kvcache.PagedKVCache), on a GPU.
 #
-# The gather path copies every row's blocks into a contiguous (B, H_kv, L, d)
-# tensor per layer, then attends: the K/V bytes cross memory three times
-# (read, write, read again). This kernel reads them once: for key j of row b
-# it looks up block tables[b, j // block_size] and reads slot j % block_size
-# of it, so rows of different lengths share one launch with no padding read.
-# One program per (row, KV head); the G query heads of the group are the rows
-# of its tile (padded to 16), as in flash.flash_kernel, whose running
-# (max, sum) loop this repeats. Positions say what is visible: keys 0 … p for
-# a query at position p (within the window, if any). Quantized pools (a codec's
-# bytes) keep the gather path, which decodes the rows after gathering them.
+# The gather path copies every row's blocks into a contiguous (B, H_kv, L, d) tensor per
+# layer, then attends: the K/V bytes cross memory three times (read, write, read again).
+# This kernel reads them once: for key j of row b it reads slot j % block_size of block
+# tables[b, j // block_size], so rows of different lengths share one launch, no padding read.
+# One program per (row, KV head); the G query heads of the group are the rows of its tile
+# (padded to 16), with flash.flash_kernel's running (max, sum) loop. Keys 0 … p are visible
+# to a query at position p (within the window, if any). Quantized pools keep the gather path.
 
 @jit
 def paged_decode_kernel(Q, K, V, Out, Tables, Pos, sq_b, sq_h, sk_blk, sk_slot, sk_h, so_b, so_h, st_b,
@@ -428,7 +425,7 @@ def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None
 CPU_OPTIONS = {"realize_opcount_threshold": 0}     # inductor's settings for a CPU step: compile_step says why
 
 
-def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path | None = None):
+def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path | None = None, build: bool = True):
     """torch.compile a one-token decode step whose shapes never change (a static
     cache), so it compiles once, for the device its weights are on.
 
@@ -455,13 +452,14 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
     * not max_autotune: measured no faster here.
 
     Given a ``folder``, a CPU step is compiled ahead of time instead, with the
-    same settings (AheadOfTime below): built once, loaded by every later start.
+    same settings (AheadOfTime below): built once, loaded by every later start
+    (``build=False``: loaded if built, else eager; another process builds it).
     Without one, torch.compile compiles it again at every start (faster after
     the first, from inductor's on-disk cache)."""
     if torch.device(device).type == "cuda":
         return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)
     if folder is not None and torch.device(device).type == "cpu":
-        return AheadOfTime(step, folder)
+        return AheadOfTime(step, folder, build)
     compiled = torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})
 
     def call(tokens, positions, mask, cache, *rest):
@@ -476,9 +474,8 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
 
 def live_rows(mask: torch.Tensor | None, cache) -> bool | None:
     """For a static cache whose mask covers its live rows only (kvcache.StaticCache.live): whether this
-    call's length is one a compiled step covers, 2 to all rows but one (export fixes lengths 0 and 1,
-    and all rows make the slice a no-op); those others run the eager step. None for any other call:
-    its shapes are fixed."""
+    call's length is one a compiled step covers, 2 to all rows but one (export fixes lengths 0 and 1, and
+    all rows make the slice a no-op); those others run the eager step. None for any other call (fixed shapes)."""
     if mask is None or not getattr(cache, "live", False):
         return None
     return 2 <= mask.shape[-1] < cache.capacity
@@ -502,8 +499,7 @@ class AheadOfTime:
     library keeps the pointers it was handed at a variant's first call: if a
     weight is swapped for another tensor later (tying, quantizing), compile again.
 
-    The K/V tensors of the cache are inputs that the step writes in place: they
-    are the cache's current tensors at each call (a fork may have replaced them).
+    The cache's K/V are inputs the step writes in place, the current ones at each call (a fork replaces them).
 
     The file's name is a digest of everything the compiled code depends on, so a
     different model, dtype, context, attention, cache codec, torch version, CPU
@@ -511,13 +507,14 @@ class AheadOfTime:
     every weight's name, shape and dtype, the model's config and module tree,
     and the source of the step's module and of the project modules it imports."""
 
-    def __init__(self, step, folder: Path):
-        self.step, self.folder = step, Path(folder)
+    def __init__(self, step, folder: Path, build: bool = True):
+        self.step, self.folder, self.build_missing = step, Path(folder), build
         self.model = step.__self__
         self.runners = {}           # variant -> loaded package
         self.handed = []            # the weights each runner reads: kept alive
         self.log: list[str] = []    # what each variant cost: loaded or compiled, in seconds
         self.built: list[Path] = []  # the packages this object compiled (the others were loaded)
+        self.missing = {}           # build=False: variant -> the package not on disk; those calls run eagerly
         self.announce = None        # called with the package's path before a build (minutes): the runner says so
 
     def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
@@ -527,10 +524,13 @@ class AheadOfTime:
                    cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
                    None if features is None else (features.shape, features.dtype))
         runner = self.runners.get(variant)
-        if runner is None:         # built (or loaded) even by a call that then runs eagerly: a warm-up's
-            call = (tokens, positions, mask, cache, last_only, features, hidden)
-            runner = self.runners[variant] = self.load(variant, call)
-        if live is False:
+        if runner is None and variant not in self.missing:   # built (or loaded) even by a call that then
+            call = (tokens, positions, mask, cache, last_only, features, hidden)   # runs eagerly: a warm-up's
+            if self.build_missing or self.path(variant).exists():
+                runner = self.runners[variant] = self.load(variant, call)
+            else:
+                self.missing[variant] = self.path(variant)
+        if runner is None or live is False:
             return self.step(tokens, positions, mask, cache, last_only, features, hidden)
         return runner(tokens, positions, mask, cache.k, cache.v, features)
 
@@ -600,8 +600,8 @@ class AheadOfTime:
 
 
 class StepModule(nn.Module):
-    """The step as a module for torch.export: the model is a submodule (its weights become the
-    package's constants, named model.*), and the cache's K/V lists are the inputs while it runs."""
+    """The step for torch.export: the model a submodule (its weights the package's constants, model.*), the
+    cache's K/V lists the inputs while it runs."""
 
     def __init__(self, step, cache, last_only: bool, hidden: bool):
         super().__init__()
@@ -631,8 +631,8 @@ def project_sources(module, home: Path) -> set[Path]:
 
 
 def static_address(t: torch.Tensor) -> torch.Tensor:
-    """A preallocated tensor that a compiled step writes into and that keeps its address (a static
-    cache's K/V): on CUDA, tell torch.compile so, or its CUDA graph is skipped for mutating an input."""
+    """A preallocated tensor a compiled step writes into (a static cache's K/V): on CUDA, say so to
+    torch.compile, or its CUDA graph is skipped for mutating an input."""
     if t.device.type == "cuda":
         torch._dynamo.mark_static_address(t)
     return t

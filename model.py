@@ -391,12 +391,12 @@ class Llama(nn.Module):
             return SlidingWindowCache(*shape, c.sliding_window, w.dtype, w.device, codec=codec)
         raise ValueError(f"unknown cache kind '{kind}': use {', '.join(CACHES)}")
 
-    def compile_decode(self):
+    def compile_decode(self, build: bool = True):
         """Compile the one-token step (with a StaticCache: fixed shapes, one compile): the elementwise work between
         the matrix products fuses and the eager per-op dispatch goes away (kernels.compile_step). A CPU builds it
-        once into cache_root()/compiled; later starts load it (kernels.AheadOfTime; its log says which)."""
+        once into cache_root()/compiled (``build=False``: not here) and later starts load it (kernels.AheadOfTime)."""
         folder = checkpoint.cache_root() / "compiled"
-        self.compiled_step = kernels.compile_step(self.step, self.norm.weight.device, folder)
+        self.compiled_step = kernels.compile_step(self.step, self.norm.weight.device, folder, build)
         return self
 
     @classmethod

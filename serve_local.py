@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -64,6 +66,7 @@ class Chat:
     proposer: object = None       # speculative decoding (speculative.py): --draft, --lookahead, --prompt-lookup
     spec: object = None           # the last turn's speculative stats
     plain_step_s: float = 0.0     # one plain decode step, measured at start: the speedup's baseline
+    building: object = None       # the process building the compiled step (warm_up), till take_compiled_step
 
     def __post_init__(self):
         self.cached_tokens = None     # paged: prompt tokens the last turn found in the cache
@@ -318,6 +321,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decode step on a static cache (warm-up is printed); default: the "
                          "plan's (compiled where a C++ compiler is present, unless it speculates with the model's bundled draft)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="build the compiled decode step of these flags and exit (a chat's first start runs this in "
+                         "the background and answers on the eager step meanwhile)")
     ap.add_argument("--no-prepack", action="store_true",
                     help="keep one copy of the model's weights: half the memory on a CPU, slower eager steps "
                          "(kernels.prepack: +540 MB for SmolLM2 in fp32; several-position passes get slower)")
@@ -365,11 +371,14 @@ def report(chat: Chat, stats: GenerationStats, interactive: bool = True):
               + (f"; {' or '.join(room)}" if room else "") + "]", file=sys.stderr)
 
 
-def warm_up(chat: Chat):
+def warm_up(chat: Chat, argv: list[str] | None = None):
     """Compile before the user types: one throwaway decode step through the real cache. On a CPU a compiled
-    step is built once and loaded by every later start (kernels.AheadOfTime); its log says which happened."""
+    step is built once and loaded by every later start (kernels.AheadOfTime); its log says which happened.
+    Given the chat's flags (``argv``) and no draft, a step not built yet is built by a child process
+    (--compile-only, ~1 min) while the chat answers on the eager step; take_compiled_step then loads it."""
     t0 = time.perf_counter()
-    chat.model.compile_decode()
+    background = argv is not None and chat.proposer is None
+    chat.model.compile_decode(build=not background)
     draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
     drafted = isinstance(draft, drafting.DraftModel) and draft.static   # its step is compiled too (make_proposer)
     steps = [chat.model.compiled_step] + ([draft.model.compiled_step] if drafted else [])
@@ -380,6 +389,16 @@ def warm_up(chat: Chat):
     if not ahead:
         print("compiling the decode step ...", file=sys.stderr, flush=True)
     list(generate_cached(chat.model, [0], SamplingParams(max_new_tokens=2), cache=chat.cache))
+    if getattr(chat.model.compiled_step, "missing", None):
+        chat.cache.crop(0)
+        log = build_log()
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            chat.building = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--compile-only"],
+                                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        print(f"compiling the decode step in the background (once, ~1 min; log: {log}); until then the answers "
+              f"run on the eager step", file=sys.stderr)
+        return
     if chat.proposer is not None and chat.proposer.needs_features:
         # An EAGLE head reads the target's features, so a one-token target step (a
         # turn's last token, where nothing is left to draft) asks for them: a second
@@ -396,6 +415,25 @@ def warm_up(chat: Chat):
         print(f"compiled step loaded from cache in {took:.1f} s", file=sys.stderr)
     else:
         print(f"compiled in {took:.1f} s (cached on disk for the next run)", file=sys.stderr)
+
+
+def build_log() -> Path:
+    return checkpoint.cache_root() / "compiled" / "background-build.log"
+
+
+def take_compiled_step(chat: Chat):
+    """Between turns: once warm_up's background build has finished, load its package (~2 s) and answer on it."""
+    if chat.building is None or chat.building.poll() is None:
+        return
+    proc, chat.building = chat.building, None
+    if proc.returncode:
+        print(f"[the background compile failed (exit {proc.returncode}, log: {build_log()}); answers stay on the "
+              f"eager step]", file=sys.stderr)
+        return
+    t0 = time.perf_counter()
+    chat.model.compile_decode()
+    list(generate_cached(chat.model, [0], SamplingParams(max_new_tokens=2), cache=chat.new_cache()))  # loads it
+    print(f"[compiled step ready: loaded in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
 
 
 HISTORY_LINE = 500      # longer lines (pastes) stay out of the ↑ history
@@ -460,6 +498,7 @@ def interactive(chat: Chat):
                     chat.reset()
                     print("[conversation cleared]", file=sys.stderr)
                     continue
+                take_compiled_step(chat)
                 stats = chat.turn(line)
                 report(chat, stats)
             except ContextOverflow as e:
@@ -471,6 +510,9 @@ def interactive(chat: Chat):
     finally:
         if history is not None:
             editing.write_history_file(history)
+        if chat.building is not None and chat.building.poll() is None:     # quit before it finished
+            chat.building.terminate()
+            print("[the background compile stopped: the next start begins it again]", file=sys.stderr)
 
 
 def check_flags(args):
@@ -561,8 +603,13 @@ def main(argv=None) -> int:
         else:
             chat = Chat(model, tok, params, args.decoder, raw, args.system, p.cache, ctx, p.kv_dtype,
                         proposer=proposer)
-        if p.compile:
-            warm_up(chat)
+        if p.compile:       # a chat's first start answers while a child process compiles (warm_up)
+            background = args.prompt is None and not args.compile_only
+            warm_up(chat, (sys.argv[1:] if argv is None else list(argv)) if background else None)
+        if args.compile_only:
+            print("compiled step ready" if p.compile else "nothing to compile: these flags run eagerly",
+                  file=sys.stderr)
+            return 0
         if proposer is not None:   # after compiling: the baseline is this configuration's own plain step
             chat.plain_step_s = plain_step_s(model, chat.cache)
         if args.prompt is None:

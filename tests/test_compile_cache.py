@@ -1,11 +1,18 @@
 """kernels.AheadOfTime: a compiled one-token step is built once, and a second model object (a later start)
 loads it instead of compiling; its tokens equal the eager step's; a different context or dtype builds its own."""
 
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
 import pytest
 
 import kernels
 import model as M
-from conftest import make_checkpoint
+from conftest import ROOT, make_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,3 +58,47 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
     # and another source: the step's modules, and the modules their imported names come from
     sources = {p.name for p in kernels.project_sources(M, kernels.Path(M.__file__).parent)}
     assert {"model.py", "kernels.py", "kvcache.py", "flash.py", "quantize.py"} <= sources
+
+
+def test_a_first_chat_answers_on_the_eager_step_while_a_child_compiles(tmp_path):
+    """No package on disk yet: the chat answers at once on the eager step while `serve_local.py
+    --compile-only` builds it in a child process; the turn after the build loads it (same tokens, fp32),
+    and a later start finds it on disk."""
+    ckpt = make_checkpoint(tmp_path / "m", num_hidden_layers=1)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "OMP_NUM_THREADS": "1"}
+    flags = ["serve_local.py", "--model", str(ckpt), "--compile", "--raw", "--temperature", "0", "--max-new-tokens", "8"]
+    chat = subprocess.Popen([sys.executable, *flags], cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in chat.stderr], daemon=True).start()
+
+    def until(text, timeout=240):
+        seen, deadline = [], time.monotonic() + timeout
+        while not seen or text not in seen[-1]:
+            seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.1)))
+        return seen
+
+    folder = tmp_path / "xdg" / "nanoinfer" / "compiled"
+    try:
+        assert any("compiling the decode step in the background" in s for s in until("chat:"))
+        chat.stdin.write("The sea was\n")
+        chat.stdin.flush()
+        until("tok/s")
+        assert not list(folder.glob("*.pt2"))                     # answered before the package exists
+        for _ in range(120):             # a turn after the child has exited loads its package first
+            chat.stdin.write("/reset\nThe sea was\n")
+            chat.stdin.flush()
+            if any("[compiled step ready: loaded in" in s for s in until("tok/s")):
+                break
+            time.sleep(2)
+        else:
+            raise AssertionError((folder / "background-build.log").read_text()[-500:])
+        chat.stdin.write("/exit\n")
+        chat.stdin.flush()
+        answers = chat.communicate(timeout=60)[0].splitlines()
+    finally:
+        chat.kill()
+    assert answers[0] == answers[-1]                               # eager, then compiled: the same tokens
+    again = subprocess.run([sys.executable, *flags, "--compile-only"], cwd=ROOT, env=env, text=True,
+                           capture_output=True, timeout=240)
+    assert again.returncode == 0 and "compiled step loaded from cache" in again.stderr
