@@ -27,7 +27,7 @@ static void reorder_x(const float* x, int64_t K, int64_t group, float* xp, float
 #include <immintrin.h>
 
 // Ask for the weights 1 KB ahead of the loop: each 16 bytes of int4 feed ~20 instructions, so the
-// core's own lookahead reaches only ~100 bytes ahead and DRAM's latency shows (+20% measured).
+// core's own lookahead reaches only ~100 bytes ahead (a few % at one row, in alternating runs).
 #define AHEAD 1024
 
 // The fixed reduction of 8 lanes, pairwise; of four vectors, (a0 + a1) + (a2 + a3) first.
@@ -91,6 +91,39 @@ static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t 
   for (int t = 0; t < MT; t++) y[t * N] = hsum8(_mm256_add_ps(even[t], odd[t])) + lo_share(lo, sx + t * G, G);
 }
 
+// One row of x (a decode step) against R weight rows at a time: x's four loads per 32 weights serve R rows
+// (R = 2: 9% faster than one row at a time, W from DRAM). Each row keeps int4_row<1>'s sums and order.
+template <int R>
+static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G, int64_t g,
+                                   const float* xc, __m256* acc) {
+  const __m256i nib = _mm256_set1_epi32(0x0F);
+  __m256 x0 = _mm256_loadu_ps(xc), x1 = _mm256_loadu_ps(xc + 8), x2 = _mm256_loadu_ps(xc + 16), x3 = _mm256_loadu_ps(xc + 24);
+  for (int r = 0; r < R; r++) {
+    const uint8_t* qr = q + r * row_bytes;
+    _mm_prefetch((const char*)(qr + AHEAD), _MM_HINT_T0);
+    __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)qr));
+    __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qr + 8)));
+    __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)), o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    __m256 p = _mm256_fmadd_ps(e1, x2, _mm256_mul_ps(e0, x0));
+    __m256 o = _mm256_fmadd_ps(o1, x3, _mm256_mul_ps(o0, x1));
+    acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p, o), _mm256_set1_ps(s[r * G + g]), acc[r]);
+  }
+}
+template <int R>
+static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift, const float* xp,
+                      const float* sx, float* y) {
+  int64_t G = (K / 32) >> shift, blocks = K / 32, c = 0;
+  __m256 even[R], odd[R];
+  for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+  for (; c + 2 <= blocks; c += 2) {
+    int4_block_rows<R>(q + c * 16, K / 2, s, G, c >> shift, xp + c * 32, even);
+    int4_block_rows<R>(q + c * 16 + 16, K / 2, s, G, (c + 1) >> shift, xp + c * 32 + 32, odd);
+  }
+  if (c < blocks) int4_block_rows<R>(q + c * 16, K / 2, s, G, c >> shift, xp + c * 32, even);
+  for (int r = 0; r < R; r++) y[r] = hsum8(_mm256_add_ps(even[r], odd[r])) + lo_share(lo + r * G, sx, G);
+}
+
 // w[0..3]: 32 weights as fp32, fed to MT rows of x at once (one conversion, MT uses).
 template <int MT>
 static inline void feed(const __m256* w, const float* x, int64_t K, __m256 (*acc)[4]) {
@@ -143,6 +176,12 @@ static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t 
     y[t * N] = hsum8(l) + m;
   }
 }
+template <int R>
+static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift, const float* xp,
+                      const float* sx, float* y) {
+  int64_t G = (K / 32) >> shift;
+  for (int r = 0; r < R; r++) int4_row<1>(q + r * K / 2, s + r * G, lo + r * G, K, shift, xp, sx, y + r, 1);
+}
 template <int MT>
 static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, float* y, int64_t N) {
   for (int t = 0; t < MT; t++) {
@@ -183,6 +222,13 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const float *sp = s.data_ptr<float>(), *lp = lo.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  if (M == 1) {
+    at::parallel_for(0, N / 2, 8, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; p++) int4_rows<2>(qp + p * K, sp + 2 * p * G, lp + 2 * p * G, K, shift, xp, sx, yp + 2 * p);
+    });
+    if (N % 2) int4_rows<1>(qp + (N - 1) * K / 2, sp + (N - 1) * G, lp + (N - 1) * G, K, shift, xp, sx, yp + N - 1);
+    return y;
+  }
 #define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, sx + m * G, \
                                     yp + m * N + n, N)
   TILED(INT4)
