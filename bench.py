@@ -1557,30 +1557,32 @@ class RunnerSession:
         self.proc.wait(60)
 
 
-def llama_cpp_answers(gguf: Path, prompts: list[str], max_new_tokens: int, threads: int) -> tuple[float, list[dict]]:
-    """llama.cpp's defaults on ``gguf`` (llama-server: its own chat template, greedy, stops
-    at EOS): (seconds from start until it serves, one dict per prompt from its timings)."""
-    import httpx
-    binary, port = llama_server_binary(), free_port()
-    log = checkpoint.cache_root() / "bench" / "llama-server-runner.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    proc = start_server(llama_server_command(binary, gguf, threads, 1, 4096) + ["--port", str(port)], port, log)
-    ready, rows = time.perf_counter() - t0, []
-    try:
-        for i, p in enumerate([prompts[0]] + prompts):     # the first answer warms it up and is dropped
-            body = {"messages": [{"role": "user", "content": p}], "max_tokens": max_new_tokens, "temperature": 0,
-                    "cache_prompt": False}
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600).json()
-            t = r["timings"]
-            if i:
-                rows.append({"prompt_tokens": t["prompt_n"], "new_tokens": t["predicted_n"],
-                             "tok_s": t["predicted_per_second"], "ttft_ms": t["prompt_ms"],
-                             "text": r["choices"][0]["message"]["content"], "estimate": None})
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    return ready, rows
+class LlamaServerSession:
+    """llama.cpp's defaults on ``gguf`` (llama-server: its own chat template, greedy, stops at EOS),
+    asked as RunnerSession is; each answer's numbers are from its own timings."""
+
+    def __init__(self, gguf: Path, max_new_tokens: int, threads: int):
+        binary, self.port, self.max_new_tokens = llama_server_binary(), free_port(), max_new_tokens
+        log = checkpoint.cache_root() / "bench" / "llama-server-runner.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        self.proc = start_server(llama_server_command(binary, gguf, threads, 1, 4096) + ["--port", str(self.port)],
+                                 self.port, log)
+        self.ready_s = time.perf_counter() - t0
+        self.loaded_s = self.compile_s = None
+
+    def ask(self, prompt: str) -> dict:
+        import httpx
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": self.max_new_tokens,
+                "temperature": 0, "cache_prompt": False}
+        r = httpx.post(f"http://127.0.0.1:{self.port}/v1/chat/completions", json=body, timeout=600).json()
+        t = r["timings"]
+        return {"prompt_tokens": t["prompt_n"], "new_tokens": t["predicted_n"], "tok_s": t["predicted_per_second"],
+                "ttft_ms": t["prompt_ms"], "text": r["choices"][0]["message"]["content"], "estimate": None}
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(60)
 
 
 PLAIN = "--cache dynamic --no-speculation"      # the exactness reference: plain greedy decoding, eager
@@ -1617,23 +1619,31 @@ def bench_runner(args):
             raise OSError(f"serve_local.py --compile-only {' '.join(flags)}: {done.stderr.strip()[-300:]}")
         notes.append(f"before the runs below, `serve_local.py --compile-only` with {label}: {time.perf_counter() - t0:.1f}"
                      f" s (a chat's first start runs it in the background and answers on the eager step meanwhile)")
-    notes.append("the rows below start as a user's next start does: the compiled steps load from disk")
-    for name, flags in runner_configs(fastest):
-        print(f"{name} ...", flush=True)
-        session = RunnerSession([*flags, *args.flags.split()], args.max_new_tokens)
-        try:
-            runs[name] = {"ready_s": session.ready_s, "loaded_s": session.loaded_s, "compile_s": session.compile_s,
-                          "answers": [session.ask(p) for p in prompts]}
-        finally:
+    notes.append("the rows below start as a user's next start does: the compiled steps load from disk; every "
+                 "configuration is open at once and answers each prompt in turn (this machine's speed drifts "
+                 "from minute to minute: each sees the same windows)")
+    sessions = {}
+    try:
+        for name, flags in runner_configs(fastest):
+            print(f"starting {name} ...", flush=True)
+            sessions[name] = RunnerSession([*flags, *args.flags.split()], args.max_new_tokens)
+        gguf = checkpoint.bundled_gguf(*checkpoint.BUNDLED[1:]) if args.model == checkpoint.DEFAULT_MODEL else None
+        if gguf is not None and llama_server_binary() is not None and not args.no_peer:
+            print("starting llama.cpp (llama-server, defaults) ...", flush=True)
+            peer = sessions[f"llama.cpp defaults ({gguf.name})"] = LlamaServerSession(gguf, args.max_new_tokens, threads)
+            peer.ask(prompts[0])                            # its first answer warms it up and is dropped
+        elif not args.no_peer:
+            print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
+        answers = {name: [] for name in sessions}
+        for i, p in enumerate(prompts):
+            print(f"prompt {i + 1}/{len(prompts)} ...", flush=True)
+            for name, session in sessions.items():
+                answers[name].append(session.ask(p))
+        runs = {name: {"ready_s": s.ready_s, "loaded_s": s.loaded_s, "compile_s": s.compile_s,
+                       "answers": answers[name]} for name, s in sessions.items()}
+    finally:
+        for session in sessions.values():
             session.close()
-    gguf = checkpoint.bundled_gguf(*checkpoint.BUNDLED[1:]) if args.model == checkpoint.DEFAULT_MODEL else None
-    if gguf is not None and llama_server_binary() is not None and not args.no_peer:
-        print("llama.cpp (llama-server, defaults) ...", flush=True)
-        ready, answers = llama_cpp_answers(gguf, prompts, args.max_new_tokens, threads)
-        runs[f"llama.cpp defaults ({gguf.name})"] = {"ready_s": ready, "loaded_s": None, "compile_s": None,
-                                                     "answers": answers}
-    elif not args.no_peer:
-        print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
     plain = runs[f"serve_local.py {PLAIN}"]["answers"]
     peer = next((r for n, r in runs.items() if n.startswith("llama.cpp")), None)
     med = lambda xs: statistics.median(xs) if xs else float("nan")
