@@ -254,26 +254,28 @@ def native_kernels(quiet: bool = False) -> bool:
         return True
     if os.environ.get("NANOINFER_NATIVE") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    from torch.utils import cpp_extension
     vector = ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
     flags = ["-O3", "-fopenmp", *vector]          # OpenMP: at::parallel_for runs serially without it
     key = hashlib.sha256((NATIVE_SOURCE.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
-    # torch's own place for extensions (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
-                                                          Path.home() / ".cache") / "torch_extensions"
-    folder = Path(root) / f"nanoinfer_native_{key}"
-    if not (folder / "nanoinfer_native.so").exists() and not quiet:
-        print("building the int4/int8 CPU kernels (once, ~10 s)", file=sys.stderr, flush=True)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache) / f"nanoinfer_native_{key}"  # torch's place
+    so = folder / "nanoinfer_native.so"
+    if not so.exists() and not quiet:
+        print("building the C++ CPU kernels (once, ~10 s)", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cpp_extension.load("nanoinfer_native", [str(NATIVE_SOURCE)], is_python_module=False,
-                               extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
+            if so.exists():       # built before from this source and flags: no ninja check (0.16 s a start)
+                torch.ops.load_library(str(so))
+            else:
+                from torch.utils import cpp_extension
+                cpp_extension.load("nanoinfer_native", [str(NATIVE_SOURCE)], is_python_module=False,
+                                   extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
         if not quiet:
-            print(f"no native int4/int8 kernels ({str(e).strip().splitlines()[0][:100]}); using aten's, "
-                  f"slower (they need a C++ compiler and ninja)", file=sys.stderr)
+            print(f"no C++ kernels ({str(e).strip().splitlines()[0][:100]}); using aten's, slower (they need "
+                  f"a C++ compiler and ninja)", file=sys.stderr)
         return False
     torch.library.register_fake("nanoinfer::int4_mm")(lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8_mm")(lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
@@ -311,10 +313,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # Prepacked weights: the layout oneDNN wants, made once.
 
 def prepack(model: nn.Module) -> nn.Module:
-    """Give every big Linear on the CPU a copy of its weight in oneDNN's blocked
-    layout, which `linear` then uses in eager inference.
-
-    Handed a row-major W, oneDNN reorders it on every call over more than one
+    """Give every big Linear on the CPU a copy of its weight in oneDNN's blocked layout, for `linear`'s
+    eager inference. Handed a row-major W, oneDNN reorders it on every call over more than one
     position: a 3072×576 fp32 product over 4 rows took 3.1x one row's time, and
     1.3x on a weight reordered once (`python kernels.py`). With the copy,
     checking 4 speculated guesses costs about one step; the values are
