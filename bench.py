@@ -1610,7 +1610,7 @@ def bench_runner(args):
     fastest = args.fastest.split()
     if args.model != checkpoint.DEFAULT_MODEL:
         args.flags = f"--model {args.model} {args.flags}"
-    runs, notes = {}, []
+    notes = []
     for label, flags in (("the defaults", []), ("the fastest flags", fastest)):   # build the compiled steps once
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "serve_local.py", "--compile-only", *flags, *args.flags.split()],

@@ -40,17 +40,24 @@ static inline float hsum(const __m256* a) {
   return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
 }
 
+// 32 weights of one int4 row (16 bytes, even weight in the low nibble) as fp32: per 8 bytes one widening
+// load, a mask and a shift give the 8 even (e) and 8 odd (o) nibbles, two conversions.
+static inline void widen(const uint8_t* q, __m256& e0, __m256& o0, __m256& e1, __m256& o1) {
+  const __m256i nib = _mm256_set1_epi32(0x0F);
+  _mm_prefetch((const char*)(q + AHEAD), _MM_HINT_T0);
+  __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+  __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
+  e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)), o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+}
+
 // 32 weights of one int4 row (16 bytes, even weight in the low nibble) against MT rows of reordered x,
 // into acc[t]. Per 16 weights: one widening load, an and, a shift, two conversions, then two FMAs per
 // row of x; the group's scale multiplies the block's sum once.
 template <int MT>
 static inline void int4_block(const uint8_t* q, float scale, const float* xp, int64_t K, __m256* acc) {
-  const __m256i nib = _mm256_set1_epi32(0x0F);
-  _mm_prefetch((const char*)(q + AHEAD), _MM_HINT_T0);
-  __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
-  __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
-  __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-  __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)), o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  __m256 e0, o0, e1, o1;
+  widen(q, e0, o0, e1, o1);
   __m256 vs = _mm256_set1_ps(scale);
   for (int t = 0; t < MT; t++) {
     const float* xc = xp + t * K;
@@ -96,15 +103,10 @@ static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t 
 template <int R>
 static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G, int64_t g,
                                    const float* xc, __m256* acc) {
-  const __m256i nib = _mm256_set1_epi32(0x0F);
   __m256 x0 = _mm256_loadu_ps(xc), x1 = _mm256_loadu_ps(xc + 8), x2 = _mm256_loadu_ps(xc + 16), x3 = _mm256_loadu_ps(xc + 24);
   for (int r = 0; r < R; r++) {
-    const uint8_t* qr = q + r * row_bytes;
-    _mm_prefetch((const char*)(qr + AHEAD), _MM_HINT_T0);
-    __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)qr));
-    __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qr + 8)));
-    __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-    __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)), o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    __m256 e0, o0, e1, o1;
+    widen(q + r * row_bytes, e0, o0, e1, o1);
     __m256 p = _mm256_fmadd_ps(e1, x2, _mm256_mul_ps(e0, x0));
     __m256 o = _mm256_fmadd_ps(o1, x3, _mm256_mul_ps(o0, x1));
     acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p, o), _mm256_set1_ps(s[r * G + g]), acc[r]);

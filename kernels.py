@@ -297,9 +297,8 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
     """One token's attention (kernels.cpp): q (B, H, 1, d), k, v (B, H_kv, L, d) fp32 on a CPU, mask None or bool
     (B or 1, 1, 1, L); None where it does not apply or the kernels are not built. model.attend's own decode path
-    (two batched products, a softmax) runs aten's small-M GEMMs: 3 query rows a KV head read K and V at ~8 GB/s,
-    55 µs a layer at 400 keys. This reads each K/V row once for its query heads, 64 keys at a time in L1
-    (flash.decode's split keys, merged in a fixed order), in one call a layer."""
+    (two batched products, a softmax) runs aten's small-M GEMMs: 3 query rows a KV head read K and V at ~8 GB/s.
+    This reads each K/V row once for its query heads, 64 keys at a time (flash.decode's split, in fixed order)."""
     if not (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] == 1 and k.stride(-1) == 1
             and v.stride(-1) == 1 and q.shape[-1] % 8 == 0 and hasattr(torch.ops.nanoinfer, "decode_attention")):
         return None
@@ -526,10 +525,11 @@ class AheadOfTime:
         runner = self.runners.get(variant)
         if runner is None and variant not in self.missing:   # built (or loaded) even by a call that then
             call = (tokens, positions, mask, cache, last_only, features, hidden)   # runs eagerly: a warm-up's
-            if self.build_missing or self.path(variant).exists():
-                runner = self.runners[variant] = self.load(variant, call)
+            path = self.path(variant)
+            if self.build_missing or path.exists():
+                runner = self.runners[variant] = self.load(variant, call, path)
             else:
-                self.missing[variant] = self.path(variant)
+                self.missing[variant] = path
         if runner is None or live is False:
             return self.step(tokens, positions, mask, cache, last_only, features, hidden)
         return runner(tokens, positions, mask, cache.k, cache.v, features)
@@ -554,9 +554,9 @@ class AheadOfTime:
             digest.update(source.read_bytes())
         return self.folder / f"{type(m).__name__.lower()}-{digest.hexdigest()[:16]}.pt2"
 
-    def load(self, variant, call):
-        """Load this variant's package, compiling it first if no earlier run did."""
-        t0, path = time.perf_counter(), self.path(variant)
+    def load(self, variant, call, path: Path):
+        """Load this variant's package (at ``path``), compiling it first if no earlier run did."""
+        t0 = time.perf_counter()
         if not path.exists():
             if self.announce is not None:
                 self.announce(path)
