@@ -23,7 +23,8 @@ markdown tables and saves them with results.save (results/<name>.json; plots und
     python bench.py report                        # RESULTS.md from results/*.json
 
 decode: batch 1, greedy, a fixed 128-token prompt, 128 new tokens with EOS
-ignored, one warm-up run, the median of --reps runs. For each configuration:
+ignored, one warm-up run each, then --reps rounds in which every configuration
+runs once in turn (the machine's drift falls on all alike); medians. For each configuration:
 time to first token (TTFT, i.e. prefill), prefill tok/s, decode tok/s and the
 memory bandwidth that decode speed implies (bytes read per token × tok/s; a
 decoder reads every weight once per token, plus the KV cache so far). Peers run
@@ -228,10 +229,18 @@ def run_transformers(hf, prompt, new_tokens):
     return ttft, max(total - ttft, 1e-9)
 
 
-def measure(fn, reps):
-    fn(warmup=True)
-    runs = [fn(warmup=False) for _ in range(reps)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+def measure_in_turn(fns: dict, reps: int) -> dict:
+    """{name: fn(warmup) -> (ttft_s, decode_s)} -> {name: (median ttft, median decode)}: one warm-up each,
+    then ``reps`` rounds in which every fn runs once in turn, so a drift of the machine's speed over the
+    minutes of a run (±15-30% here) falls on every row alike instead of on whichever ran last."""
+    for fn in fns.values():
+        fn(warmup=True)
+    runs = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            runs[name].append(fn(warmup=False))
+    return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+            for name, rs in runs.items()}
 
 
 def bench_decode(args):
@@ -301,14 +310,14 @@ def bench_decode(args):
                         fn = LlamaServerDecode(gguf_path, threads, n_ctx, servers).run(prompt, args.new_tokens)
                     impls[f"llama.cpp {label}"] = (label, gguf_bytes_per_token(
                         gguf_path, model.config, args.prompt_tokens + args.new_tokens // 2), fn)
+            with torch.inference_mode():
+                timed = measure_in_turn({impl: fn for impl, (_, _, fn) in impls.items()}, args.reps)
+            for proc in servers:
+                proc.terminate()
+                proc.wait(60)
             group = []
             for impl, (label, per_tok, fn) in impls.items():
-                with torch.inference_mode():
-                    ttft, decode_s = measure(fn, args.reps)
-                for proc in servers:
-                    proc.terminate()
-                    proc.wait(60)
-                servers.clear()
+                ttft, decode_s = timed[impl]
                 tok_s = (args.new_tokens - 1) / decode_s
                 group.append([name, impl, label, ttft, args.prompt_tokens / ttft, tok_s,
                               per_tok * tok_s / 1e9])
@@ -331,7 +340,7 @@ def decode_table(rows: list[list], args) -> results.Table:
     """rows: [model, implementation, dtype, TTFT s, prefill tok/s, decode tok/s, GB/s, × transformers]."""
     return results.Table(
         f"batch 1, greedy, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (EOS ignored), "
-        f"median of {args.reps}, {torch.get_num_threads()} threads",
+        f"median of {args.reps} rounds, each configuration in turn, {torch.get_num_threads()} threads",
         ["model", "implementation", "dtype", "TTFT ms", "prefill tok/s", "decode tok/s", "GB/s", "× transformers"],
         [r[:3] + [f"{r[3] * 1000:.0f}", f"{r[4]:.0f}", f"{r[5]:.1f}", f"{r[6]:.1f}", f"{r[7]:.2f}"] for r in rows],
         [f"llama.cpp rows (dtype = GGUF tensor type) sit in the {args.dtypes[0]} group; × = decode speed over "

@@ -226,19 +226,19 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 # them are compute-bound: on a 2-core AVX2 EPYC its int4 kernel took 1.16
 # ns/weight at one row (oneDNN streams fp32 at 0.19) and 8.9 at five rows (a
 # speculative verify pass); its int8 kernel 0.55 and 4.4. Ours, per 32 int4
-# weights: two 8-byte loads widened to 32-bit lanes, a mask and a shift split
-# each into its 8 even and 8 odd nibbles, four conversions to fp32, then per row
-# of x four FMAs against x reordered once per call (evens, then odds: no
+# weights (16 bytes): the bytes widened to 32-bit lanes, each lane's two nibbles
+# turned to fp32 (a mask or a shift, a conversion; with AVX-512 a 16-entry table
+# lookup), two FMAs against x reordered once per call (evens, then odds: no
 # shuffles) and one by the group's scale; the minimum adds lo·Σx per group.
-# `python kernels.py` measures them from DRAM: int8 at the memory's speed, int4
-# near it (dequantizing each weight, q·s + lo, then its FMA: 1.8x as long).
-# llama.cpp rounds x to 8 bits per 32 for integer SIMD: ~20% faster here at one
+# `python kernels.py` measures them from DRAM: int8 near the memory's speed, int4
+# compute-bound (~4.5 cycles per 32 weights on a Zen 4 core with AVX-512, 5 with
+# AVX2). llama.cpp rounds x to 8 bits per 32 for integer SIMD: ~20% faster at one
 # row, the runner ~5%, but compiled and eager texts then part. We keep fp32 x.
 #
-# Each output y[m, n] is summed in one fixed order whatever the number of rows
-# (8-lane partial sums, even and odd blocks apart, then a fixed reduction), so a pass
-# verifying k+1 positions gives each position exactly the bits a one-token step
-# gives it: speculative decoding stays exact with these weights.
+# Each output y[m, n] is summed in one fixed order whatever the number of rows and the
+# instruction set (16-lane partial sums, a fixed reduction: kernels.cpp), so a pass verifying
+# k+1 positions gives each position exactly the bits a one-token step gives it: speculative
+# decoding stays exact with these weights.
 #
 # Built with torch.utils.cpp_extension (a C++ compiler and ninja; ~10 s once, cached under
 # ~/.cache/torch_extensions). Without them: aten's kernels and attend's own path, slower, same math.
@@ -254,8 +254,8 @@ def native_kernels(quiet: bool = False) -> bool:
         return True
     if os.environ.get("NANOINFER_NATIVE") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    vector = ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
-    flags = ["-O3", "-fopenmp", *vector]          # OpenMP: at::parallel_for runs serially without it
+    vector = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw"]}
+    flags = ["-O3", "-fopenmp", *vector.get(torch.backends.cpu.get_cpu_capability(), [])]   # OpenMP: parallel_for
     key = hashlib.sha256((NATIVE_SOURCE.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
     folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache) / f"nanoinfer_native_{key}"  # torch's place
