@@ -10,12 +10,11 @@
 #include <optional>
 #include <vector>
 
-#ifndef ROWS           // weight rows a decode step's int4 loop takes at a time, sharing x's loads
-#if defined(__AVX512F__)
-#define ROWS 4         // 4.25 cycles per 32 weights and row against 4.46 at 2 (from L2, one thread)
-#else
-#define ROWS 2         // 2 x 2 accumulators and x's 4 vectors: 4 rows would not fit AVX2's 16 registers
-#endif
+// Weight rows a decode step's int4 loop takes at a time, sharing x's loads. With AVX-512, 4 rows took 4.25
+// cycles per 32 weights and row from L2 against 4.46 at 2, but the runner's step was slower with them (3 of
+// 4 alternating runs; W streams from DRAM). With AVX2, 4 rows would not fit its 16 vector registers.
+#ifndef ROWS
+#define ROWS 2
 #endif
 
 // Each 32 weights' x, reordered once per call so that byte i of a block (weights 2i and 2i+1, low and high

@@ -116,8 +116,7 @@ def bf16_supported(device: torch.device) -> bool:
 
 
 def synchronize(device: torch.device):
-    """Wait for the device's queued work (a GPU's kernels run after the host moves on): call before
-    reading a clock. A CPU computes as it goes."""
+    """Wait for the device's queued work (a GPU's kernels run after the host moves on): call before reading a clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -163,14 +162,12 @@ def busy_machine_hint() -> str | None:
 # ----------------------------------------------------------------------------
 # The linear layer: x·Wᵀ on the fastest kernel for the case at hand.
 #
-# Eager fp32 on a CPU: F.linear calls MKL's sgemm; oneDNN's kernel (the one
-# torch uses for bf16, and inductor for its fused linears) took 0.7x its time
-# for a one-token SmolLM2 step on an AMD EPYC, and grew 1.3x for 2 or 3 tokens
-# where MKL's grew 1.75-2.2x. It has no gradient, so only inference uses it.
+# Eager fp32 on a CPU: F.linear calls MKL's sgemm; oneDNN's kernel (the one torch uses for bf16, and
+# inductor for its fused linears) took 0.7x its time for a one-token SmolLM2 step on an AMD EPYC, and grew
+# 1.3x for 2 or 3 tokens where MKL's grew 1.75-2.2x. It has no gradient, so only inference uses it.
 # `python kernels.py` measures both on this machine.
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# oneDNN's call has a fixed cost before any work, so below 512×512 F.linear is
-# faster (64×32: 8x); from there up oneDNN wins or ties.
+# oneDNN's call has a fixed cost before any work, so below 512×512 F.linear is faster (64×32: 8x).
 ONEDNN_MIN = 512 * 512
 
 
@@ -499,7 +496,6 @@ class AheadOfTime:
     weight is swapped for another tensor later (tying, quantizing), compile again.
 
     The cache's K/V are inputs the step writes in place, the current ones at each call (a fork replaces them).
-
     The file's name is a digest of everything the compiled code depends on, so a
     different model, dtype, context, attention, cache codec, torch version, CPU
     or source of the step never loads a wrong one: the call's shapes and flags,
@@ -532,7 +528,7 @@ class AheadOfTime:
                 self.missing[variant] = path
         if runner is None or live is False:
             return self.step(tokens, positions, mask, cache, last_only, features, hidden)
-        return runner(tokens, positions, mask, cache.k, cache.v, features)
+        return runner(tokens, positions, mask, *cache.k, *cache.v, features)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers by the names the package uses (tied ones under each name)."""
@@ -575,7 +571,11 @@ class AheadOfTime:
         self.handed.append({k: weights[k] for k in runner.get_constant_fqns()})
         runner.load_constants(self.handed[-1], check_full_update=True, user_managed=True)
         self.log.append(f"compiled step loaded from cache in {time.perf_counter() - t0:.2f} s")
-        return runner
+        # The inputs in the order export flattened them, without the package's own Python call: that one
+        # parses its call spec and walks the 60 K/V tensors as a tree at every step (~0.2 ms of ~8).
+        out = torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1])
+        return lambda *inputs: torch.utils._pytree.tree_unflatten(
+            runner.loader.boxed_run([t for t in inputs if t is not None]), out)
 
     def build(self, path: Path, call):
         """torch.export the step on stand-in tensors of the call's shapes, then AOTInductor."""

@@ -95,9 +95,13 @@ def check_logits(logits: torch.Tensor):
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> int:
     """logits (vocab,) fp32 -> token id."""
-    check_logits(logits)
     if p.temperature == 0:
-        return int(logits.argmax())
+        # argmax takes NaN for the largest score, so the chosen one is NaN or +inf exactly when some score is:
+        # one value checked, not the vocabulary (49,152 comparisons: 60 µs a token here, of ~8 ms)
+        token = int(logits.argmax())
+        check_logits(logits[token])
+        return token
+    check_logits(logits)
     return int(torch.multinomial(sampling_probs(logits, p), 1, generator=generator))
 
 
