@@ -238,6 +238,7 @@ def measure_in_turn(fns: dict, reps: int) -> dict:
     runs = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
+            time.sleep(0.3)               # the previous one's threads (llama.cpp's spin) settle first
             runs[name].append(fn(warmup=False))
     return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
             for name, rs in runs.items()}
