@@ -388,7 +388,7 @@ def warm_up(chat: Chat, argv: list[str] | None = None):
                                            flush=True)
     if not ahead:
         print("compiling the decode step ...", file=sys.stderr, flush=True)
-    list(generate_cached(chat.model, [0], SamplingParams(max_new_tokens=2), cache=chat.cache))
+    step_once(chat.model, chat.cache)
     if getattr(chat.model.compiled_step, "missing", None):
         chat.cache.crop(0)
         log = build_log()
@@ -417,6 +417,11 @@ def warm_up(chat: Chat, argv: list[str] | None = None):
         print(f"compiled in {took:.1f} s (cached on disk for the next run)", file=sys.stderr)
 
 
+def step_once(model, cache):
+    """Two throwaway tokens through ``cache``: a compiled step's first call loads (or builds) its package."""
+    list(generate_cached(model, [0], SamplingParams(max_new_tokens=2), cache=cache))
+
+
 def build_log() -> Path:
     return checkpoint.cache_root() / "compiled" / "background-build.log"
 
@@ -432,7 +437,7 @@ def take_compiled_step(chat: Chat):
         return
     t0 = time.perf_counter()
     chat.model.compile_decode()
-    list(generate_cached(chat.model, [0], SamplingParams(max_new_tokens=2), cache=chat.new_cache()))  # loads it
+    step_once(chat.model, chat.new_cache())         # the conversation's cache is live: a scratch one
     print(f"[compiled step ready: loaded in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
 
 

@@ -102,3 +102,25 @@ def test_a_first_chat_answers_on_the_eager_step_while_a_child_compiles(tmp_path)
     again = subprocess.run([sys.executable, *flags, "--compile-only"], cwd=ROOT, env=env, text=True,
                            capture_output=True, timeout=240)
     assert again.returncode == 0 and "compiled step loaded from cache" in again.stderr
+
+
+def test_a_failed_background_compile_is_one_line_and_the_answers_stay_eager(capsys):
+    """The child building the package exited with an error: between turns the chat says so once, with the
+    log's path, drops the child and keeps answering on the eager step (it never loads a package)."""
+    import serve_local
+
+    class Failed:                   # what subprocess.Popen gives back once such a child has ended
+        returncode = 1
+
+        def poll(self):
+            return self.returncode
+
+    chat = serve_local.Chat.__new__(serve_local.Chat)
+    chat.building, chat.model = Failed(), None      # a model is never touched on this path
+    serve_local.take_compiled_step(chat)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the background compile failed (exit 1, log: " in err
+    assert "background-build.log); answers stay on the eager step" in err
+    assert chat.building is None
+    serve_local.take_compiled_step(chat)            # the next turn: nothing more to say
+    assert capsys.readouterr().err == ""
