@@ -78,6 +78,7 @@ SLOW = {
     "python bench.py decode --models smollm2-135m --dtypes bfloat16": "~4 min",
     "python bench.py decode --models smollm2-135m --dtypes float32": "~4 min",
     "python bench.py decode --dtypes float32": "~17 min (TinyLlama's fp32 rows and compiles take most)",
+    "python bench.py decode --dtypes bfloat16": "~15 min (TinyLlama's bf16 rows and compiles take most)",
     "python bench.py runner --fastest --weights int8 --compile --no-speculation": "~12 min",
     "python bench.py quantize --eval": "~10 min",
     "python bench.py kv-bytes": "~30 s",
