@@ -229,6 +229,11 @@ def run_transformers(hf, prompt, new_tokens):
     return ttft, max(total - ttft, 1e-9)
 
 
+# Seconds each turn of a side-by-side bench waits first: the previous configuration's threads (llama.cpp's
+# spin after a request, OpenMP's after ours) stop competing for the two cores before the next one is timed.
+SETTLE_S = 0.3
+
+
 def measure_in_turn(fns: dict, reps: int) -> dict:
     """{name: fn(warmup) -> (ttft_s, decode_s)} -> {name: (median ttft, median decode)}: one warm-up each,
     then ``reps`` rounds in which every fn runs once in turn, so a drift of the machine's speed over the
@@ -238,7 +243,7 @@ def measure_in_turn(fns: dict, reps: int) -> dict:
     runs = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            time.sleep(0.3)               # the previous one's threads (llama.cpp's spin) settle first
+            time.sleep(SETTLE_S)
             runs[name].append(fn(warmup=False))
     return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
             for name, rs in runs.items()}
@@ -1648,11 +1653,11 @@ def bench_runner(args):
         names = list(sessions)
         for i, p in enumerate(prompts):
             print(f"prompt {i + 1}/{len(prompts)} ...", flush=True)
-            # Each prompt starts one configuration further on, and each turn waits for the previous process's
-            # threads to stop spinning: the configuration that always came right after llama.cpp's turn measured
-            # 7% and 11% slower than its twin (the same flags) in two runs.
+            # Each prompt starts one configuration further on, and each turn waits SETTLE_S: the configuration
+            # that always came right after llama.cpp's turn measured 7% and 11% slower than its twin (the same
+            # flags) in two runs.
             for name in names[i % len(names):] + names[:i % len(names)]:
-                time.sleep(0.3)
+                time.sleep(SETTLE_S)
                 answers[name].append(sessions[name].ask(p))
         runs = {name: {"ready_s": s.ready_s, "loaded_s": s.loaded_s, "compile_s": s.compile_s,
                        "answers": answers[name]} for name, s in sessions.items()}
