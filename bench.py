@@ -123,6 +123,14 @@ def model_dir(name: str):
     return checkpoint.resolve(name)
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
+    """Bytes per second a device-to-device copy moves (read + write): the practical ceiling that a
+    memory-bound decode step's GB/s is compared with on a GPU."""
+    x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    y = torch.empty_like(x)
+    return 2 * nbytes / kernels.best_seconds(lambda: y.copy_(x), device)
+
+
 def bytes_per_token(model: Llama, context: int) -> int:
     """What one decode step reads: every weight except the embedding table (one row
     is gathered) — unless the table doubles as the LM head — plus the KV cache.
@@ -334,7 +342,7 @@ def bench_decode(args):
             del model
     table = decode_table(rows, args)
     if args.device != "cpu":    # what the GB/s column is to be read against on a GPU
-        peak = kernels.copy_bandwidth(torch.device(args.device)) / 1e9
+        peak = copy_bandwidth(torch.device(args.device)) / 1e9
         table.notes.append(f"{torch.cuda.get_device_name()}: a device-to-device copy streams {peak:.0f} GB/s "
                            f"(read + write); best row {max(r[6] for r in rows) / peak:.0%} of it")
     print(f"\n{table.title}\n\n{table.markdown()}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import mmap
 import os
 import platform
 import subprocess
@@ -141,14 +142,6 @@ def read_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
     return nbytes / best_seconds(x.sum, device)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
-    """Bytes per second a device-to-device copy moves (read + write): the practical ceiling that a
-    memory-bound decode step's GB/s is compared with on a GPU."""
-    x = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
-    y = torch.empty_like(x)
-    return 2 * nbytes / best_seconds(lambda: y.copy_(x), device)
-
-
 def busy_machine_hint() -> str | None:
     """A hint, or None: on a machine whose other processes keep every core busy, OpenMP threads wait for each
     other whenever one is descheduled (a decode step took 4-37x longer with two threads than with one)."""
@@ -174,13 +167,17 @@ ONEDNN_MIN = 512 * 512
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """x·Wᵀ for a Linear layer (a quantized layer brings its own forward).
 
-    * Inside a compiled one-token step on a CPU: `matvec_sum`, which inductor
-      fuses into one vectorized loop over W (see there).
+    * Inside a compiled one-token step on a CPU: bf16 weights on kernels.cpp's
+      bf16_mm (inductor's speed on big matrices, ~1.2x on SmolLM2's small ones),
+      others as `matvec_sum`, which inductor fuses into one loop over W.
     * Eager CPU inference: oneDNN, on the weight's prepacked copy when it has one.
     * Everywhere else (training, GPUs): F.linear, the right kernel there."""
     if not isinstance(layer, nn.Linear):
         return layer(x)
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+        if x.dtype == layer.weight.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0 and \
+                hasattr(torch.ops.nanoinfer, "bf16_mm"):
+            return bf16_mm(x.reshape(-1, x.shape[-1]).contiguous(), layer.weight).view(*x.shape[:-1], -1)
         return matvec_sum(x, layer.weight)
     cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
     packed = packed_weight(layer)
@@ -193,17 +190,14 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 
 def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) · w (N, K)ᵀ as multiply-and-sum, times ``scale`` (N,) if given:
-    the one-token product inside a compiled step (`linear` for float weights,
-    quantize.Int8Linear for int8 rows and their scales). Inductor fuses it into
-    one vectorized loop that widens each weight to fp32 as it reads it and
-    accumulates in fp32: 1.3x the bandwidth of oneDNN's kernel behind F.linear
-    (8 matrices 5632×2048, bf16, same run).
-    Inductor sums a float reduction longer than 4,096 terms through a cascade
-    helper that is 2x slower here (2048 x 4112 read at 0.47x the bandwidth of
-    2048 x 4096). So a longer row (TinyLlama's down projection has 5,632) is
-    read as two rows of K/2, each against its half of x, and each pair of
-    partial sums is added: that matrix then takes 0.64x the time."""
+    """x (..., K) · w (N, K)ᵀ as multiply-and-sum, times ``scale`` (N,) if given: the one-token product inside a
+    compiled step (`linear` for float weights, quantize.Int8Linear for int8 rows and their scales).
+    Inductor fuses it into one vectorized loop that widens each weight to fp32 as it reads it and
+    accumulates in fp32: 1.3x the bandwidth of oneDNN's kernel behind F.linear (8 matrices 5632×2048,
+    bf16, same run). Inductor sums a float reduction longer than 4,096 terms through a cascade helper
+    that is 2x slower here (2048 x 4112 read at 0.47x the bandwidth of 2048 x 4096). So a longer row
+    (TinyLlama's down projection has 5,632) is read as two rows of K/2, each against its half of x, and
+    each pair of partial sums is added: that matrix then takes 0.64x the time."""
     n, k = w.shape
     if k <= 4096 or k % 2:
         out = (x.float().unsqueeze(-2) * w.float()).sum(-1)
@@ -216,27 +210,13 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 
 
 # ----------------------------------------------------------------------------
-# int4 and int8 weights, one token's attention: C++ kernels (kernels.cpp), built on first use.
+# int4, int8 and bf16 weights, one token's attention: C++ kernels (kernels.cpp), built on first use.
 #
-# Decoding with int4 weights reads 0.5 byte per weight plus a scale and a
-# minimum per 32 (0.75 B in all), int8 1 B, fp32 4 B. aten's CPU kernels for
-# them are compute-bound: on a 2-core AVX2 EPYC its int4 kernel took 1.16
-# ns/weight at one row (oneDNN streams fp32 at 0.19) and 8.9 at five rows (a
-# speculative verify pass); its int8 kernel 0.55 and 4.4. Ours, per 32 int4
-# weights (16 bytes): the bytes widened to 32-bit lanes, each lane's two nibbles
-# turned to fp32 (a mask or a shift, a conversion; with AVX-512 a 16-entry table
-# lookup), two FMAs against x reordered once per call (evens, then odds: no
-# shuffles) and one by the group's scale; the minimum adds lo·Σx per group.
-# `python kernels.py` measures them from DRAM: int8 near the memory's speed, int4
-# compute-bound (~4.5 cycles per 32 weights on a Zen 4 core with AVX-512, 5 with
-# AVX2). llama.cpp rounds x to 8 bits per 32 for integer SIMD: ~20% faster at one
-# row, the runner ~5%, but compiled and eager texts then part. We keep fp32 x.
-#
-# Each output y[m, n] is summed in one fixed order whatever the number of rows and the
-# instruction set (16-lane partial sums, a fixed reduction: kernels.cpp), so a pass verifying
-# k+1 positions gives each position exactly the bits a one-token step gives it: speculative
-# decoding stays exact with these weights.
-#
+# aten's CPU kernels for int4 and int8 weights are compute-bound (1.16 and 0.55 ns/weight at one row on
+# a 2-core EPYC, where oneDNN streams fp32 at 0.19); ours stream int8 and bf16 near the memory's speed
+# and int4 at ~4.5 cycles per 32 weights (kernels.cpp's header says how, `python kernels.py` measures).
+# Each output is summed in one fixed order whatever the rows and the instruction set, so a pass
+# verifying k+1 positions gives each the bits a one-token step gives it: speculation stays exact.
 # Built with torch.utils.cpp_extension (a C++ compiler and ninja; ~10 s once, cached under
 # ~/.cache/torch_extensions). Without them: aten's kernels and attend's own path, slower, same math.
 
@@ -277,6 +257,7 @@ def native_kernels(quiet: bool = False) -> bool:
     torch.library.register_fake("nanoinfer::int4_mm")(lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8_mm")(lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::decode_attention")(lambda q, k, v, mask: q.new_empty(q.shape))
+    torch.library.register_fake("nanoinfer::bf16_mm")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     return True
 
 
@@ -284,6 +265,11 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Ten
     """x (M, K) fp32 · Wᵀ for W (N, K) int4 as quantize.Int4Linear stores it: q (N, K/2) uint8 (even
     column in the low nibble), scale and lo (N, K/group) fp32; W = lo + q·s. Needs native_kernels()."""
     return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group)
+
+
+def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, K) · wᵀ for w (N, K) bf16, summed in fp32 (int8_mm's order), rounded to x's dtype. Needs native_kernels()."""
+    return torch.ops.nanoinfer.bf16_mm(x, w)
 
 
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -309,24 +295,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # Prepacked weights: the layout oneDNN wants, made once.
 
 def prepack(model: nn.Module) -> nn.Module:
-    """Give every big Linear on the CPU a copy of its weight in oneDNN's blocked layout, for `linear`'s
-    eager inference. Handed a row-major W, oneDNN reorders it on every call over more than one
-    position: a 3072×576 fp32 product over 4 rows took 3.1x one row's time, and
-    1.3x on a weight reordered once (`python kernels.py`). With the copy,
-    checking 4 speculated guesses costs about one step; the values are
-    bitwise equal. The price is a second copy (+540 MB for SmolLM2 in fp32):
-    the compiled step, quantization and checkpoints read the plain one. A layer
-    keeps its copy only while its weight is the same tensor (tying swaps it:
-    prepack again); in-place changes (an optimizer step) are not noticed, so
+    """Give every big Linear on the CPU a copy of its weight in oneDNN's blocked layout, for `linear`'s eager
+    inference. Handed a row-major W, oneDNN reorders it on every call over more than one position: a
+    3072×576 fp32 product over 4 rows took 3.1x one row's time, and 1.3x on a weight reordered once
+    (`python kernels.py`). With the copy, checking 4 speculated guesses costs about one step; the values
+    are bitwise equal. The price is a second copy (+540 MB for SmolLM2 in fp32): the compiled step,
+    quantization and checkpoints read the plain one. A layer keeps its copy only while its weight is the
+    same tensor (tying swaps it: prepack again); in-place changes (an optimizer step) are not noticed, so
     train with F.linear (grad enabled) or not prepacked."""
     if not ONEDNN:
         return model
-    bf16_ok = bf16_supported(torch.device("cpu"))
+    bf16_ok, streamed = bf16_supported(torch.device("cpu")), []
     for m in model.modules():
         if getattr(m, "native", False) and packed_weight(m) is None:
             # a quantized layer on the C++ kernels (quantize.py): its one-row passes read the small
-            # weights; a prefill (compute-bound) gets the same values widened to fp32, blocked once
+            # weights (moved to huge pages); a prefill (compute-bound) gets the same values widened
+            # to fp32, blocked once
             m.onednn = (m.weight, torch.ops.mkldnn._reorder_linear_weight(m.dequantized().float(), 16))
+            streamed += [t for t in m.buffers(recurse=False) if t is not m.onednn[1]]
             continue
         w = getattr(m, "weight", None)
         if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.numel() < ONEDNN_MIN or \
@@ -335,7 +321,36 @@ def prepack(model: nn.Module) -> nn.Module:
         if packed_weight(m) is None:
             # the size hint (16 rows) picks the blocking; any number of rows can use it
             m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
+            streamed.append(w)          # what a compiled step reads
+    huge_pages(streamed)
     return model
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Move CPU tensors (in place: every reference sees the move) into one buffer of 2 MB pages, where Linux's
+    transparent huge pages allow it on request. A decode step streams every weight once, from 4 KB pages:
+    SmolLM2's 108 MB of int4 matrices are 26,000 pages, a TLB miss each and a stop for the hardware
+    prefetcher at each page's end; in 2 MB pages, 54. Alternating processes (Zen 4): SmolLM2's int4 step
+    +8% median tok/s, TinyLlama's bf16 step 19 against 12. Returns the tensors moved."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
+    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE") or not thp.exists() or "[never]" in thp.read_text():
+        return []
+    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]     # each 4 KB aligned
+    arena = mmap.mmap(-1, sum(sizes) + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(mmap.MADV_HUGEPAGE)      # before the first write: pages become huge as they fault in
+    flat = torch.frombuffer(arena, dtype=torch.uint8)     # keeps the mapping alive
+    offset = -flat.data_ptr() % HUGE_PAGE
+    with torch.no_grad():
+        for t, size in zip(tensors, sizes):
+            view = flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+            offset += size
+    return tensors
 
 
 def packed_weight(layer: nn.Module) -> torch.Tensor | None:
@@ -422,36 +437,23 @@ CPU_OPTIONS = {"realize_opcount_threshold": 0}     # inductor's settings for a C
 
 
 def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path | None = None, build: bool = True):
-    """torch.compile a one-token decode step whose shapes never change (a static
-    cache), so it compiles once, for the device its weights are on.
+    """torch.compile a one-token decode step whose shapes never change (a static cache), so it compiles once,
+    for the device its weights are on.
 
-    On CUDA: mode="reduce-overhead": the step's kernels are recorded once as a
-    CUDA graph and replayed with one launch per token (a small model's few
-    hundred launches, ~5 µs each from Python, rival their work). torch.compile
-    keeps the inputs' static copies and re-records when a shape or address
-    changes, which an explicit torch.cuda.CUDAGraph capture would redo by hand;
-    the cache's tensors are marked static (static_address) so writing into them
-    does not stop the replay. cuBLAS does the matrix-vector products there.
+    On CUDA: mode="reduce-overhead": the step's kernels are recorded once as a CUDA graph and replayed with one
+    launch per token (a small model's few hundred launches, ~5 µs each from Python, rival their work); the
+    cache's tensors are marked static (static_address) so writing into them does not stop the replay. cuBLAS
+    does the matrix-vector products there.
 
-    On a CPU inductor emits C++ loops that fuse the elementwise work between
-    matmuls (RMSNorm, RoPE, SiLU·up, residual adds) and removes the per-op
-    dispatch that dominates a small model's eager step.
+    On a CPU inductor emits C++ loops that fuse the elementwise work between matmuls (RMSNorm, RoPE, SiLU·up,
+    residual adds), called from C++ (cpp_wrapper: ~20% of a SmolLM2 bf16 step). realize_opcount_threshold 0
+    stores every reused elementwise result (a few KB per token): otherwise inductor inlines RMSNorm into the
+    next matrix-vector loop and redoes it for every weight row (2.8x slower on that matrix). Not `freezing`
+    (it would fold W.float() into an fp32 copy of every weight), not max_autotune (no faster).
 
-    * cpp_wrapper: the kernels are called from C++, not Python (fewer µs per
-      kernel; ~20% of a SmolLM2 bf16 step).
-    * realize_opcount_threshold 0: store every reused elementwise result (a few
-      KB per token) instead of recomputing it where it is read; otherwise
-      inductor inlines RMSNorm into the next matrix-vector loop and redoes the
-      normalisation for every weight row it reads (2.8x slower on that matrix).
-    * not `freezing`: it would fold W.float() into an fp32 copy of every
-      weight, doubling the bytes each step reads.
-    * not max_autotune: measured no faster here.
-
-    Given a ``folder``, a CPU step is compiled ahead of time instead, with the
-    same settings (AheadOfTime below): built once, loaded by every later start
-    (``build=False``: loaded if built, else eager; another process builds it).
-    Without one, torch.compile compiles it again at every start (faster after
-    the first, from inductor's on-disk cache)."""
+    Given a ``folder``, a CPU step is compiled ahead of time instead, with the same settings (AheadOfTime
+    below): built once, loaded by every later start (``build=False``: loaded if built, else eager; another
+    process builds it). Without one, torch.compile compiles it again at every start."""
     if torch.device(device).type == "cuda":
         return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)
     if folder is not None and torch.device(device).type == "cpu":
@@ -480,27 +482,24 @@ def live_rows(mask: torch.Tensor | None, cache) -> bool | None:
 class AheadOfTime:
     """A model's one-token step compiled once into a file that later starts load.
 
-    torch.compile keeps its result in the process: every start traces the step
-    again and rebuilds the wrapper. AOTInductor exports the step (torch.export),
-    compiles it to a shared library with compile_step's settings and packages it
-    as a .pt2 file; a later start dlopens it, and each call runs with no Python
-    guards (`python bench.py compiled-start` measures both). A package holds one
-    set of shapes: each variant of a call (a cache size, last_only, hidden,
-    features) gets its own file, built at its first call.
+    torch.compile keeps its result in the process: every start traces the step again and rebuilds the
+    wrapper. AOTInductor exports the step (torch.export), compiles it to a shared library with
+    compile_step's settings and packages it as a .pt2 file; a later start dlopens it, and each call runs
+    with no Python guards (`python bench.py compiled-start` measures both). A package holds one set of
+    shapes: each variant of a call (a cache size, last_only, hidden, features) gets its own file, built at
+    its first call.
 
-    The weights are not in the package (package_constants_in_so off): the
-    library reads the model's own tensors (user_managed: no copy), so the file
-    is a few MB of code, not a second copy of the weights (540 MB for SmolLM2
-    in fp32), and one package serves every checkpoint of the same shapes. The
-    library keeps the pointers it was handed at a variant's first call: if a
-    weight is swapped for another tensor later (tying, quantizing), compile again.
+    The weights are not in the package (package_constants_in_so off): the library reads the model's own
+    tensors (user_managed: no copy), so the file is a few MB of code, not a second copy of the weights (540 MB
+    for SmolLM2 in fp32), and one package serves every checkpoint of the same shapes. The library keeps
+    the pointers it was handed at a variant's first call: if a weight is swapped for another tensor later
+    (tying, quantizing), compile again.
 
-    The cache's K/V are inputs the step writes in place, the current ones at each call (a fork replaces them).
-    The file's name is a digest of everything the compiled code depends on, so a
-    different model, dtype, context, attention, cache codec, torch version, CPU
-    or source of the step never loads a wrong one: the call's shapes and flags,
-    every weight's name, shape and dtype, the model's config and module tree,
-    and the source of the step's module and of the project modules it imports."""
+    The cache's K/V are inputs the step writes in place, the current ones at each call (a fork replaces
+    them). The file's name is a digest of everything the compiled code depends on, so a different model,
+    dtype, context, attention, cache codec, torch version, CPU or source of the step never loads a wrong
+    one: the call's shapes and flags, every weight's name, shape and dtype, the model's config and module
+    tree, and the source of the step's module and of the project modules it imports."""
 
     def __init__(self, step, folder: Path, build: bool = True):
         self.step, self.folder, self.build_missing = step, Path(folder), build

@@ -121,6 +121,40 @@ def test_native_kernels_are_batch_invariant(scheme):
     assert torch.equal(together, alone)
 
 
+def test_bf16_kernel_in_the_compiled_step():
+    """bf16 weights in a compiled one-token step: kernels.bf16_mm (fp32 sums, rounded to bf16), with the
+    plain product's values; each row of a several-row call gets a one-row call's bits."""
+    native_or_skip()
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(5632, 96, bias=False).to(torch.bfloat16)
+    x = torch.randn(1, 1, 5632, dtype=torch.bfloat16)
+    exact = (x.double() @ layer.weight.double().t()).float()
+    step = torch.compile(lambda x: kernels.linear(x, layer), dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        y = step(x)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, kernels.bf16_mm(x[0], layer.weight)[None])
+        torch.testing.assert_close(y.float(), exact, atol=0.02, rtol=0.01)
+        rows = torch.randn(7, 5632, dtype=torch.bfloat16)
+        assert torch.equal(kernels.bf16_mm(rows, layer.weight),
+                           torch.cat([kernels.bf16_mm(rows[i:i + 1], layer.weight) for i in range(7)]))
+
+
+def test_huge_pages_keep_the_tensors_and_their_values():
+    """kernels.huge_pages moves tensors in place into one 2 MB-page buffer: the same objects, the same
+    values after the caller's other references are gone; where Linux offers no huge pages, nothing moves."""
+    a, b = torch.randn(1000, 3), torch.randint(0, 255, (77,), dtype=torch.uint8)
+    copies = [a.clone(), b.clone()]
+    moved = kernels.huge_pages([a, b])
+    import gc
+    gc.collect()
+    assert torch.equal(a, copies[0]) and torch.equal(b, copies[1])
+    if moved:
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
+        a += 1                                          # still an ordinary, writable tensor
+        assert torch.equal(a, copies[0] + 1)
+
+
 @pytest.mark.parametrize("B,H,H_kv,d,L", [(1, 9, 3, 64, 1), (1, 9, 3, 64, 200), (2, 8, 2, 32, 70), (3, 4, 4, 128, 65)])
 def test_decode_attention_kernel_equals_sdpa(B, H, H_kv, d, L):
     """kernels.cpp's one-token attention against PyTorch's SDPA: GQA, K/V read as a static cache's
