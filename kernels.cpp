@@ -227,7 +227,7 @@ static inline __m512 bf16x16(const uint16_t* w) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
 }
 template <int MT>
-static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, float* y, int64_t N) {
+static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, c10::BFloat16* y, int64_t N) {
   __m512 acc[MT][2];
   UNROLL
   for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
@@ -264,7 +264,7 @@ static inline __m256 bf16x8(const uint16_t* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
 }
 template <int MT>
-static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, float* y, int64_t N) {
+static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, c10::BFloat16* y, int64_t N) {
   __m256 acc[MT][4];
   UNROLL
   for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
@@ -328,7 +328,7 @@ static inline float bf16(uint16_t b) {
   return v;
 }
 template <int MT>
-static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, float* y, int64_t N) {
+static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, c10::BFloat16* y, int64_t N) {
   for (int t = 0; t < MT; t++) {
     float a[32] = {0};
     for (int64_t k = 0; k < K; k++) a[k % 32] = std::fma(bf16(w[k]), bf16(x[t * K + k]), a[k % 32]);
@@ -394,19 +394,19 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return y;
 }
 
-// bf16 x and weights, fp32 sums, the result rounded to bf16.
+// bf16 x and weights, fp32 sums, each result rounded to bf16 as it is stored.
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
               x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1) && w.size(1) % 32 == 0,
               "bf16_mm: x (M, K) and w (N, K) bf16, K a multiple of 32");
   int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto y = at::empty({M, N}, x.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  float* yp = y.data_ptr<float>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
 #define BF16(MT, n, m) bf16_row<MT>(wp + n * K, K, xp + m * K, yp + m * N + n, N)
   TILED(BF16)
-  return y.to(at::kBFloat16);
+  return y;
 }
 
 // ---- One new token's attention over L cached keys (kernels.py: decode_attention) ----
@@ -422,14 +422,20 @@ static inline __m256 reduce8(const __m256* a) {
   __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+// Eight keys' or values' entries as fp32: a bf16 cache's widened by a shift (bf16 is fp32's upper half).
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 // s[j] = q·k_j · scale for n keys, eight at a time (a tail repeats the last key; s has room).
-static inline void scores(const float* q, const float* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {
+template <typename T>
+static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {
   for (int64_t j = 0; j < n; j += 8) {
     __m256 a[8];
     for (int t = 0; t < 8; t++) {
-      const float* kj = k + std::min(j + t, n - 1) * sk;
-      a[t] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
-      for (int64_t i = 8; i < d; i += 8) a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), a[t]);
+      const T* kj = k + std::min(j + t, n - 1) * sk;
+      a[t] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(kj));
+      for (int64_t i = 8; i < d; i += 8) a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kj + i), a[t]);
     }
     _mm256_storeu_ps(s + j, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
   }
@@ -460,28 +466,30 @@ static inline float exp_sum(float* s, float m, int64_t n) {
   return hsum8(acc);
 }
 // o = Σ_j p_j·v_j, 64 columns at a time in 8 registers (a chain of FMAs per register, no stores).
-static inline void weighted_v(const float* p, const float* v, int64_t sv, int64_t n, int64_t d, float* o) {
+template <typename T>
+static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n, int64_t d, float* o) {
   int64_t i0 = 0;
   for (; i0 + 64 <= d; i0 += 64) {
     __m256 acc[8];
     for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
       __m256 pj = _mm256_set1_ps(p[j]);
-      for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * sv + i0 + 8 * t), acc[t]);
+      for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(pj, load8(v + j * sv + i0 + 8 * t), acc[t]);
     }
     for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + i0 + 8 * t, acc[t]);
   }
   for (; i0 < d; i0 += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * sv + i0), acc);
+    for (int64_t j = 0; j < n; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + j * sv + i0), acc);
     _mm256_storeu_ps(o + i0, acc);
   }
 }
 #else
-static inline void scores(const float* q, const float* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {
+template <typename T>
+static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {
   for (int64_t j = 0; j < n; j++) {
     float a = 0.f;
-    for (int64_t i = 0; i < d; i++) a = std::fma(q[i], k[j * sk + i], a);
+    for (int64_t i = 0; i < d; i++) a = std::fma(q[i], float(k[j * sk + i]), a);
     s[j] = a * scale;
   }
 }
@@ -490,21 +498,20 @@ static inline float exp_sum(float* s, float m, int64_t n) {
   for (int64_t j = 0; j < n; j++) acc += (s[j] = s[j] == -INFINITY ? 0.f : std::exp(s[j] - m));
   return acc;
 }
-static inline void weighted_v(const float* p, const float* v, int64_t sv, int64_t n, int64_t d, float* o) {
+template <typename T>
+static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n, int64_t d, float* o) {
   for (int64_t i = 0; i < d; i++) o[i] = 0.f;
   for (int64_t j = 0; j < n; j++)
-    for (int64_t i = 0; i < d; i++) o[i] = std::fma(p[j], v[j * sv + i], o[i]);
+    for (int64_t i = 0; i < d; i++) o[i] = std::fma(p[j], float(v[j * sv + i]), o[i]);
 }
 #endif
 
 // q (B, H, 1, d); k, v (B, H_kv, L, d), any strides but d's; mask None or bool, L (all batches) or B·L.
-at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask) {
-  TORCH_CHECK(q_.dim() == 4 && q_.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() &&
-              q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "decode_attention: q (B, H, 1, d), k and v (B, H_kv, L, d), fp32");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v contiguous along d");
-  at::Tensor q = q_.contiguous();
+// K and V fp32 or bf16 (read as stored, summed in fp32); q and the result in K's dtype.
+template <typename T>
+static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
+                             const std::optional<at::Tensor>& mask) {
+  at::Tensor q = q_.to(at::kFloat).contiguous();
   int64_t B = q.size(0), H = q.size(1), d = q.size(3), Hkv = k.size(1), L = k.size(2), G = H / Hkv;
   TORCH_CHECK(k.size(0) == B && k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && L > 0, "decode_attention: shapes");
   const bool* mp = nullptr;
@@ -517,15 +524,16 @@ at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k, const at:
   }
   int64_t chunks = (L + CHUNK - 1) / CHUNK, units = B * Hkv * chunks;
   std::vector<float> part(units * G * (d + 2));        // per unit and head: max, sum, Σ p·v (d)
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   float scale = 1.f / std::sqrt(float(d));
   int64_t sk = k.stride(2), sv = v.stride(2), kb0 = k.stride(0), kb1 = k.stride(1), vb0 = v.stride(0), vb1 = v.stride(1);
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> s(G * (CHUNK + 8));
     for (int64_t u = u0; u < u1; u++) {
       int64_t b = u / (Hkv * chunks), h = u / chunks % Hkv, j0 = u % chunks * CHUNK, n = std::min<int64_t>(CHUNK, L - j0);
-      const float* kb = kp + b * kb0 + h * kb1 + j0 * sk;
-      const float* vb = vp + b * vb0 + h * vb1 + j0 * sv;
+      const T* kb = kp + b * kb0 + h * kb1 + j0 * sk;
+      const T* vb = vp + b * vb0 + h * vb1 + j0 * sv;
       const float* qg = qp + (b * H + h * G) * d;
       for (int64_t g = 0; g < G; g++) {
         float* sg = s.data() + g * (CHUNK + 8);
@@ -558,7 +566,16 @@ at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k, const at:
       }
       for (int64_t i = 0; i < d; i++) o[i] = l > 0.f ? o[i] / l : 0.f;
     }
-  return y;
+  return y.to(q_.scalar_type());
+}
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask) {
+  auto type = k.scalar_type();
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && q.scalar_type() == type &&
+              v.scalar_type() == type && (type == at::kFloat || type == at::kBFloat16),
+              "decode_attention: q (B, H, 1, d), k and v (B, H_kv, L, d), all fp32 or all bf16");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v contiguous along d");
+  return type == at::kFloat ? attend_one<float>(q, k, v, mask) : attend_one<c10::BFloat16>(q, k, v, mask);
 }
 
 TORCH_LIBRARY(nanoinfer, m) {

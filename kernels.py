@@ -278,11 +278,13 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-    """One token's attention (kernels.cpp): q (B, H, 1, d), k, v (B, H_kv, L, d) fp32 on a CPU, mask None or bool
+    """One token's attention (kernels.cpp): q (B, H, 1, d), k, v (B, H_kv, L, d) all fp32 or all bf16 (summed in
+    fp32) on a CPU, mask None or bool
     (B or 1, 1, 1, L); None where it does not apply or the kernels are not built. model.attend's own decode path
     (two batched products, a softmax) runs aten's small-M GEMMs: 3 query rows a KV head read K and V at ~8 GB/s.
     This reads each K/V row once for its query heads, 64 keys at a time (flash.decode's split, in fixed order)."""
-    if not (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] == 1 and k.stride(-1) == 1
+    if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[2] == 1 and k.stride(-1) == 1
             and v.stride(-1) == 1 and q.shape[-1] % 8 == 0 and hasattr(torch.ops.nanoinfer, "decode_attention")):
         return None
     if mask is not None and not (mask.dtype == torch.bool and mask.shape[-2:] == (1, k.shape[2])

@@ -200,7 +200,7 @@ def attend(q, k, v, mask, impl: str = "sdpa", window: int | None = None):
     Prefill (T > 1) uses PyTorch's fused SDPA kernel, which never builds the
     T×L score matrix; enable_gqa lets each group of H/H_kv query heads read one
     K/V head without materialising repeated copies of K and V.
-    Decode (T = 1) on a CPU in fp32 is one C++ call (kernels.decode_attention). Elsewhere the query heads
+    Decode (T = 1) on a CPU, fp32 or bf16, is one C++ call (kernels.decode_attention). Elsewhere the query heads
     sharing a KV head are rows of one matrix (GQA costs no copy; ~3.5× SDPA with a mask, bf16, 9 heads × 512
     keys); K/V gathered head-major (the paged pool) batch in (H_kv, B) order: matmul copies them no second time."""
     if impl == "naive":

@@ -169,5 +169,11 @@ def test_decode_attention_kernel_equals_sdpa(B, H, H_kv, d, L):
         y = kernels.decode_attention(q, k, v, mask)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != H_kv)
         torch.testing.assert_close(y, ref, atol=2e-6, rtol=1e-5)
-    assert kernels.decode_attention(q.double(), k.double(), v.double(), None) is None        # fp32 only
+        # a bf16 cache: read as stored, summed in fp32, the result rounded once to bf16
+        bf = kernels.decode_attention(*(t.bfloat16() for t in (q, k, v)), mask)
+        exact = torch.nn.functional.scaled_dot_product_attention(*(t.bfloat16().double() for t in (q, k, v)),
+                                                                 attn_mask=mask, enable_gqa=H != H_kv)
+        assert bf.dtype == torch.bfloat16
+        torch.testing.assert_close(bf.double(), exact, atol=1e-2, rtol=8e-3)
+    assert kernels.decode_attention(q.double(), k.double(), v.double(), None) is None        # fp32 or bf16 only
     assert kernels.decode_attention(q, k, v, torch.ones(B, H, 1, L, dtype=torch.bool)) is None       # per head: not here
