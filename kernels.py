@@ -296,34 +296,33 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # ----------------------------------------------------------------------------
 # Prepacked weights: the layout oneDNN wants, made once.
 
-def prepack(model: nn.Module) -> nn.Module:
-    """Give every big Linear on the CPU a copy of its weight in oneDNN's blocked layout, for `linear`'s eager
-    inference. Handed a row-major W, oneDNN reorders it on every call over more than one position: a
-    3072×576 fp32 product over 4 rows took 3.1x one row's time, and 1.3x on a weight reordered once
-    (`python kernels.py`). With the copy, checking 4 speculated guesses costs about one step; the values
-    are bitwise equal. The price is a second copy (+540 MB for SmolLM2 in fp32): the compiled step,
-    quantization and checkpoints read the plain one. A layer keeps its copy only while its weight is the
-    same tensor (tying swaps it: prepack again); in-place changes (an optimizer step) are not noticed, so
-    train with F.linear (grad enabled) or not prepacked."""
-    if not ONEDNN:
-        return model
-    bf16_ok, streamed = bf16_supported(torch.device("cpu")), []
+def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
+    """Lay out a CPU model's weights once: every weight a decode step streams moves to 2 MB pages
+    (huge_pages, below), and with ``copies`` every big Linear also gets a copy in oneDNN's blocked layout
+    for `linear`'s eager inference. Handed a row-major W, oneDNN reorders it on every call over more than
+    one position: a 3072×576 fp32 product over 4 rows took 3.1x one row's time, and 1.3x on a weight
+    reordered once (`python kernels.py`). With the copy, checking 4 speculated guesses costs about one
+    step; the values are bitwise equal. The price is a second copy (+540 MB for SmolLM2 in fp32): the
+    compiled step, quantization and checkpoints read the plain one. A layer keeps its copy only while its
+    weight is the same tensor (tying swaps it: prepack again); in-place changes (an optimizer step) are
+    not noticed, so train with F.linear (grad enabled) or not prepacked."""
+    bf16_ok, streamed = ONEDNN and bf16_supported(torch.device("cpu")), []
     for m in model.modules():
-        if getattr(m, "native", False) and packed_weight(m) is None:
+        w, native = getattr(m, "weight", None), getattr(m, "native", False)
+        if not (native or isinstance(m, nn.Linear)) or w is None or w.device.type != "cpu" or packed_weight(m) is not None:
+            continue
+        if native:
             # a quantized layer on the C++ kernels (quantize.py): its one-row passes read the small
-            # weights (moved to huge pages); a prefill (compute-bound) gets the same values widened
-            # to fp32, blocked once
-            m.onednn = (m.weight, torch.ops.mkldnn._reorder_linear_weight(m.dequantized().float(), 16))
-            streamed += [t for t in m.buffers(recurse=False) if t is not m.onednn[1]]
+            # weights; a prefill (compute-bound) gets the same values widened to fp32, blocked once
+            streamed += list(m.buffers(recurse=False))
+            if copies and ONEDNN:
+                m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(m.dequantized().float(), 16))
             continue
-        w = getattr(m, "weight", None)
-        if not isinstance(m, nn.Linear) or w.device.type != "cpu" or w.numel() < ONEDNN_MIN or \
-                not (w.dtype == torch.float32 or w.dtype == torch.bfloat16 and bf16_ok):
-            continue
-        if packed_weight(m) is None:
+        streamed.append(w)          # what a compiled step reads
+        if copies and ONEDNN and w.numel() >= ONEDNN_MIN and (w.dtype == torch.float32 or w.dtype == torch.bfloat16
+                                                               and bf16_ok):
             # the size hint (16 rows) picks the blocking; any number of rows can use it
             m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
-            streamed.append(w)          # what a compiled step reads
     huge_pages(streamed)
     return model
 

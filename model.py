@@ -459,8 +459,7 @@ def build(model_dir, device=None, dtype=None, weights: str | None = None, group_
     if model.embed_tokens.weight.device.type == "cpu":
         kernels.native_kernels()
     quantize.quantize_model(model, weights, group_size, prepare)
-    if prepacked:           # a no-op off the CPU; quantized layers get it where they run the C++ kernels
-        kernels.prepack(model)
+    kernels.prepack(model, copies=prepacked)    # a no-op off the CPU
     return model
 
 

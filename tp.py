@@ -305,7 +305,7 @@ def load(name: str, device=None, dtype=None, attn: str = "sdpa", prepacked: bool
     full, tok = model.load(name, "cpu", kernels.pick_dtype(dtype, dev), attn=attn, prepacked=False)
     check_same(full, str(name), group)
     mine = shard(full, part, group).to(dev)
-    return (kernels.prepack(mine) if prepacked else mine), tok
+    return kernels.prepack(mine, copies=prepacked), tok
 
 
 # ----------------------------------------------------------------------------
