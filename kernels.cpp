@@ -20,7 +20,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <cstring>
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -69,6 +68,11 @@ static inline float hsum8(__m256 s) {
 }
 static inline float hsum(const __m256* a) {
   return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+}
+
+// Eight bf16 values as fp32: bf16 is fp32's upper half, so a zero-extending load and a shift.
+static inline __m256 bf16x8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
 // 32 weights of one int4 row (16 bytes, even weight in the low nibble) as fp32: per 8 bytes one widening
@@ -134,6 +138,11 @@ static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t 
 // against AVX2's 17: 4.46 cycles against 5.02 (Zen 4, from L2, one thread); the same sums in the same order.
 // A 16-lane sum's upper 8 lanes (its lower 8: _mm512_castps512_ps256).
 static inline __m256 upper8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+// The 32 lanes of two 16-lane sums, reduced as AVX2's four 8-lane ones (hsum).
+static inline float hsum(__m512 a0, __m512 a1) {
+  __m256 h[4] = {_mm512_castps512_ps256(a0), upper8(a0), _mm512_castps512_ps256(a1), upper8(a1)};
+  return hsum(h);
+}
 
 template <int R>
 static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G, const float* xc,
@@ -215,19 +224,16 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
     }
   }
   UNROLL
-  for (int t = 0; t < MT; t++) {
-    __m256 h[4] = {_mm512_castps512_ps256(acc[t][0]), upper8(acc[t][0]), _mm512_castps512_ps256(acc[t][1]), upper8(acc[t][1])};
-    y[t * N] = hsum(h) * scale;
-  }
+  for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]) * scale;
 }
 // One bf16 row: bf16 is fp32's upper half, so 16 weights widen with a zero-extending load and a shift,
 // and so does x, read as bf16: fp32 x (22 KB at K = 5632) would not stay in L1 beside the streaming weights
 // (0.68x the bandwidth at that K). No software prefetch: it cost 10-25% here. The same 32 lanes as int8_row.
-static inline __m512 bf16x16(const uint16_t* w) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
+static inline __m512 bf16x16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 template <int MT>
-static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, c10::BFloat16* y, int64_t N) {
+static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y, int64_t N) {
   __m512 acc[MT][2];
   UNROLL
   for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
@@ -240,10 +246,7 @@ static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, c10::BFloa
     }
   }
   UNROLL
-  for (int t = 0; t < MT; t++) {
-    __m256 h[4] = {_mm512_castps512_ps256(acc[t][0]), upper8(acc[t][0]), _mm512_castps512_ps256(acc[t][1]), upper8(acc[t][1])};
-    y[t * N] = hsum(h);
-  }
+  for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]);
 }
 #else
 template <int MT>
@@ -260,11 +263,8 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
   UNROLL
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t]) * scale;
 }
-static inline __m256 bf16x8(const uint16_t* w) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
-}
 template <int MT>
-static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, c10::BFloat16* y, int64_t N) {
+static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y, int64_t N) {
   __m256 acc[MT][4];
   UNROLL
   for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
@@ -321,17 +321,11 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
     y[t * N] = hsum(a) * scale;
   }
 }
-static inline float bf16(uint16_t b) {
-  uint32_t bits = uint32_t(b) << 16;
-  float v;
-  std::memcpy(&v, &bits, 4);
-  return v;
-}
 template <int MT>
-static void bf16_row(const uint16_t* w, int64_t K, const uint16_t* x, c10::BFloat16* y, int64_t N) {
+static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y, int64_t N) {
   for (int t = 0; t < MT; t++) {
     float a[32] = {0};
-    for (int64_t k = 0; k < K; k++) a[k % 32] = std::fma(bf16(w[k]), bf16(x[t * K + k]), a[k % 32]);
+    for (int64_t k = 0; k < K; k++) a[k % 32] = std::fma(float(w[k]), float(x[t * K + k]), a[k % 32]);
     y[t * N] = hsum(a);
   }
 }
@@ -401,8 +395,7 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
               "bf16_mm: x (M, K) and w (N, K) bf16, K a multiple of 32");
   int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = at::empty({M, N}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *wp = w.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
 #define BF16(MT, n, m) bf16_row<MT>(wp + n * K, K, xp + m * K, yp + m * N + n, N)
   TILED(BF16)
@@ -424,9 +417,7 @@ static inline __m256 reduce8(const __m256* a) {
 }
 // Eight keys' or values' entries as fp32: a bf16 cache's widened by a shift (bf16 is fp32's upper half).
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
+static inline __m256 load8(const c10::BFloat16* p) { return bf16x8(p); }
 // s[j] = q·k_j · scale for n keys, eight at a time (a tail repeats the last key; s has room).
 template <typename T>
 static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {

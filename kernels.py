@@ -268,7 +268,7 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Ten
 
 
 def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (M, K) · wᵀ for w (N, K) bf16, summed in fp32 (int8_mm's order), rounded to x's dtype. Needs native_kernels()."""
+    """x (M, K) · wᵀ, both bf16, summed in fp32 (int8_mm's order), each result rounded to bf16. Needs native_kernels()."""
     return torch.ops.nanoinfer.bf16_mm(x, w)
 
 
