@@ -3,7 +3,7 @@ bench.py — the project's benchmarks and model-level demos, one subcommand per 
 markdown tables and saves them with results.save (results/<name>.json; plots under plots/).
 
     python bench.py decode                        # bundled model + TinyLlama-shaped random checkpoint
-    python bench.py decode --model tinyllama-random --dtypes bfloat16
+    python bench.py decode --models tinyllama-random --dtypes bfloat16
     python bench.py attention [--quick]           # flash.py: naive vs tiled vs SDPA, time and peak memory
     python bench.py batching                      # engine.py: static vs continuous batching; prefix caching;
                                                   # chunked prefill (--long-prompts-only: just that)
@@ -259,8 +259,21 @@ def measure_in_turn(fns: dict, reps: int) -> dict:
 
 def bench_decode(args):
     rows = []
+    llama_cpp, peer = None, not args.no_peers and args.device == "cpu"
+    if peer:
+        try:
+            import llama_cpp
+        except ImportError:
+            pass
+        peer = llama_cpp is not None or llama_server_binary() is not None
+        if not peer:
+            print("neither llama-cpp-python nor llama-server: skipping llama.cpp "
+                  "(pip install -r requirements-bench.txt, or scripts/build_llama_server.sh)")
     for name in args.models:
         path = model_dir(name)
+        # The GGUF exports first (once): writing TinyLlama's F16 beside the fp32 group's four models
+        # (~15 GB) ran a 24 GB machine out of memory.
+        ggufs = llama_cpp_files(name, path) if peer else {}
         for dtype in args.dtypes:
             model = build(path, args.device, dtype)        # as the runner builds it (run_ours ignores EOS)
             prompt = torch.randint(100, model.config.vocab_size - 100, (args.prompt_tokens,),
@@ -304,16 +317,8 @@ def bench_decode(args):
                 except ImportError:
                     print("transformers not installed: skipping it (pip install -r requirements-bench.txt)")
             servers = []     # llama-server processes of this group, stopped after it
-            if not args.no_peers and dtype == args.dtypes[0] and args.device == "cpu":    # GGUF rows do not depend on our dtype
-                try:
-                    import llama_cpp
-                except ImportError:
-                    llama_cpp = None
-                peer = llama_cpp is not None or llama_server_binary() is not None
-                if not peer:
-                    print("neither llama-cpp-python nor llama-server: skipping llama.cpp "
-                          "(pip install -r requirements-bench.txt, or scripts/build_llama_server.sh)")
-                for label, gguf_path in llama_cpp_files(name, path).items() if peer else []:
+            if dtype == args.dtypes[0]:     # GGUF rows do not depend on our dtype
+                for label, gguf_path in ggufs.items():
                     threads = torch.get_num_threads()
                     if llama_cpp is not None:
                         llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,

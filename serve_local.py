@@ -65,7 +65,7 @@ class Chat:
     ids: list = field(default_factory=list)   # the conversation's tokens; the cache holds a prefix of them
     proposer: object = None       # speculative decoding (speculative.py): --draft, --lookahead, --prompt-lookup
     spec: object = None           # the last turn's speculative stats
-    plain_step_s: float = 0.0     # one plain decode step, measured at start: the speedup's baseline
+    plain_step_s: float = 0.0     # one plain decode step after the last answer: the speedup's baseline
     building: object = None       # the process building the compiled step (warm_up), till take_compiled_step
 
     def __post_init__(self):
@@ -130,6 +130,8 @@ class Chat:
             # interrupt some layers may hold one more, so crop all to the agreed length.
             self.keep(len(ids) + len(answer) - 1 if answer else prefix)
             self.ids = ids + answer
+        if self.proposer is not None:      # the baseline of the speedup the stats line prints
+            self.plain_step_s = plain_step_s(self.model, self.cache) or self.plain_step_s
         text = self.tok.decode([t for t in answer if t not in self.model.config.eos_ids], skip_special=True)
         if not self.raw:
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
@@ -262,26 +264,34 @@ def make_proposer(target: Llama, tok, draft: str | None = None, k: int = 4, adap
 
 def plain_step_s(model: Llama, cache=None, context: int = 64, steps: int = 6) -> float:
     """The time of one plain decode step (median), the runner's baseline for the
-    speedup. Pass the runner's own (empty) cache: with --compile a static cache's
-    one-token step is the compiled one (several times faster than the eager step),
-    and the baseline must be what decoding without a proposer would cost."""
+    speedup. Pass the runner's own cache: with --compile a static cache's one-token
+    step is the compiled one (several times faster than the eager step), and the
+    baseline must be what decoding without a proposer would cost. On a cache that
+    holds the conversation the steps run after it, at the context the answer reached,
+    and are cropped off again: timed right after the answer, because this machine's
+    bandwidth drifts minute to minute (a baseline timed once at start put the estimate
+    at 0.62-0.88 of the measured ratio). An empty cache first takes a `context`-token
+    prompt. 0.0 when the cache has no room left for a step."""
     dev = model.embed_tokens.weight.device
     cache = model.new_cache() if cache is None else cache
-    context = max(1, min(context, context_limit(model, cache) - steps - 1))   # a small --ctx holds it too
-    times = []
+    start, times = cache.length, []
     with torch.inference_mode():
-        model(torch.zeros(1, context, dtype=torch.long, device=dev), torch.arange(context, device=dev), cache)
-        for _ in range(steps):
+        if start == 0:     # a small --ctx holds it too
+            context = max(1, min(context, context_limit(model, cache) - steps - 1))
+            model(torch.zeros(1, context, dtype=torch.long, device=dev), torch.arange(context, device=dev), cache)
+        for _ in range(min(steps, context_limit(model, cache) - cache.length)):
             t0 = time.perf_counter()
             model(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([cache.length], device=dev),
                   cache, last_only=True)
             times.append(time.perf_counter() - t0)
-    cache.crop(0)
-    return sorted(times)[len(times) // 2]
+    cache.crop(start)
+    return sorted(times)[len(times) // 2] if times else 0.0
 
 
 def spec_stats_line(spec: speculative.SpecStats, stats: GenerationStats, plain_s: float) -> str:
     speed = (stats.new_tokens - 1) / stats.decode_s if stats.decode_s else 0.0
+    if not plain_s:     # the context was full: no room to time a plain step
+        return f"[speculative: {spec.summary()}]"
     return f"[speculative: {spec.summary()} | ~{speed * plain_s:.2f}x plain decoding ({1 / plain_s:.1f} tok/s)]"
 
 
@@ -615,8 +625,6 @@ def main(argv=None) -> int:
             print("compiled step ready" if p.compile else "nothing to compile: these flags run eagerly",
                   file=sys.stderr)
             return 0
-        if proposer is not None:   # after compiling: the baseline is this configuration's own plain step
-            chat.plain_step_s = plain_step_s(model, chat.cache)
         if args.prompt is None:
             interactive(chat)
             return 0

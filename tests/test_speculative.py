@@ -272,11 +272,22 @@ def test_compare_reports_where_texts_part(models):
 
 
 def test_plain_step_baseline_uses_the_given_cache(models):
-    """The runner's baseline runs through its own cache (compiled with --compile) and leaves it empty."""
+    """The runner's baseline runs through its own cache (compiled with --compile) and leaves
+    it as it found it: empty, or holding the conversation, whose entries stay untouched."""
     target, _ = models
     cache = target.new_cache("static", 256)
     assert serve_local.plain_step_s(target, cache) > 0 and cache.length == 0
     assert serve_local.plain_step_s(target) > 0
+    with torch.inference_mode():
+        target(torch.tensor([PROMPTS[0]]), torch.arange(len(PROMPTS[0])), cache)
+    n = len(PROMPTS[0])
+    held = [cache.k[0][:, :, :n].clone(), cache.v[0][:, :, :n].clone()]
+    assert serve_local.plain_step_s(target, cache) > 0 and cache.length == n
+    assert torch.equal(cache.k[0][:, :, :n], held[0]) and torch.equal(cache.v[0][:, :, :n], held[1])
+    full = target.new_cache("static", len(PROMPTS[0]))
+    with torch.inference_mode():
+        target(torch.tensor([PROMPTS[0]]), torch.arange(len(PROMPTS[0])), full)
+    assert serve_local.plain_step_s(target, full) == 0.0 and full.length == len(PROMPTS[0])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
