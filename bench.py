@@ -257,8 +257,24 @@ def measure_in_turn(fns: dict, reps: int) -> dict:
             for name, rs in runs.items()}
 
 
+def memory_available() -> int:
+    """Bytes Linux could still hand out (MemAvailable: free plus reclaimable cache); unbounded elsewhere."""
+    try:
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 1 << 62
+    return int(line.split()[1]) * 1024
+
+
+def linear_bytes(c: LlamaConfig, dtype: str) -> int:
+    """A model's Linear weights (the head included) in ``dtype``: what prepack's copies add."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
+    return (c.n_layers * per_layer + c.vocab_size * c.hidden_size) * kernels.DTYPES[dtype].itemsize
+
+
 def bench_decode(args):
-    rows = []
+    rows, notes = [], []
     llama_cpp, peer = None, not args.no_peers and args.device == "cpu"
     if peer:
         try:
@@ -275,14 +291,13 @@ def bench_decode(args):
         # (~15 GB) ran a 24 GB machine out of memory.
         ggufs = llama_cpp_files(name, path) if peer else {}
         for dtype in args.dtypes:
-            model = build(path, args.device, dtype)        # as the runner builds it (run_ours ignores EOS)
-            prompt = torch.randint(100, model.config.vocab_size - 100, (args.prompt_tokens,),
+            cfg = LlamaConfig.from_hf(checkpoint.read_config(path))
+            prompt = torch.randint(100, cfg.vocab_size - 100, (args.prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
-            per_token = bytes_per_token(model, args.prompt_tokens + args.new_tokens // 2)
             n_ctx = args.prompt_tokens + args.new_tokens + 16   # a static cache sized to the job, as gpt-fast does
-            # implementation -> (dtype column, bytes read per decode step, fn(warmup) -> (ttft_s, decode_s))
-            impls = {"nanoinfer cached": (dtype, per_token, lambda warmup, model=model: run_ours(
-                model, prompt, 8 if warmup else args.new_tokens))}
+            # implementation -> (dtype column, bytes read per decode step, fn(warmup) -> (ttft_s, decode_s));
+            # the eager row comes first in the table but is built last (below)
+            impls = {"nanoinfer cached": None}
             for weights in ([] if args.no_compile else args.weights):
                 # More instances: compile_decode() switches every one-token step to the compiled graph;
                 # int8/int4 quantize every Linear first (quantize.py), activations stay in `dtype`.
@@ -305,6 +320,7 @@ def bench_decode(args):
                 impls[f"nanoinfer static+compile{'' if weights == 'auto' else ' ' + weights}"] = (
                     label, per_tok, lambda warmup, fast=fast, static=static: run_ours(
                         fast, prompt, 8 if warmup else args.new_tokens, static))
+            hf = None
             if not args.no_peers:
                 try:
                     from transformers import AutoConfig, LlamaForCausalLM
@@ -312,10 +328,23 @@ def bench_decode(args):
                     hf = LlamaForCausalLM.from_pretrained(None, config=AutoConfig.from_pretrained(path),
                                                           state_dict=checkpoint.read_weights(path),
                                                           dtype=kernels.DTYPES[dtype]).to(args.device).eval()
-                    impls["transformers generate"] = (dtype, per_token, lambda warmup: run_transformers(
-                        hf, prompt, 8 if warmup else args.new_tokens))
                 except ImportError:
                     print("transformers not installed: skipping it (pip install -r requirements-bench.txt)")
+            # The eager row as the runner builds it, with oneDNN's copies for its prefills, where they fit beside
+            # the rest: in TinyLlama's fp32 group on a 24 GB machine they pushed llama.cpp's mapped GGUFs out to
+            # disk (1.2 GB/s of page-ins). Without them its prefill is slower, its one-token steps the same.
+            gguf_bytes = sum(f.stat().st_size for f in ggufs.values()) if dtype == args.dtypes[0] else 0
+            copies = args.device != "cpu" or memory_available() > 2 * linear_bytes(cfg, dtype) + gguf_bytes + 2**30
+            if not copies:
+                notes.append(f"{name} {dtype}: nanoinfer cached without oneDNN's prepacked copies (they would not "
+                             "fit in memory beside the group's other rows): slower prefill, the same decode steps")
+            model = build(path, args.device, dtype, prepacked=copies)   # run_ours ignores EOS
+            per_token = bytes_per_token(model, args.prompt_tokens + args.new_tokens // 2)
+            impls["nanoinfer cached"] = (dtype, per_token, lambda warmup, model=model: run_ours(
+                model, prompt, 8 if warmup else args.new_tokens))
+            if hf is not None:
+                impls["transformers generate"] = (dtype, per_token, lambda warmup: run_transformers(
+                    hf, prompt, 8 if warmup else args.new_tokens))
             servers = []     # llama-server processes of this group, stopped after it
             if dtype == args.dtypes[0]:     # GGUF rows do not depend on our dtype
                 for label, gguf_path in ggufs.items():
@@ -346,6 +375,7 @@ def bench_decode(args):
             rows += [r + [r[5] / base] for r in group]
             del model
     table = decode_table(rows, args)
+    table.notes += notes
     if args.device != "cpu":    # what the GB/s column is to be read against on a GPU
         peak = copy_bandwidth(torch.device(args.device)) / 1e9
         table.notes.append(f"{torch.cuda.get_device_name()}: a device-to-device copy streams {peak:.0f} GB/s "
