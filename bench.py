@@ -30,10 +30,11 @@ memory bandwidth that decode speed implies (bytes read per token × tok/s; a
 decoder reads every weight once per token, plus the KV cache so far). Peers run
 in the same process and the same run, so ratios are fair on a noisy machine:
 transformers `generate` (dynamic cache) and llama.cpp (llama-cpp-python) when
-they are installed. llama.cpp runs GGUF files of the same weights, measured
-once per model (in the first dtype's group): the bundled model's original Q4_1
-file, and exports of our checkpoint (F16; Q8_0 too for tinyllama-random) that
-`checkpoint.export_gguf` writes once into the cache.
+they are installed. llama.cpp runs GGUF files of the same weights, each timed
+in turn with our rows of equal bits (F16 in the bfloat16 group; Q8_0 and Q4_1
+in the float32 group, beside our int8/int4 weights): the bundled model's
+original Q4_1 file, and exports of our checkpoint (F16; Q8_0 too for
+tinyllama-random) that `checkpoint.export_gguf` writes once into the cache.
 
 batching: engine.py's continuous batching against static batching (batches of
 --max-batch requests, each running until its longest answer is done; padded
@@ -273,6 +274,13 @@ def linear_bytes(c: LlamaConfig, dtype: str) -> int:
     return (c.n_layers * per_layer + c.vocab_size * c.hidden_size) * kernels.DTYPES[dtype].itemsize
 
 
+def gguf_group(label: str, dtypes: list[str]) -> str:
+    """The dtype group a llama.cpp row is timed in, in turn with its equal-bits rows: F16 beside our bf16,
+    Q8_0 and Q4_1 beside our int8/int4 weights with fp32 activations; else in the first group."""
+    group = "bfloat16" if label == "F16" else "float32"
+    return group if group in dtypes else dtypes[0]
+
+
 def bench_decode(args):
     rows, notes = [], []
     llama_cpp, peer = None, not args.no_peers and args.device == "cpu"
@@ -333,7 +341,8 @@ def bench_decode(args):
             # The eager row as the runner builds it, with oneDNN's copies for its prefills, where they fit beside
             # the rest: in TinyLlama's fp32 group on a 24 GB machine they pushed llama.cpp's mapped GGUFs out to
             # disk (1.2 GB/s of page-ins). Without them its prefill is slower, its one-token steps the same.
-            gguf_bytes = sum(f.stat().st_size for f in ggufs.values()) if dtype == args.dtypes[0] else 0
+            peers = {label: f for label, f in ggufs.items() if gguf_group(label, args.dtypes) == dtype}
+            gguf_bytes = sum(f.stat().st_size for f in peers.values())
             copies = args.device != "cpu" or memory_available() > 2 * linear_bytes(cfg, dtype) + gguf_bytes + 2**30
             if not copies:
                 notes.append(f"{name} {dtype}: nanoinfer cached without oneDNN's prepacked copies (they would not "
@@ -346,18 +355,17 @@ def bench_decode(args):
                 impls["transformers generate"] = (dtype, per_token, lambda warmup: run_transformers(
                     hf, prompt, 8 if warmup else args.new_tokens))
             servers = []     # llama-server processes of this group, stopped after it
-            if dtype == args.dtypes[0]:     # GGUF rows do not depend on our dtype
-                for label, gguf_path in ggufs.items():
-                    threads = torch.get_num_threads()
-                    if llama_cpp is not None:
-                        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
-                                              n_threads_batch=threads, n_batch=512, logits_all=False,
-                                              verbose=False)
-                        fn = lambda warmup, llm=llm: run_llama_cpp(llm, prompt, 8 if warmup else args.new_tokens)
-                    else:
-                        fn = LlamaServerDecode(gguf_path, threads, n_ctx, servers).run(prompt, args.new_tokens)
-                    impls[f"llama.cpp {label}"] = (label, gguf_bytes_per_token(
-                        gguf_path, model.config, args.prompt_tokens + args.new_tokens // 2), fn)
+            for label, gguf_path in peers.items():
+                threads = torch.get_num_threads()
+                if llama_cpp is not None:
+                    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
+                                          n_threads_batch=threads, n_batch=512, logits_all=False,
+                                          verbose=False)
+                    fn = lambda warmup, llm=llm: run_llama_cpp(llm, prompt, 8 if warmup else args.new_tokens)
+                else:
+                    fn = LlamaServerDecode(gguf_path, threads, n_ctx, servers).run(prompt, args.new_tokens)
+                impls[f"llama.cpp {label}"] = (label, gguf_bytes_per_token(
+                    gguf_path, model.config, args.prompt_tokens + args.new_tokens // 2), fn)
             with torch.inference_mode():
                 timed = measure_in_turn({impl: fn for impl, (_, _, fn) in impls.items()}, args.reps)
             for proc in servers:
@@ -392,7 +400,8 @@ def decode_table(rows: list[list], args) -> results.Table:
         f"median of {args.reps} rounds, each configuration in turn, {torch.get_num_threads()} threads",
         ["model", "implementation", "dtype", "TTFT ms", "prefill tok/s", "decode tok/s", "GB/s", "× transformers"],
         [r[:3] + [f"{r[3] * 1000:.0f}", f"{r[4]:.0f}", f"{r[5]:.1f}", f"{r[6]:.1f}", f"{r[7]:.2f}"] for r in rows],
-        [f"llama.cpp rows (dtype = GGUF tensor type) sit in the {args.dtypes[0]} group; × = decode speed over "
+        [f"llama.cpp rows (dtype = GGUF tensor type) are timed in turn with their equal-bits rows: F16 in the "
+         f"bfloat16 group, Q8_0 and Q4_1 in the float32 one (where a group did not run: {args.dtypes[0]}); × = decode speed over "
          "transformers generate in the group (over the group's first row without transformers); GB/s = bytes "
          "read per decode step × decode tok/s"])
 
