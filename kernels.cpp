@@ -61,7 +61,7 @@ static void reorder_x(const float* x, int64_t K, int64_t group, float* xp, float
 // - an Intel Xeon (Sapphire Rapids): bf16 one row at a time 14.3 GB/s, 4 rows 22.0, 8 rows 25.6 (aten's
 //   fp32 matrix-vector product, 4 B a weight: 27.3); on SmolLM2's rows of 576 (1,152 B) 8 rows gain
 //   nothing (15.3 against 15.8) and asking for the weights 4 KB ahead does (22.4); int8 asked for
-//   1 KB ahead 17.4, 4 KB ahead 21.5;
+//   1 KB ahead 17.4, 4 KB ahead 21.5; int4 (SmolLM2's matrices) 15.4 against 19.1;
 // - an AMD EPYC (Zen 4): bf16 one row 26-30 GB/s, 2 or 4 rows 13-25, prefetching 10-25% slower; int8
 //   within noise either way.
 // Each core keeps only so many cache-line misses in flight: on the Xeon one stream and its prefetcher do
@@ -70,7 +70,7 @@ static bool intel() {
   static const bool yes = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
   return yes;
 }
-#define INT8_AHEAD (intel() ? 4096 : AHEAD)
+#define STREAM_AHEAD (intel() ? 4096 : AHEAD)    // int8 and int4 with AVX-512
 
 // Ask for the weights 1 KB ahead of the loop: each 16 bytes of int4 feed ~20 instructions, so the
 // core's own lookahead reaches only ~100 bytes ahead (a few % at one row, in alternating runs).
@@ -162,11 +162,11 @@ static inline float hsum(__m512 a0, __m512 a1) {
 
 template <int R>
 static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G, const float* xc,
-                                   __m512 table, bool fetch, __m512* acc) {
+                                   __m512 table, int64_t fetch, __m512* acc) {
   __m512 xe = _mm512_loadu_ps(xc), xo = _mm512_loadu_ps(xc + 16);
   UNROLL
   for (int r = 0; r < R; r++) {
-    if (fetch) _mm_prefetch((const char*)(q + r * row_bytes + AHEAD), _MM_HINT_T0);
+    if (fetch) _mm_prefetch((const char*)(q + r * row_bytes + fetch), _MM_HINT_T0);
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes)));
     __m512 e = _mm512_permutexvar_ps(b, table), o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
     acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo, _mm512_mul_ps(e, xe)), _mm512_set1_ps(s[r * G]), acc[r]);
@@ -180,8 +180,9 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
   __m512 acc[R];
   UNROLL
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  const int64_t ahead = STREAM_AHEAD;
   for (int64_t c = 0; c < K / 32; c++)
-    int4_block_rows<R>(q + c * 16, K / 2, s + (c >> shift), G, xp + c * 32, table, (c & 3) == 0, acc);
+    int4_block_rows<R>(q + c * 16, K / 2, s + (c >> shift), G, xp + c * 32, table, (c & 3) == 0 ? ahead : 0, acc);
   UNROLL
   for (int r = 0; r < R; r++) {
     y[r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), upper8(acc[r]))) + lo_share(lo + r * G, sx, G);
@@ -229,8 +230,9 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
   __m512 acc[MT][2];
   UNROLL
   for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  const int64_t ahead = STREAM_AHEAD;
   for (int64_t c = 0; c < K / 32; c++) {
-    if ((c & 1) == 0) _mm_prefetch((const char*)(q + c * 32 + INT8_AHEAD), _MM_HINT_T0);
+    if ((c & 1) == 0) _mm_prefetch((const char*)(q + c * 32 + ahead), _MM_HINT_T0);
     __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + c * 32))));
     __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + c * 32 + 16))));
     UNROLL
