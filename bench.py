@@ -92,6 +92,7 @@ import engine
 import flash
 import kernels
 import kvcache
+import plan
 import quantize
 import results
 import speculative
@@ -267,13 +268,6 @@ def memory_available() -> int:
     return int(line.split()[1]) * 1024
 
 
-def linear_bytes(c: LlamaConfig, dtype: str) -> int:
-    """A model's Linear weights (the head included) in ``dtype``: what prepack's copies add."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
-    return (c.n_layers * per_layer + c.vocab_size * c.hidden_size) * kernels.DTYPES[dtype].itemsize
-
-
 def gguf_group(label: str, dtypes: list[str]) -> str:
     """The dtype group a llama.cpp row is timed in, in turn with its equal-bits rows: F16 beside our bf16,
     Q8_0 and Q4_1 beside our int8/int4 weights with fp32 activations; else in the first group."""
@@ -298,8 +292,9 @@ def bench_decode(args):
         # The GGUF exports first (once): writing TinyLlama's F16 beside the fp32 group's four models
         # (~15 GB) ran a 24 GB machine out of memory.
         ggufs = llama_cpp_files(name, path) if peer else {}
+        info = plan.model_info(str(path))      # its config, and its Linear weights (what prepack's copies add)
+        cfg = info.config
         for dtype in args.dtypes:
-            cfg = LlamaConfig.from_hf(checkpoint.read_config(path))
             prompt = torch.randint(100, cfg.vocab_size - 100, (args.prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
             n_ctx = args.prompt_tokens + args.new_tokens + 16   # a static cache sized to the job, as gpt-fast does
@@ -343,7 +338,8 @@ def bench_decode(args):
             # disk (1.2 GB/s of page-ins). Without them its prefill is slower, its one-token steps the same.
             peers = {label: f for label, f in ggufs.items() if gguf_group(label, args.dtypes) == dtype}
             gguf_bytes = sum(f.stat().st_size for f in peers.values())
-            copies = args.device != "cpu" or memory_available() > 2 * linear_bytes(cfg, dtype) + gguf_bytes + 2**30
+            copies = args.device != "cpu" or memory_available() > 2 * info.matrix_params * kernels.DTYPES[dtype].itemsize \
+                + gguf_bytes + 2**30
             if not copies:
                 notes.append(f"{name} {dtype}: nanoinfer cached without oneDNN's prepacked copies (they would not "
                              "fit in memory beside the group's other rows): slower prefill, the same decode steps")

@@ -268,10 +268,9 @@ def plain_step_s(model: Llama, cache=None, context: int = 64, steps: int = 6) ->
     step is the compiled one (several times faster than the eager step), and the
     baseline must be what decoding without a proposer would cost. On a cache that
     holds the conversation the steps run after it, at the context the answer reached,
-    and are cropped off again: timed right after the answer, because this machine's
-    bandwidth drifts minute to minute (a baseline timed once at start put the estimate
-    at 0.62-0.88 of the measured ratio). An empty cache first takes a `context`-token
-    prompt. 0.0 when the cache has no room left for a step."""
+    and are cropped off again: timed right after the answer, because a CPU's bandwidth
+    drifts minute to minute and the baseline must see the answer's own minute. An empty
+    cache first takes a `context`-token prompt. 0.0 when the cache has no room left."""
     dev = model.embed_tokens.weight.device
     cache = model.new_cache() if cache is None else cache
     start, times = cache.length, []
