@@ -151,7 +151,7 @@ def calibrate(shape: tuple[int, int], bf16: bool, reps: int = 5) -> dict[str, fl
 
 
 def probe_path(device: torch.device, name: str, shape) -> Path:
-    key = f"v3-{device.type}-{name}-torch{torch.__version__}-{torch.get_num_threads()}t-{shape[0]}x{shape[1]}"
+    key = f"v4-{device.type}-{name}-torch{torch.__version__}-{torch.get_num_threads()}t-{shape[0]}x{shape[1]}"
     return checkpoint.cache_root() / "plan" / (re.sub(r"[^\w.+-]+", "_", key) + ".json")
 
 
