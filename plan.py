@@ -401,8 +401,8 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
 
     # Speculative decoding: only with a draft trained for this very model.
     if "bundled" in info.drafts and scheme in QUANTIZED:
-        why.append(f"no speculation: with {scheme} weights a step is cheap (the C++ kernels stream them near the "
-                   f"memory's speed) and the fixed costs of speculating are not: a pass verifying 5 positions takes "
+        why.append(f"no speculation: with {scheme} weights a step is cheap (a quarter or less of fp32's bytes) "
+                   f"and the fixed costs of speculating are not: a pass verifying 5 positions takes "
                    f"~3 one-row passes' time in the quantized kernels (`python kernels.py` measures both) and the "
                    f"head drafts in 4 eager steps, so bench.py runner measured it slower than plain {scheme} "
                    f"decoding; --draft bundled asks for it anyway")
