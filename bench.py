@@ -1620,6 +1620,17 @@ class RunnerSession:
         self.proc.wait(60)
 
 
+def per_prompt(answers: list[dict]) -> dict:
+    """One prompt's answers over the rounds as one: the median speed, TTFT and estimate; the first text
+    (greedy: every round gives it, else "texts differ between rounds" shows in the text column)."""
+    first, med = answers[0], statistics.median
+    estimates = [a["estimate"] for a in answers if a["estimate"] is not None]
+    same = all(a["text"] == first["text"] for a in answers)
+    return first | {"tok_s": med(a["tok_s"] for a in answers), "ttft_ms": med(a["ttft_ms"] for a in answers),
+                    "estimate": med(estimates) if estimates else None,
+                    "text": first["text"] if same else "texts differ between rounds"}
+
+
 class LlamaServerSession:
     """llama.cpp's defaults on ``gguf`` (llama-server: its own chat template, greedy, stops at EOS),
     asked as RunnerSession is; each answer's numbers are from its own timings."""
@@ -1666,6 +1677,8 @@ def runner_configs(fastest: list[str]) -> list[tuple[str, list[str]]]:
 def bench_runner(args):
     """The runner as a user runs it, each configuration in its own process, and llama.cpp's
     defaults on the very GGUF the runner loads, in the same run."""
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if hint := kernels.busy_machine_hint():
         print(hint)
     prompts = CHAT_PROMPTS[:args.prompts] + [" ".join((speculative.SUMMARISE + HANDBOOK).split())]
@@ -1697,18 +1710,19 @@ def bench_runner(args):
             peer.ask(prompts[0])                            # its first answer warms it up and is dropped
         elif not args.no_peer:
             print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
-        answers = {name: [] for name in sessions}
+        asked = {name: [[] for _ in prompts] for name in sessions}      # each prompt's answers, one per round
         names = list(sessions)
-        for i, p in enumerate(prompts):
-            print(f"prompt {i + 1}/{len(prompts)} ...", flush=True)
-            # Each prompt starts one configuration further on, and each turn waits SETTLE_S: the configuration
-            # that always came right after llama.cpp's turn measured 7% and 11% slower than its twin (the same
-            # flags) in two runs.
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                time.sleep(SETTLE_S)
-                answers[name].append(sessions[name].ask(p))
+        for r in range(args.rounds):
+            for i, p in enumerate(prompts):
+                print(f"round {r + 1}/{args.rounds}, prompt {i + 1}/{len(prompts)} ...", flush=True)
+                # Each prompt starts one configuration further on, and each turn waits SETTLE_S: the configuration
+                # that always came right after llama.cpp's turn measured 7% and 11% slower than its twin (the
+                # same flags) in two runs.
+                for name in names[(i + r) % len(names):] + names[:(i + r) % len(names)]:
+                    time.sleep(SETTLE_S)
+                    asked[name][i].append(sessions[name].ask(p))
         runs = {name: {"ready_s": s.ready_s, "loaded_s": s.loaded_s, "compile_s": s.compile_s,
-                       "answers": answers[name]} for name, s in sessions.items()}
+                       "answers": [per_prompt(a) for a in asked[name]]} for name, s in sessions.items()}
     finally:
         for session in sessions.values():
             session.close()
@@ -1738,8 +1752,8 @@ def bench_runner(args):
     table = results.Table(
         f"{args.model}: serve_local.py as a user runs it (one process per configuration, prompts typed into "
         f"its chat, /reset between them) and llama.cpp's defaults (llama-server) on the same GGUF; {len(prompts)} "
-        f"prompts ({args.prompts} chat + summarise-this-text), greedy, answers stop at EOS (at most "
-        f"{args.max_new_tokens} tokens), {threads} threads each",
+        f"prompts ({args.prompts} chat + summarise-this-text), each asked {args.rounds}x (per prompt: the median "
+        f"of its rounds), greedy, answers stop at EOS (at most {args.max_new_tokens} tokens), {threads} threads each",
         ["configuration", "ready s", "load s", "compile s", "TTFT ms (median)", "decode tok/s (spread)",
          "decode tok/s (median)", "× llama.cpp", "tokens (median)", "text = plain eager run"], rows, notes)
     print(f"\n{table.markdown()}")
@@ -1955,6 +1969,8 @@ def main():
                     help="the third configuration's flags")
     rn.add_argument("--flags", default="", help="flags added to every configuration (e.g. --model)")
     rn.add_argument("--no-peer", action="store_true", help="our runner alone (no llama-server)")
+    rn.add_argument("--rounds", type=int, default=2, help="times each prompt is asked (per prompt: the median): one "
+                    "run's twin configurations differed by 10%% with one round")
     cs = sub.add_parser("compiled-start", help="kernels.py: the compiled step built once (AOTInductor) and loaded by "
                         "later starts, against torch.compile at every start; step ms; the runner's second start")
     cs.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
