@@ -50,9 +50,11 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
     handed = second.compiled_step.handed[0]                               # the model's own tensors, no copy
     assert handed["model.embed_tokens.weight"] is second.embed_tokens.weight
 
-    variant = next(iter(second.compiled_step.runners))                   # (tokens, mask, cache shape, ...)
-    longer = (*variant[:2], type(variant[2])(128 if n == 64 else n for n in variant[2]), *variant[3:])
-    assert second.compiled_step.path(longer) not in builds               # another context: another name
+    lazy = start().compile_decode(build=False)          # another context: a package of its own, not on disk yet
+    assert decode(lazy, prompt, max_len=128, n=2) == decode(eager, prompt, max_len=128, n=2)   # (ran eagerly)
+    assert len(builds) == 1 and [p.name for p in lazy.compiled_step.missing.values()] != [builds[0].name]
+    assert len(lazy.compiled_step.missing) == 1 and lazy.compiled_step.runners == {}
+    variant = next(iter(second.compiled_step.runners))
     bf16 = start("bfloat16").compile_decode()                             # another dtype: another name
     assert bf16.compiled_step.path(variant) not in builds
     # and another source: the step's modules, and the modules their imported names come from
