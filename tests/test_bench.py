@@ -163,3 +163,16 @@ def test_runner_session_reads_each_answer_and_its_stats():
     assert answers[1]["text"] and answers[1]["text"] != answers[0]["text"]     # /reset: a fresh conversation
     for a in answers:
         assert 0 < a["new_tokens"] <= 12 and a["tok_s"] > 0 and a["ttft_ms"] > 0 and a["estimate"] is None
+
+
+def test_runner_rounds_become_one_answer_per_prompt_and_zero_rounds_is_one_line():
+    """bench.py runner --rounds: a prompt's rounds give their median speed and TTFT and the first text;
+    a text that changed between rounds says so (greedy answers must not); --rounds 0 is one line."""
+    from conftest import run_cli
+    rounds = [{"tok_s": 10.0, "ttft_ms": 5.0, "estimate": None, "text": "a", "new_tokens": 3},
+              {"tok_s": 30.0, "ttft_ms": 9.0, "estimate": 0.5, "text": "a", "new_tokens": 3},
+              {"tok_s": 20.0, "ttft_ms": 7.0, "estimate": 0.7, "text": "a", "new_tokens": 3}]
+    assert bench.per_prompt(rounds) == {"tok_s": 20.0, "ttft_ms": 7.0, "estimate": 0.6, "text": "a", "new_tokens": 3}
+    assert bench.per_prompt(rounds[:2] + [rounds[2] | {"text": "b"}])["text"] == "texts differ between rounds"
+    rc, out, err = run_cli("bench.py", "runner", "--rounds", "0", timeout=120)
+    assert rc == 1 and err.strip() == "error: --rounds must be at least 1, got 0" and out == ""
