@@ -446,10 +446,12 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
 
 
 def build(model_dir, device=None, dtype=None, weights: str | None = None, group_size: int = quantize.GROUP,
-          attn: str = "sdpa", prepacked: bool = True, prepare: bool = True, cfg: LlamaConfig | None = None) -> Llama:
+          attn: str = "sdpa", prepacked: bool = True, prepare: bool = True, cfg: LlamaConfig | None = None,
+          head: str | None = None) -> Llama:
     """The one way a model is assembled from a checkpoint directory: read it, quantize every Linear if ``weights``
-    (int8/int4) asks, build the CPU's C++ kernels, give eager passes their prepacked weights (``prepacked=False``:
-    half the memory, slower several-position passes). ``prepare=False``: quantized layers stay portable (to save)."""
+    (int8/int4) asks (the LM head per ``head``: quantize.scheme_of), build the CPU's C++ kernels, give eager passes
+    their prepacked weights (``prepacked=False``: half the memory, slower several-position passes).
+    ``prepare=False``: quantized layers stay portable (to save)."""
     quantize.check_scheme(weights, group_size)
     cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
     if cfg.quantization and weights not in (None, "auto"):
@@ -458,13 +460,14 @@ def build(model_dir, device=None, dtype=None, weights: str | None = None, group_
     model = Llama.from_pretrained(model_dir, device, dtype, cfg, attn)
     if model.embed_tokens.weight.device.type == "cpu":
         kernels.native_kernels()
-    quantize.quantize_model(model, weights, group_size, prepare)
+    quantize.quantize_model(model, weights, group_size, prepare, head)
     kernels.prepack(model, copies=prepacked)    # a no-op off the CPU
     return model
 
 
 def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None,
-         group_size: int = quantize.GROUP, attn: str = "sdpa", prepacked: bool = True) -> tuple[Llama, Tokenizer]:
+         group_size: int = quantize.GROUP, attn: str = "sdpa", prepacked: bool = True,
+         head: str | None = None) -> tuple[Llama, Tokenizer]:
     """Alias, directory or .gguf -> (model, tokenizer): `build` on the resolved
     directory, its tokenizer, and every EOS id either file knows."""
     quantize.check_scheme(weights, group_size)
@@ -472,7 +475,7 @@ def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None, weights:
     # Cheap checks first: a bad config or missing tokenizer should not wait for gigabytes of weights.
     cfg = LlamaConfig.from_hf(checkpoint.read_config(model_dir))
     tok = Tokenizer.from_dir(model_dir)
-    model = build(model_dir, device, dtype, weights, group_size, attn, prepacked, cfg=cfg)
+    model = build(model_dir, device, dtype, weights, group_size, attn, prepacked, cfg=cfg, head=head)
     model.config.eos_ids = sorted(set(tok.eos_ids) | set(model.config.eos_ids))   # generation_config may add ids
     return model, tok
 

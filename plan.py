@@ -198,14 +198,22 @@ class ModelInfo:
     source: str | None = None   # the checkpoint's own quantization: "Q4_1" (GGUF), "int8"/"int4" (quantize.py)
     drafts: list = field(default_factory=list)   # bundled drafts trained for this model: "bundled", "medusa"
 
+    @property
+    def head(self) -> str | None:
+        """The LM head's scheme under quantized weights (quantize.scheme_of): a GGUF's tied head holds the
+        embedding's own bits (the bundled one's Q8_0), which stay as loaded; None: int4 rounds it to int8."""
+        return "float" if self.source == "Q4_1" else None
+
     def weight_bytes(self, weights: str, dtype: str) -> int:
-        """Bytes of weights held: the matrices per ``weights`` (int4 keeps the LM head in int8,
-        quantize.scheme_of; a group's scale and minimum travel in ``dtype``), the embedding in ``dtype``."""
+        """Bytes of weights held: the matrices per ``weights`` (int4 keeps the LM head in int8 unless it
+        holds its own bits: quantize.scheme_of; a group's scale and minimum travel in ``dtype``), the
+        embedding in ``dtype``."""
         size, c = SIZES[dtype], self.config
         head = c.vocab_size * c.hidden_size
         per = {"float": size, "int8": 1, "int4": 0.5 + 2 * size / quantize.GROUP}[weights]
         body = self.matrix_params - head
-        head_bytes = head * ({"float": size, "int8": 1, "int4": 1}[weights])
+        head_scheme = quantize.scheme_of("lm_head", weights, self.head)
+        head_bytes = head * {"float": size, "int8": 1, "int4": 1}[head_scheme]
         return int(body * per + head_bytes + self.embed_params * size)
 
     def token_bytes(self, weights: str, dtype: str) -> int:
@@ -273,6 +281,7 @@ class Plan:
     lookahead: str | None = None     # only ever the user's (--lookahead)
     spec_k: int = 4
     weights: str = "auto"            # auto (the checkpoint's) / int8 / int4
+    head: str | None = None          # the LM head's scheme under int4 (ModelInfo.head): None int8, "float" kept
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
     prepack: bool = True             # kernels.prepack's copies (fp32/bf16 weights; quantized ones' prefill copy)
     reasons: list = field(default_factory=list)
@@ -296,7 +305,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
         why.append(f"ctx {limit}: you asked for {ctx}, but {info.name} was trained on {limit} positions "
                    f"(RoPE beyond them is untrained), so the cache holds {limit}")
     ctx = min(ctx or DEFAULT_CTX, limit)
-    p = Plan(info.name, machine.name, machine.device, "float32", ctx=ctx, reasons=why)
+    p = Plan(info.name, machine.name, machine.device, "float32", ctx=ctx, head=info.head, reasons=why)
     ns = machine.ns_per_weight
 
     # dtype: the fewest bytes per weight this device computes natively, and fast.
@@ -348,7 +357,8 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
                 p.dtype = fdt = "float32"
                 packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
             why.append(f"weights int4: the GGUF holds Q4_1, which round-trips exactly through int4 groups of 32, "
-                       f"so these are the model's own bits; calibrated int4 {ns['int4']:.3f} ns/weight against "
+                       f"so these are the model's own bits (the tied LM head keeps its Q8_0 embedding's, "
+                       f"in {fdt}); calibrated int4 {ns['int4']:.3f} ns/weight against "
                        f"{versus}" + (f"; prefills run on a {fdt} copy ({gb(packed)}: "
                                                   f"kernels.prepack)" if packed else ""))
         else:

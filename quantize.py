@@ -340,18 +340,25 @@ def replace_layer(model: nn.Module, name: str, layer: nn.Module):
     setattr(model.get_submodule(parent) if parent else model, attr, layer)
 
 
-def scheme_of(name: str, weights: str) -> str:
-    """int4 keeps the LM head in int8, as llama.cpp keeps its output matrix at 6-8
-    bits: every logit goes through it, and 4 bits there cost the most accuracy
-    (the bundled model, groups of 32, 512 tokens of the evaluation text: perplexity
-    +9.7% with an int4 head, +0.4% with an int8 one, for 11% more weight bytes)."""
+def scheme_of(name: str, weights: str, head: str | None = None) -> str:
+    """The scheme a layer gets under ``weights``. The LM head's is ``head`` where given
+    ("float": kept as loaded), else int4 keeps the head in int8, as llama.cpp keeps its
+    output matrix at 6-8 bits: every logit goes through it, and 4 bits there cost the most
+    accuracy (the bundled model, groups of 32, 512 tokens of the evaluation text: perplexity
+    +9.7% with an int4 head, +0.4% with an int8 one, for 11% more weight bytes).
+    A checkpoint whose head already holds its own bits (a GGUF's Q8_0 embedding, tied) passes
+    head="float": re-rounding those per row would change the file's logits."""
+    if name == "lm_head" and head is not None:
+        return head
     return "int8" if weights == "int4" and name == "lm_head" else weights
 
 
-def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: bool = True) -> nn.Module:
+def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: bool = True,
+                   head: str | None = None) -> nn.Module:
     """Replace every Linear with its quantized form, in place. A tied LM head gets
     its own quantized copy; the embedding table stays in full precision (a
     lookup reads one row per token, so its bytes do not cost decode speed).
+    ``head``: the LM head's scheme (scheme_of), "float" to keep it as loaded.
     ``prepare=False`` keeps the portable layout only, for saving."""
     check_scheme(weights, group)
     if weights in (None, "auto"):
@@ -360,12 +367,15 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
         raise ValueError("the model is already quantized; load the full-precision checkpoint to quantize again")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     for name, lin in quantized_layers(model).items():
+        if (scheme := scheme_of(name, weights, head)) == "float":
+            continue
         w = lin.weight.detach()
-        layer = Int8Linear.from_float(w) if scheme_of(name, weights) == "int8" else Int4Linear.from_float(w, group)
+        layer = Int8Linear.from_float(w) if scheme == "int8" else Int4Linear.from_float(w, group)
         if prepare:
             layer.prepare(dtype)
         replace_layer(model, name, layer)
-    model.quantization = {"weights": weights} | ({"group_size": group} if weights == "int4" else {})
+    model.quantization = ({"weights": weights} | ({"group_size": group} if weights == "int4" else {})
+                          | ({"head": head} if head is not None else {}))
     return model
 
 
@@ -378,7 +388,9 @@ def empty_quantized(model: nn.Module, spec: dict):
                          f"know (int8, int4); re-quantize with `python quantize.py`")
     check_scheme(weights, group)
     for name, lin in quantized_layers(model).items():
-        if scheme_of(name, weights) == "int8":
+        if (scheme := scheme_of(name, weights, spec.get("head"))) == "float":
+            continue
+        if scheme == "int8":
             replace_layer(model, name, Int8Linear(lin.in_features, lin.out_features))
         else:
             replace_layer(model, name, Int4Linear(lin.in_features, lin.out_features, group))

@@ -593,7 +593,7 @@ def main(argv=None) -> int:
             print(tp.describe(model), file=sys.stderr)
         else:
             model, tok = load(args.model, args.device, dtype, p.weights, args.group_size or quantize.GROUP,
-                              attn=p.attn, prepacked=p.prepack and not args.no_prepack)
+                              attn=p.attn, prepacked=p.prepack and not args.no_prepack, head=p.head)
         w = model.embed_tokens.weight
         quant = f", weights {model.quantization['weights']}" if model.quantization else ""
         packed = kernels.prepacked_bytes(model)

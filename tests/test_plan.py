@@ -73,6 +73,7 @@ def test_cpu_with_bf16_and_fast_int4(smol):
     assert "dtype float32 after all" in text and "against bfloat16's 0.160" in text
     assert "model's own bits" in text and p.draft is None and "fixed costs of speculating" in text
     assert p.compile and p.prepack and "prefills run on a float32 copy" in text   # no draft: the compiled step
+    assert p.head == "float" and "keeps its Q8_0 embedding's" in text        # the head keeps the file's bits
     p = plan.choose(cpu(bf16=True), smol, answer_tokens=256)
     assert (p.dtype, p.weights, p.draft) == ("bfloat16", "auto", "bundled")
     assert "rounds differently from a one-token step" in plan.describe(p)   # bf16 speculation is not exact
@@ -193,3 +194,42 @@ def test_serve_local_plan_prints_and_exits(flags):
 
 def test_the_plan_needs_no_download():
     assert plan.model_info("TinyLlama").config.vocab_size == checkpoint.TINYLLAMA_CONFIG["vocab_size"]
+
+
+# Twenty chat prompts; the first is the one on which an int8-rounded head (the file's Q8_0 embedding
+# re-rounded per row) answered "1. **1.1.1.1.1…" where fp32 answers "1. **Avoiding Caffeine…".
+EXACT_PROMPTS = [
+    "Give me three tips for sleeping better.", "Explain in simple terms why the sky is blue.",
+    "Write a short poem about a lighthouse keeper.", "What are three tips for learning a new language?",
+    "Describe how a bicycle works to a ten-year-old.", "Give me a recipe for a simple tomato soup.",
+    "What is the difference between weather and climate?", "What is the capital of France?",
+    "Write a polite email asking a neighbour to turn down their music.", "How do plants make food?",
+    "List some good habits for staying healthy while working from home.", "What is a prime number?",
+    "Summarise the plot of Romeo and Juliet in two sentences.", "Why do cats purr?",
+    "Suggest a name for a small bakery.", "How does a refrigerator keep food cold?",
+    "Translate 'good morning' into French and Spanish.", "What should I pack for a day hike?",
+    "Explain what a computer virus is.", "Write a haiku about autumn leaves.",
+]
+
+
+def test_default_plan_is_exact_to_the_file(bundled_dir, smol, one_thread):
+    """The plan's int4 weights on the bundled GGUF are the file's own bits, so its greedy answers are those
+    of the file's weights dequantized to fp32: checked by teacher forcing, one fp32 pass over each prompt
+    and the plan's answer, whose argmax at every position must be the answer's next token."""
+    import model as M
+    from sampling import SamplingParams
+    p = plan.choose(cpu(bf16=True, int4=0.05), smol)
+    assert (p.weights, p.head) == ("int4", "float")
+    ours, tok = M.load(str(bundled_dir), "cpu", p.dtype, p.weights, head=p.head)
+    assert isinstance(ours.lm_head, torch.nn.Linear) and ours.lm_head.weight.dtype == torch.float32
+    exact, _ = M.load(str(bundled_dir), "cpu", "float32")
+    greedy = SamplingParams(temperature=0, max_new_tokens=24)
+    for text in EXACT_PROMPTS:
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
+        answer = list(M.generate_cached(ours, prompt, greedy))
+        with torch.inference_mode():
+            logits = exact(torch.tensor([prompt + answer]), torch.arange(len(prompt) + len(answer)))
+        assert logits[0, len(prompt) - 1:-1].argmax(-1).tolist() == answer, (text, tok.decode(answer))
+    first = EXACT_PROMPTS[0]
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": first}]), add_bos=False)
+    assert tok.decode(list(M.generate_cached(ours, prompt, greedy))).startswith("1. **Avoiding Caffeine")
