@@ -156,7 +156,8 @@ def probe_path(device: torch.device, name: str, shape) -> Path:
 
 
 def probe(device: torch.device, shape: tuple[int, int] = (1536, 576)) -> Machine:
-    """Measure this machine once (CPU: < 2 s on 2 cores) for a model whose MLP matrix is ``shape``;
+    """Measure this machine once (CPU: stream ~64 MB per weight format a few times, read 256 MB for
+    the bandwidth: seconds, once) for a model whose MLP matrix is ``shape``;
     later calls read the result from the cache, keyed by the CPU model or GPU name, the torch version,
     the thread count and the shape. Delete ~/.cache/nanoinfer/plan to measure again."""
     device = torch.device(device)
