@@ -98,7 +98,8 @@ import results
 import speculative
 import tp
 from kvcache import KVCache, common_prefix, kv_bytes_per_token
-from model import GenerationStats, Llama, LlamaConfig, build, generate_cached, load, save_random_checkpoint, unfuse
+from model import GenerationStats, Llama, LlamaConfig, generate_cached, save_random_checkpoint, unfuse
+from nanoinfer.load import build, load
 from sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
@@ -139,7 +140,7 @@ def bytes_per_token(model: Llama, context: int) -> int:
     Quantized weights count as stored, scales included (quantize.weight_bytes)."""
     c = model.config
     weights = quantize.weight_bytes(model)
-    if not c.tie_embeddings or model.quantization:   # a quantized head is its own copy
+    if not c.tie_embeddings or quantize.scheme(model):   # a quantized head is its own copy
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     kv = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.embed_tokens.weight.element_size())
     return weights + context * kv
@@ -307,9 +308,9 @@ def bench_decode(args):
                 # quantized; no prepacked copies (they serve eager prefills, not the compiled step, and TinyLlama's
                 # four instances would not fit in 24 GB with them)
                 fast = build(path, args.device, dtype, weights, prepacked=False)
-                static = fast.new_cache("static", max_len=n_ctx)
+                static = kvcache.new_cache(fast, "static", max_len=n_ctx)
                 t0 = time.perf_counter()
-                fast.compile_decode()
+                kernels.compile_decode(fast)
                 try:
                     with torch.inference_mode():
                         run_ours(fast, prompt, 2, static)
@@ -1002,8 +1003,8 @@ def bench_speculative(args):
         # decoding is the compiled one-token step on a static cache, which a
         # several-token verify pass cannot use. This row shows what it decodes at.
         t0 = time.perf_counter()
-        model.compile_decode()
-        static = model.new_cache("static", 2048)        # the runner's default context
+        kernels.compile_decode(model)
+        static = kvcache.new_cache(model, "static", 2048)        # the runner's default context
         list(generate_cached(model, [0], SamplingParams(max_new_tokens=2), cache=static))
         methods["plain, compiled (--cache static --compile)"] = lambda: static
         print(f"plain decode step compiled in {time.perf_counter() - t0:.0f} s (not timed below)", flush=True)
@@ -1046,10 +1047,10 @@ def bench_prefix(model_name: str = checkpoint.DEFAULT_MODEL, n_answer: int = 24)
         return tok.decode([t for t in out if t not in model.config.eos_ids]), stats
 
     t0 = time.perf_counter()
-    plain = [answer(ids, model.new_cache()) for ids in convs]
+    plain = [answer(ids, kvcache.new_cache(model)) for ids in convs]
     strategies = {"re-encode the prefix": (plain, time.perf_counter() - t0, 0.0)}
     t0 = time.perf_counter()
-    base = model.new_cache()
+    base = kvcache.new_cache(model)
     with torch.inference_mode():
         model(torch.tensor([convs[0][:shared]]), torch.arange(shared), base, last_only=True)
     prefix_s = time.perf_counter() - t0
@@ -1081,7 +1082,7 @@ def bench_kv_bytes(model_name: str = checkpoint.DEFAULT_MODEL, new_tokens: int =
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about caches."}]),
                         add_bos=False)
     n = len(prompt) + new_tokens
-    cache = model.new_cache("static", max_len=n)
+    cache = kvcache.new_cache(model, "static", max_len=n)
     out = list(generate_cached(model, prompt, SamplingParams(max_new_tokens=new_tokens), cache=cache))
     size = model.embed_tokens.weight.element_size()
     formula = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, size)
@@ -1127,7 +1128,7 @@ def bench_offload(model_name: str = checkpoint.DEFAULT_MODEL, contexts=(256, 102
     gen, rows = torch.Generator().manual_seed(0), []
     for n in contexts:
         prompt = torch.randint(100, c.vocab_size - 100, (1, n), generator=gen).to(dev)
-        caches = {kind: model.new_cache(kind) for kind in ("dynamic", "offloaded")}
+        caches = {kind: kvcache.new_cache(model, kind) for kind in ("dynamic", "offloaded")}
         tokens, times = {kind: [] for kind in caches}, {kind: [] for kind in caches}
         with torch.inference_mode():
             for kind, cache in caches.items():       # the prefill, not timed
@@ -1183,7 +1184,7 @@ CONFIGS = [  # label, weights, kv dtype
 def perplexity(model, ids: list[int], kv_dtype: str | None, chunk: int = 128) -> float:
     """exp(mean negative log-likelihood) of ``ids``, fed through the cache ``chunk``
     tokens at a time, so each chunk attends to the stored (quantized) past."""
-    cache, nll = model.new_cache("dynamic", kv_dtype=kv_dtype), 0.0
+    cache, nll = kvcache.new_cache(model, "dynamic", codec=quantize.kv_codec(kv_dtype)), 0.0
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, chunk):
             piece = ids[start:min(start + chunk, len(ids) - 1)]
@@ -1216,10 +1217,10 @@ def quantize_eval(name: str, dtype: str, new_tokens: int, n_prompts: int, speed_
         ppl = perplexity(model, tok.encode(text), kv)
         with torch.inference_mode():
             top1 = [model(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1),
-                          model.new_cache("dynamic", kv_dtype=kv))[0, n - 1:].argmax(-1) for n, seq in sequences]
+                          kvcache.new_cache(model, "dynamic", codec=quantize.kv_codec(kv)))[0, n - 1:].argmax(-1) for n, seq in sequences]
         reference = reference or (ppl, top1)
         agree = sum(int((a == b).sum()) for a, b in zip(top1, reference[1])) / sum(len(a) for a in top1)
-        stats, cache = GenerationStats(), model.new_cache("dynamic", kv_dtype=kv)
+        stats, cache = GenerationStats(), kvcache.new_cache(model, "dynamic", codec=quantize.kv_codec(kv))
         list(generate_cached(model, sequences[0][1][:sequences[0][0]], SamplingParams(
             max_new_tokens=speed_tokens, ignore_eos=True), stats, cache))
         rows.append((label, cache.nbytes / cache.capacity, quantize.weight_bytes(model), ppl,
@@ -1253,7 +1254,7 @@ def quantize_demo(name: str, dtype: str, n_tokens: int = 512):
         ids = tok.encode(text)[:n_tokens]
         ppl = perplexity(model, ids, kv)
         base = base or ppl
-        cache = model.new_cache("static", max_len=1, kv_dtype=kv)
+        cache = kvcache.new_cache(model, "static", max_len=1, codec=quantize.kv_codec(kv))
         print(f"{label:24} {quantize.weight_bytes(model) / 1e6:>10.0f} {cache.nbytes:>10} {ppl:>10.3f}"
               f"  ({100 * (ppl / base - 1):+.2f}%)", flush=True)
 
@@ -1267,7 +1268,7 @@ def quantize_write(name: str, weights: str, group_size: int, dtype: str, out_dir
         raise ValueError("--out needs --weights int8 or int4")
     source = checkpoint.resolve(name)
     model = build(source, "cpu", dtype, weights, group_size, prepacked=False, prepare=False)
-    config = checkpoint.read_config(source) | {quantize.CONFIG_KEY: model.quantization}
+    config = checkpoint.read_config(source) | {quantize.CONFIG_KEY: quantize.scheme(model)}
     out = checkpoint.save(out_dir, unfuse(model), config, copy_files_from=source)
     print(f"wrote {out}: {quantize.weight_bytes(model) / 1e6:.0f} MB of weights ({weights}); "
           f"run it with: python serve_local.py --model {out}")
@@ -1771,7 +1772,7 @@ def bench_compiled_start(args):
     prompt = list(range(100, 130))
 
     def ready(step) -> float:      # seconds until its first one-token step has run
-        t0, cache = time.perf_counter(), model.new_cache("static", max_len=args.ctx)
+        t0, cache = time.perf_counter(), kvcache.new_cache(model, "static", max_len=args.ctx)
         with torch.inference_mode():
             pos = torch.tensor([0])
             step(torch.tensor([[1]]), pos, cache.begin(pos), cache, True)
@@ -1798,13 +1799,13 @@ def bench_compiled_start(args):
     steps = {"eager": model.step, "torch.compile": compiled, "AOTInductor package": package}
     texts = {}
     for name, step in steps.items():     # greedy: each step's own argmax fed back, from the same prefill
-        cache = model.new_cache("static", max_len=args.ctx)
+        cache = kvcache.new_cache(model, "static", max_len=args.ctx)
         with torch.inference_mode():
             t = int(model(torch.tensor([prompt]), torch.arange(len(prompt)), cache, last_only=True)[0, -1].argmax())
         texts[name] = [t]
         for _ in range(args.tokens - 1):
             texts[name] += decode(step, cache, texts[name][-1:])
-    caches = {name: model.new_cache("static", max_len=args.ctx) for name in steps}
+    caches = {name: kvcache.new_cache(model, "static", max_len=args.ctx) for name in steps}
     for cache in caches.values():
         decode(model.step, cache, prompt)
     ms = {name: [] for name in steps}

@@ -47,9 +47,10 @@ from torch import nn
 
 import checkpoint
 import kernels
+import kvcache
 import quantize
 from kvcache import common_prefix
-from model import Llama, build, load
+from model import Llama
 from sampling import SamplingParams, sampling_probs
 from speculative import Proposal, PromptLookup, check_k, check_tree, generate
 
@@ -81,9 +82,9 @@ class DraftModel:
                              f"{target.config.vocab_size}: a draft must use the target's tokenizer")
         self.model, self.k, self.adaptive, self.k_max = draft, k, adaptive, max(k, k_max)
         if compile and draft.compiled_step is None:
-            draft.compile_decode()
+            kernels.compile_decode(draft)
         self.static = compile
-        self.cache = None if compile else draft.new_cache()
+        self.cache = None if compile else kvcache.new_cache(draft)
         self.ids: list[int] = []        # the tokens in self.cache
 
     def reserve(self, n: int):
@@ -91,7 +92,7 @@ class DraftModel:
         if self.cache is None or self.cache.limit < n:
             size = min(max(512, 1 << (n - 1).bit_length()), self.model.config.max_seq_len)
             with torch.inference_mode():    # as in propose: the compiled step's guards tell the two apart
-                self.cache = self.model.new_cache("static", max_len=size)
+                self.cache = kvcache.new_cache(self.model, "static", max_len=size)
             self.ids = []
 
     def warm_up(self, target: Llama, sizes=(512, 1024, 2048)):
@@ -446,43 +447,15 @@ def check_same_vocab(target_tok, draft_tok, target: Llama, draft: Llama):
                          "a draft must use the same tokenizer")
 
 
-def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """Run a bf16-stored draft in bf16 under an fp32 target on a CPU that computes
-    bf16 (avx512_bf16/AMX): its weights hold nothing finer, and drafting is
-    memory-bound, so half the bytes is half the time. The bundled EAGLE head
-    drafting 3 tokens for fp32 SmolLM2 took 2/3 of its fp32 time in bf16, with the
-    same tokens per forward. Verification, and so the output, is the target's."""
-    return stored == "bfloat16" and dtype == torch.float32 and device.type == "cpu" and kernels.bf16_supported(device)
-
-
-def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None) -> Llama | MedusaHeads:
-    """--draft MODEL: any model name model.load accepts, `bundled` (train.py's EAGLE
-    head) or `medusa` (train.py --medusa's heads, or any directory it writes).
-    A model directory without tokenizer files (what train.py writes: its drafts use
-    the target's tokenizer by construction) is checked against the target's."""
-    if name in TRAIN:
-        where = BUNDLED_DRAFT if name == "bundled" else BUNDLED_MEDUSA
-        if not (where / "config.json").is_file():
-            raise ValueError(f"no trained draft in {where}: run `{TRAIN[name]} or pass --draft MODEL")
-        name = str(where)
-    path = Path(name)
-    if path.is_dir() and "medusa_heads" in checkpoint.read_config(path):
-        heads = MedusaHeads.from_dir(path, target.embed_tokens.weight.dtype, target.embed_tokens.weight.device)
-        if len(heads.head_ids) and int(heads.head_ids.max()) >= target.config.vocab_size:
-            raise ValueError(f"the Medusa heads in {path} score tokens beyond the target's vocabulary "
-                             f"({target.config.vocab_size} ids): they were trained for another model")
-        return heads.share_target(target)       # MedusaDraft checks their width
-    if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        dev = kernels.pick_device(device)
-        if narrow_draft(checkpoint.read_config(path).get("torch_dtype"), dev, kernels.pick_dtype(dtype, dev)):
-            dtype = torch.bfloat16
-        draft, tok = build(path, dev, dtype), target_tok
-    else:
-        draft, tok = load(name, device, dtype)
-    check_same_vocab(target_tok, tok, target, draft)
-    if draft.config.eagle:      # its width is checked by EagleDraft, the one way to use it
-        draft.share_target(target)   # a new LM head weight: prepack it
-    return kernels.prepack(draft)
+def share_target(head: Llama, target: Llama) -> Llama:
+    """An EAGLE head reads tokens with the target's embedding and scores with its LM head (head_ids
+    rows, copied once in the head's dtype: a bf16 head under an fp32 target), so its features mean
+    the target's; ~113 MB saved."""
+    head.embed_tokens = target.embed_tokens
+    w = quantize.float_weight(target.lm_head)
+    w = w if head.head_ids is None else w[head.head_ids]
+    head.lm_head.weight = nn.Parameter(w.to(head.norm.weight.dtype), requires_grad=False)
+    return head
 
 
 def draft_proposer(draft: Llama | MedusaHeads, target: Llama, k: int = 4, adaptive: bool = False,

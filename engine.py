@@ -582,7 +582,7 @@ class Output:
 class LLM:
     """``LLM("smollm2-135m").generate(["Hi", "2+2="], SamplingParams(max_new_tokens=32))``.
 
-    ``model`` is a name for ``model.load`` (alias, directory, .gguf) or a loaded
+    ``model`` is a name for ``model.load`` (alias, directory, .gguf: fp32 on the CPU) or a loaded
     ``Llama`` (then pass ``tokenizer`` for text prompts and outputs); the rest
     goes to ``Engine``. Prompts are text (encoded as is, no chat template) or
     token id lists."""

@@ -88,7 +88,8 @@ import torch
 import kernels
 import results
 from kernels import jit, tl      # Triton's decorator and language, when it is installed (section 5)
-from kvcache import attention_mask
+import model
+from model import attention_mask
 
 NEG_INF = float("-inf")
 
@@ -318,7 +319,7 @@ def naive(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int
 
 
 def visible(q_pos, k_pos, causal: bool, window: int | None):
-    """(T, L) bool from positions (kvcache.attention_mask), or None when everything is visible."""
+    """(T, L) bool from positions (model.attention_mask), or None when everything is visible."""
     return attention_mask(q_pos, k_pos, window, causal) if causal or window is not None else None
 
 
@@ -370,6 +371,48 @@ def decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_sta
         lses.append((m + torch.log(s)).squeeze(-1))
     out, lse = merge_many(torch.cat(outs, 2), torch.cat(lses, 2), dim=2)     # (B, Hkv, G·T, d)
     return out.view(B, H, T, d).to(q.dtype), lse.view(B, H, T)
+
+
+# ----------------------------------------------------------------------------
+# The model's attention, four ways. Each takes model.attend's arguments (q, k, v, mask, window:
+# mask None = causal, the queries the last T positions) and is handed to a Llama as its ``attend``.
+
+def attend_sdpa(q, k, v, mask, window=None):
+    """model.attend (PyTorch's fused SDPA), but a sliding window's prefill in tiles: no T×L mask."""
+    if window and q.shape[2] > 1:
+        return attention(q, k, v, causal=mask is None, mask=mask, window=window, compiled=False)[0]
+    return model.attend(q, k, v, mask, window)
+
+
+def attend_flash(q, k, v, mask, window=None):
+    """Q×K/V tiles with causal tile skipping for prefill (compiled once a prompt fills a 256×256
+    tile: the first such prompt waits for the compile); flash-decoding for one token. A cache's
+    mask is taken as it is, and its empty tiles are skipped too."""
+    if q.shape[2] == 1:
+        return decode(q, k, v, mask, causal=mask is None)[0]
+    return attention(q, k, v, causal=mask is None, mask=mask, window=window, compiled=True)[0]
+
+
+def attend_naive(q, k, v, mask, window=None):
+    """The whole T×L score matrix: the reference the others must match."""
+    return naive(q, k, v, causal=mask is None, mask=mask, window=window)[0]
+
+
+def attend_triton(q, k, v, mask, window=None):
+    """The same two as Triton kernels (section 5; a CUDA GPU)."""
+    if q.shape[2] == 1:
+        return triton_decode(q, k, v, mask, causal=mask is None)[0]
+    return triton_attention(q, k, v, causal=mask is None, mask=mask, window=window)[0]
+
+
+ATTENTION = {"sdpa": attend_sdpa, "flash": attend_flash, "naive": attend_naive, "triton": attend_triton}
+
+
+def attention_named(name: str):
+    """--attn NAME -> the function a Llama attends with."""
+    if name not in ATTENTION:
+        raise ValueError(f"unknown attention '{name}': use {', '.join(ATTENTION)}")
+    return ATTENTION[name]
 
 
 # ----------------------------------------------------------------------------

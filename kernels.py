@@ -40,6 +40,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
+import model
+
 # Triton (GPU kernels written in Python): optional, used by flash.py's kernels and paged_decode below. They run on a
 # CUDA GPU or in Triton's CPU interpreter; elsewhere its import (79 modules) is skipped.
 triton = tl = None
@@ -71,8 +74,7 @@ def check_triton(device: torch.device):
 # ----------------------------------------------------------------------------
 # Devices and dtypes.
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = model.DTYPES
 
 
 def pick_device(name: str | None = None) -> torch.device:
@@ -103,9 +105,7 @@ def pick_dtype(name, device: torch.device) -> torch.dtype:
         return name
     if name is None or name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype '{name}': use float32, bfloat16 or float16 (fp32/bf16/fp16)")
-    return DTYPES[name]
+    return model.as_dtype(name)
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -187,6 +187,48 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
             layer.weight.numel() >= ONEDNN_MIN:
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
     return F.linear(x, layer.weight)
+
+
+class Linear(nn.Linear):
+    """An nn.Linear whose product runs on `linear` above; ``onednn``: prepack's copy of its weight."""
+    onednn: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x):
+        return linear(x, self)
+
+
+def swap_linears(module: nn.Module) -> nn.Module:
+    """Make a built model fast without changing it: every plain nn.Linear becomes a `Linear` holding
+    the same weight (a tied head stays tied), so its products take this machine's kernels. Quantized
+    layers bring their own. Idempotent."""
+    for parent in list(module.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear and child.bias is None:
+                fast = Linear(child.in_features, child.out_features, bias=False, device="meta")
+                fast.weight = child.weight
+                setattr(parent, name, fast)
+    return module
+
+
+def native_decode(attend):
+    """``attend`` (model.attend's signature) with a one-token pass on kernels.cpp's decode_attention
+    where it applies (a CPU, fp32 or bf16: below), else ``attend`` itself."""
+    def call(q, k, v, mask, window=None):
+        if q.shape[2] == 1 and (y := decode_attention(q, k, v, mask)) is not None:
+            return y
+        return attend(q, k, v, mask, window)
+    return call
+
+
+def compile_decode(llama: model.Llama, build: bool = True) -> model.Llama:
+    """Compile the one-token step (with a StaticCache: fixed shapes, one compile): the elementwise
+    work between the matrix products fuses and the eager per-op dispatch goes away (compile_step).
+    A CPU builds it once into cache_root()/compiled (``build=False``: not here) and later starts load
+    it (AheadOfTime). The model's Linears run on `linear` (swap_linears) first."""
+    swap_linears(llama)
+    folder = checkpoint.cache_root() / "compiled"
+    llama.compiled_step = compile_step(llama.step, llama.norm.weight.device, folder, build)
+    return llama
 
 
 def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,6 +349,7 @@ def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
     weight is the same tensor (tying swaps it: prepack again); in-place changes (an optimizer step) are
     not noticed, so train with F.linear (grad enabled) or not prepacked."""
     bf16_ok, streamed = ONEDNN and bf16_supported(torch.device("cpu")), []
+    swap_linears(model)
     for m in model.modules():
         w, native = getattr(m, "weight", None), getattr(m, "native", False)
         if not (native or isinstance(m, nn.Linear)) or w is None or w.device.type != "cpu" or packed_weight(m) is not None:
@@ -511,6 +554,7 @@ class AheadOfTime:
         self.built: list[Path] = []  # the packages this object compiled (the others were loaded)
         self.missing = {}           # build=False: variant -> the package not on disk; those calls run eagerly
         self.announce = None        # called with the package's path before a build (minutes): the runner says so
+        self.cache_type = None      # the class of the cache the step writes (its code is in the step too)
 
     def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
         live = live_rows(mask, cache)             # a static cache's live rows: one package for every length
@@ -518,6 +562,7 @@ class AheadOfTime:
         variant = (tuple(tokens.shape), keys, cache.k[0].shape,
                    cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
                    None if features is None else (features.shape, features.dtype))
+        self.cache_type = type(cache)
         runner = self.runners.get(variant)
         if runner is None and variant not in self.missing:   # built (or loaded) even by a call that then
             call = (tokens, positions, mask, cache, last_only, features, hidden)   # runs eagerly: a warm-up's
@@ -541,12 +586,14 @@ class AheadOfTime:
         m = self.model
         home = Path(sys.modules[type(m).__module__].__file__).parent
         config = {k: v for k, v in vars(m.config).items() if k not in ("eos_ids", "bos_id")}  # ids: not in the step
-        key = [repr(variant), repr(config), str(m), repr(getattr(m, "attn", None)),
-               repr(getattr(m, "quantization", None)), torch.__version__, platform.machine(),
+        code = step_code(m, self.cache_type)
+        key = [repr(variant), repr(config), str(m), torch.__version__, platform.machine(),
                torch.backends.cpu.get_cpu_capability()]
+        key += [f"{f.__module__}.{f.__qualname__}" for f in code]
         key += [f"{k} {tuple(t.shape)} {t.dtype}" for k, t in self.weights().items()]
         digest = hashlib.sha256("\n".join(key).encode())
-        for source in sorted(project_sources(sys.modules[type(m).__module__], home)):
+        modules = {sys.modules[f.__module__] for f in code}
+        for source in sorted(set().union(*(project_sources(mod, home) for mod in modules))):
             digest.update(source.read_bytes())
         return self.folder / f"{type(m).__name__.lower()}-{digest.hexdigest()[:16]}.pt2"
 
@@ -614,6 +661,20 @@ class StepModule(nn.Module):
             return self.step(tokens, positions, mask, cache, self.flags[0], features, self.flags[1])
         finally:
             cache.k, cache.v = kept
+
+
+def step_code(llama: nn.Module, cache_type=None) -> list:
+    """What a model's step runs, by the classes and functions that hold the code: every module's class
+    (kernels.Linear, a quantized layer), each layer's attention function and the functions it wraps
+    (native_decode's), and the cache's class."""
+    code = {type(m) for m in llama.modules()} | ({cache_type} if cache_type is not None else set())
+    todo = [m.attend for m in llama.modules() if callable(getattr(m, "attend", None))]
+    while todo:
+        f = todo.pop()
+        if f not in code and hasattr(f, "__module__") and hasattr(f, "__qualname__"):
+            code.add(f)
+            todo += [c.cell_contents for c in (getattr(f, "__closure__", None) or ()) if callable(c.cell_contents)]
+    return sorted(code, key=lambda f: f"{f.__module__}.{f.__qualname__}")
 
 
 def project_sources(module, home: Path) -> set[Path]:

@@ -63,30 +63,11 @@ import torch
 
 import kernels
 import results
+from model import Llama, attention_mask     # the one mask rule
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_size: float) -> float:
     return n_layers * 2 * n_kv_heads * head_dim * dtype_size
-
-
-def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
-                   causal: bool = True) -> torch.Tensor:
-    """The one mask rule (the caches, paged.py, flash.py and speculative.py use it): q_pos (..., T) and k_pos (L,)
-    -> (..., T, L) bool, True where the query at q_pos[i] may read the key at k_pos[j]: causal (a key at or before
-    the query), and with a sliding window only the last ``window`` positions. Key slots that hold no token carry
-    position -1 (ring) or a position beyond every query (static, paged), so they are never visible."""
-    q, k = q_pos[..., None], k_pos
-    ok = (k >= 0) & ((k <= q) if causal else torch.ones_like(q, dtype=torch.bool))
-    if window is not None:
-        ok = ok & (k > q - window)
-    return ok
-
-
-def causal_scores(new: int, total: int) -> int:
-    """How many query·key scores one head computes in one layer when the last ``new`` of ``total`` positions each
-    read every key up to their own (what the causal mask above allows, without a window): new·(total − new) +
-    new(new + 1)/2. A prefill of L tokens: L(L+1)/2; one decode step at context L: L (model.py counts both)."""
-    return new * (total - new) + new * (new + 1) // 2
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -109,6 +90,7 @@ class _Shared:
 
 class KVCache:
     """What every contiguous cache has in common; subclasses say how storage grows."""
+    fixed_shape = False     # whether every call sees the same tensor shapes (a compiled step needs it)
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype, device, capacity, window=None,
                  codec=None):
@@ -231,6 +213,8 @@ class StaticCache(KVCache):
     """Preallocated to ``max_len``; position p in row p, so a crop is free (stale rows sit past every future query).
     On a GPU attention reads all rows (fixed shapes for a CUDA graph); on a CPU (``live``) only the live ones: fp32
     SmolLM2's 2048 rows are 94 MB a step, more than its int4 weights (kernels.AheadOfTime compiles any length)."""
+
+    fixed_shape = True
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu",
                  window=None, codec=None):
@@ -373,6 +357,29 @@ class OffloadedCache(DynamicCache):
         if self.stream is not None and layer + 1 == len(self.layers):
             self.stream.synchronize()      # the store is whole before the host reads it (crop, move, growth)
         return K[:, :, :end], V[:, :, :end]
+
+
+CACHES = ("dynamic", "static", "sliding", "offloaded")   # new_cache's kinds: --cache
+
+
+def new_cache(model: Llama, kind: str = "dynamic", max_len: int | None = None, batch: int = 1,
+              codec=None) -> KVCache:
+    """A cache for ``model``: dynamic (grows), static (preallocated to max_len, default the
+    model's context), sliding (ring buffer; needs a sliding_window config) or offloaded (in host
+    memory, one layer at a time on the device). ``codec``: quantized storage (quantize.kv_codec),
+    None for the model's dtype."""
+    c, w = model.config, model.norm.weight     # the blocks' dtype (an EAGLE head borrows its embedding)
+    shape = (c.n_layers, batch, c.n_kv_heads, c.head_dim)
+    if kind in ("dynamic", "offloaded"):
+        grows = DynamicCache if kind == "dynamic" else OffloadedCache
+        return grows(*shape, dtype=w.dtype, device=w.device, window=c.sliding_window, codec=codec)
+    if kind == "static":
+        return StaticCache(*shape, max_len or c.max_seq_len, w.dtype, w.device, c.sliding_window, codec)
+    if kind == "sliding":
+        if c.sliding_window is None:
+            raise ValueError("--cache sliding needs a model whose config.json sets sliding_window")
+        return SlidingWindowCache(*shape, c.sliding_window, w.dtype, w.device, codec=codec)
+    raise ValueError(f"unknown cache kind '{kind}': use {', '.join(CACHES)}")
 
 
 # ----------------------------------------------------------------------------

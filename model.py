@@ -48,12 +48,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-import flash
-import kernels
-import quantize
-from kvcache import DynamicCache, KVCache, OffloadedCache, SlidingWindowCache, StaticCache, causal_scores
 from sampling import SamplingParams, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
+
+# config.json's key for a checkpoint quantize.py wrote (our own: transformers' "quantization_config"
+# would make it try its own loaders); quantize.py reads and writes it, a plain Llama refuses it.
+QUANTIZATION_KEY = "nanoinfer_quantization"
 
 
 # ----------------------------------------------------------------------------
@@ -96,7 +96,7 @@ class LlamaConfig:
                 tie_embeddings=c.get("tie_word_embeddings", False), bos_id=c.get("bos_token_id"),
                 sliding_window=c.get("sliding_window") if c.get("use_sliding_window", True) else None,
                 eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-                quantization=c.get(quantize.CONFIG_KEY), head_vocab=c.get("draft_vocab_size"),
+                quantization=c.get(QUANTIZATION_KEY), head_vocab=c.get("draft_vocab_size"),
                 eagle=bool(c.get("eagle", False)))
         except KeyError as e:
             raise ValueError(f"config.json lacks the field {e.args[0]}") from None
@@ -141,6 +141,31 @@ def apply_rope(x, cos, sin):
 
 
 # ----------------------------------------------------------------------------
+# Which keys a query may read, and what that costs.
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
+                   causal: bool = True) -> torch.Tensor:
+    """The one mask rule (the caches, paged.py, flash.py and speculative.py use it): q_pos (..., T)
+    and k_pos (L,) -> (..., T, L) bool, True where the query at q_pos[i] may read the key at
+    k_pos[j]: causal (a key at or before the query), and with a sliding window only the last
+    ``window`` positions. Key slots that hold no token carry position -1 (ring) or a position
+    beyond every query (static, paged), so they are never visible."""
+    q, k = q_pos[..., None], k_pos
+    ok = (k >= 0) & ((k <= q) if causal else torch.ones_like(q, dtype=torch.bool))
+    if window is not None:
+        ok = ok & (k > q - window)
+    return ok
+
+
+def causal_scores(new: int, total: int) -> int:
+    """How many query·key scores one head computes in one layer when the last ``new`` of ``total``
+    positions each read every key up to their own (what the causal mask above allows, without a
+    window): new·(total − new) + new(new + 1)/2. A prefill of L tokens: L(L+1)/2; one decode step
+    at context L: L (the decoders below count both)."""
+    return new * (total - new) + new * (new + 1) // 2
+
+
+# ----------------------------------------------------------------------------
 # The blocks.
 
 class RMSNorm(nn.Module):
@@ -156,9 +181,38 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def attend(q, k, v, mask, window: int | None = None):
+    """softmax(q·kᵀ/√d)·v for q (B, H, T, d) over k, v (B, H_kv, L, d); mask (T, L) or None =
+    causal. ``window``: causal over the last ``window`` keys only (a sliding-window model without a
+    cache; with one, the cache's mask holds the window).
+
+    Prefill (T > 1) uses PyTorch's fused SDPA kernel, which never builds the T×L score matrix
+    (but for a window, whose band is a mask here: flash.py's tiles skip the keys outside it);
+    enable_gqa lets each group of H/H_kv query heads read one K/V head without materialising
+    repeated copies of K and V. Decode (T = 1): the query heads sharing a KV head are rows of one
+    matrix, so GQA costs no copy; K/V gathered head-major (the paged pool) batch in (H_kv, B)
+    order: matmul copies them no second time."""
+    (B, H, T, d), n_kv = q.shape, k.shape[1]
+    if window is not None and mask is None:
+        pos = torch.arange(k.shape[2], device=q.device)
+        mask = attention_mask(pos[-T:], pos, window)
+    if T > 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=H != n_kv)
+    swap = (lambda x: x.transpose(0, 1)) if B > 1 and k.transpose(0, 1).is_contiguous() else (lambda x: x)
+    scores = swap(q.reshape(B, n_kv, H // n_kv, d)) @ swap(k).transpose(-1, -2) * d ** -0.5    # (…, group, L)
+    if mask is not None:
+        scores = scores.masked_fill(~(swap(mask) if mask.dim() == 4 else mask), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return swap(probs @ swap(v)).reshape(B, H, 1, d)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, attend=attend):
         super().__init__()
+        # softmax(q·kᵀ/√d)·v: `attend` above, or another with its signature (flash.py's tiles; a
+        # device's kernel, which kernels.py swaps in)
+        self.attend = attend
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.config = cfg     # the model's own: its sliding_window, read at each pass
         # W_q, W_k, W_v stacked into one matrix: one matmul call instead of three (see FUSED)
@@ -166,9 +220,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache_layer=None, positions=None, attn="sdpa"):
+    def forward(self, x, cos, sin, mask, cache_layer=None, positions=None):
         B, T, _ = x.shape
-        q, k, v = kernels.linear(x, self.qkv_proj).split(self.split, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -177,51 +231,8 @@ class Attention(nn.Module):
             # all K/V so far (B, n_kv, L, d); a static cache's mask covers its live rows only (kvcache.py)
             k, v = (t[:, :, :None if mask is None else mask.shape[-1]] for t in cache_layer.update(k, v, positions))
         window = self.config.sliding_window if cache_layer is None and mask is None else None   # else in the mask
-        y = cache_layer.attend(q, k, v) if in_place else attend(q, k, v, mask, attn, window)
-        return kernels.linear(y.transpose(1, 2).reshape(B, T, -1), self.o_proj)
-
-
-ATTN = ("sdpa", "flash", "naive", "triton")   # attend()'s implementations: --attn
-CACHES = ("dynamic", "static", "sliding", "offloaded")   # Llama.new_cache's kinds: --cache
-
-
-def attend(q, k, v, mask, impl: str = "sdpa", window: int | None = None):
-    """softmax(q·kᵀ/√d)·v for q (B, H, T, d) over k, v (B, H_kv, L, d); mask (T, L) or None = causal.
-    ``window``: causal over the last ``window`` keys only (a sliding-window model without a cache); flash.py's
-    tiles skip the keys outside it, whatever ``impl``, so no T×L mask is ever built (but by "naive").
-
-    impl "sdpa" (the default) is described below. "flash" runs flash.py's own kernels:
-    Q×K/V tiles with causal tile skipping for prefill (compiled once a prompt fills a
-    256×256 tile; the first such prompt waits for the compile), flash-decoding (split keys,
-    merged partials) for one token; a cache's mask is taken as it is, and its empty tiles
-    are skipped too. "triton": the same two as Triton kernels (flash.py section 5; CUDA).
-    "naive" builds the whole T×L score matrix (flash.naive), the reference the others must match.
-
-    Prefill (T > 1) uses PyTorch's fused SDPA kernel, which never builds the
-    T×L score matrix; enable_gqa lets each group of H/H_kv query heads read one
-    K/V head without materialising repeated copies of K and V.
-    Decode (T = 1) on a CPU, fp32 or bf16, is one C++ call (kernels.decode_attention). Elsewhere the query heads
-    sharing a KV head are rows of one matrix (GQA costs no copy; ~3.5× SDPA with a mask, bf16, 9 heads × 512
-    keys); K/V gathered head-major (the paged pool) batch in (H_kv, B) order: matmul copies them no second time."""
-    if impl == "naive":
-        return flash.naive(q, k, v, causal=mask is None, mask=mask, window=window)[0]
-    if impl in ("flash", "triton") or window and q.shape[2] > 1:    # mask None: causal, queries = last T positions
-        if q.shape[2] == 1:
-            return (flash.decode if impl == "flash" else flash.triton_decode)(q, k, v, mask, causal=mask is None)[0]
-        if impl == "triton":
-            return flash.triton_attention(q, k, v, causal=mask is None, mask=mask, window=window)[0]
-        return flash.attention(q, k, v, causal=mask is None, mask=mask, window=window, compiled=impl == "flash")[0]
-    (B, H, T, d), n_kv = q.shape, k.shape[1]
-    if T > 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=H != n_kv)
-    if (y := kernels.decode_attention(q, k, v, mask)) is not None:
-        return y
-    swap = (lambda x: x.transpose(0, 1)) if B > 1 and k.transpose(0, 1).is_contiguous() else (lambda x: x)
-    scores = swap(q.reshape(B, n_kv, H // n_kv, d)) @ swap(k).transpose(-1, -2) * d ** -0.5    # (…, group, L)
-    if mask is not None:
-        scores = scores.masked_fill(~(swap(mask) if mask.dim() == 4 else mask), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return swap(probs @ swap(v)).reshape(B, H, 1, d)
+        y = cache_layer.attend(q, k, v) if in_place else self.attend(q, k, v, mask, window)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -231,20 +242,20 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = kernels.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return kernels.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, attend=attend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, attend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache_layer=None, positions=None, attn="sdpa"):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_layer, positions, attn)
+    def forward(self, x, cos, sin, mask, cache_layer=None, positions=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_layer, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -278,17 +289,15 @@ def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
 class Llama(nn.Module):
     # Submodule names follow Hugging Face's (minus the "model." prefix) so a
     # checkpoint's tensors load by name.
-    def __init__(self, cfg: LlamaConfig, attn: str = "sdpa"):
+    def __init__(self, cfg: LlamaConfig, attend=attend):
         super().__init__()
-        if attn not in ATTN:
-            raise ValueError(f"unknown attention '{attn}': use {', '.join(ATTN)}")
         self.config = cfg
-        self.attn = attn            # attend()'s implementation, passed down to every layer
+        self.attend = attend        # every layer's (a model built like this one passes it on: tp.py)
         # On the meta device, where from_pretrained builds, nn.Embedding's own init (normal_) imports torch._dynamo:
         # 894 more modules at every start. So the table is drawn (the same draws) only on a device with memory.
         w = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(*w.shape, _weight=w if w.is_meta else nn.init.normal_(w))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         # A draft model's head may score only the tokens it is ever likely to
         # propose (EAGLE-3 does this too): train.py's draft keeps 8,192 of 49,152,
@@ -307,10 +316,11 @@ class Llama(nn.Module):
         if cfg.tie_embeddings and not cfg.eagle:
             self.tie_head()
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        # A faster one-token step with step's signature (a compiled one: the product sets it), run in
+        # its place for one token on a cache of fixed shapes; None: step itself.
         self.compiled_step = None
-        self.quantization = None    # set by quantize.py: {"weights": "int8"}, ...
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None,
                 last_only: bool = False, mask: torch.Tensor | None = None, features: torch.Tensor | None = None,
                 hidden: bool = False):
         """tokens (B, T) at absolute positions (T,) -> logits (B, T, vocab).
@@ -333,9 +343,9 @@ class Llama(nn.Module):
             own = cache.begin(positions)      # host-side bookkeeping, then pure tensor work below
             mask = own if mask is None else mask
         # else: the given mask, or None = causal (a sliding window's: attend() skips the tiles outside it)
-        # the compiled step was traced for one token on a static cache; anything else runs eagerly
-        compiled = self.compiled_step is not None and tokens.shape[1] == 1 and isinstance(cache, StaticCache)
-        step = self.compiled_step if compiled else self.step
+        # a compiled step was traced for one token on a cache of fixed shapes; anything else runs eagerly
+        fixed = self.compiled_step is not None and tokens.shape[1] == 1 and getattr(cache, "fixed_shape", False)
+        step = self.compiled_step if fixed else self.step
         return step(tokens, positions, mask, cache, last_only, features, hidden)
 
     def step(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
@@ -344,14 +354,14 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)
         if self.fc is not None:
             dtype = self.norm.weight.dtype      # the head's own; its embedding is the target's
-            x = kernels.linear(torch.cat([x.to(dtype), features.to(dtype)], dim=-1), self.fc)
+            x = self.fc(torch.cat([x.to(dtype), features.to(dtype)], dim=-1))
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions, self.attn)
+            x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions)
         if last_only and not hidden:
             x = x[:, -1:]
         h = self.norm(x)
-        logits = kernels.linear(h[:, -1:] if last_only else h, self.lm_head).float()
+        logits = self.lm_head(h[:, -1:] if last_only else h).float()
         if self.head_ids is not None:
             full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), -math.inf)
             logits = full.index_copy_(-1, self.head_ids, logits)
@@ -364,72 +374,52 @@ class Llama(nn.Module):
         self.lm_head.weight = w if self.head_ids is None else nn.Parameter(w.detach()[self.head_ids],
                                                                            requires_grad=False)
 
-    def share_target(self, target: "Llama"):
-        """An EAGLE head reads tokens with the target's embedding and scores with its LM head (head_ids rows, copied once
-        in the head's dtype: a bf16 head under an fp32 target), so its features mean the target's; ~113 MB saved."""
-        self.embed_tokens = target.embed_tokens
-        w = quantize.float_weight(target.lm_head)
-        w = w if self.head_ids is None else w[self.head_ids]
-        self.lm_head.weight = nn.Parameter(w.to(self.norm.weight.dtype), requires_grad=False)
-        return self
-
-    def new_cache(self, kind: str = "dynamic", max_len: int | None = None, batch: int = 1,
-                  kv_dtype: str | None = None) -> KVCache:
-        """kind (CACHES): dynamic (grows), static (preallocated to max_len, default the model's context),
-        sliding (ring buffer; needs a sliding_window config) or offloaded (in host memory, one layer at a time
-        on the device). kv_dtype: auto (the model's dtype), int8, fp8 or fp8-plain (quantize.py)."""
-        c, w = self.config, self.norm.weight     # the blocks' dtype (an EAGLE head borrows its embedding)
-        shape, codec = (c.n_layers, batch, c.n_kv_heads, c.head_dim), quantize.kv_codec(kv_dtype)
-        if kind in ("dynamic", "offloaded"):
-            grows = DynamicCache if kind == "dynamic" else OffloadedCache
-            return grows(*shape, dtype=w.dtype, device=w.device, window=c.sliding_window, codec=codec)
-        if kind == "static":
-            return StaticCache(*shape, max_len or c.max_seq_len, w.dtype, w.device, c.sliding_window, codec)
-        if kind == "sliding":
-            if c.sliding_window is None:
-                raise ValueError("--cache sliding needs a model whose config.json sets sliding_window")
-            return SlidingWindowCache(*shape, c.sliding_window, w.dtype, w.device, codec=codec)
-        raise ValueError(f"unknown cache kind '{kind}': use {', '.join(CACHES)}")
-
-    def compile_decode(self, build: bool = True):
-        """Compile the one-token step (with a StaticCache: fixed shapes, one compile): the elementwise work between
-        the matrix products fuses and the eager per-op dispatch goes away (kernels.compile_step). A CPU builds it
-        once into cache_root()/compiled (``build=False``: not here) and later starts load it (kernels.AheadOfTime)."""
-        folder = checkpoint.cache_root() / "compiled"
-        self.compiled_step = kernels.compile_step(self.step, self.norm.weight.device, folder, build)
-        return self
-
     @classmethod
-    def from_pretrained(cls, model_dir, device=None, dtype=None, cfg: LlamaConfig | None = None,
-                        attn: str = "sdpa") -> "Llama":
-        """Build on the meta device (no memory), then adopt the checkpoint's mmap-backed tensors with assign=True:
-        no random init, no second copy. A checkpoint written by quantize.py loads as it is stored (int8/int4)."""
+    def from_pretrained(cls, model_dir, device="cpu", dtype=torch.float32, cfg: LlamaConfig | None = None,
+                        attend=attend) -> "Llama":
+        """Build on the meta device (no memory), then adopt the checkpoint's mmap-backed tensors with
+        assign=True: no random init, no second copy. ``dtype`` a torch.dtype or a name (DTYPES)."""
         cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
-        device = kernels.pick_device(device)
-        dtype = kernels.pick_dtype(dtype, device)
-        with torch.device("meta"):
-            model = cls(cfg, attn)
-            if cfg.quantization:
-                quantize.empty_quantized(model, cfg.quantization)
-        state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(model_dir).items()
-                 if not k.endswith("rotary_emb.inv_freq")}
-        if cfg.tie_embeddings and not cfg.quantization:
-            state.pop("lm_head.weight", None)
-        checkpoint.check_tensors(state, checkpoint_shapes(model), model_dir)
-        # Quantized tensors and their scales keep their dtypes; the layers prepare them below.
-        state = checkpoint.cast(state, device, lambda k, v: dtype if quantize.is_plain(k, v) else None)
-        checkpoint.check_finite({k: v for k, v in state.items() if quantize.is_plain(k, v)}, model_dir)
-        state = checkpoint.fuse(state, FUSED, cfg.n_layers)
         if cfg.quantization:
-            quantize.check_quantized_tensors(state)
-        model.load_state_dict(state, strict=False, assign=True)
-        if cfg.tie_embeddings and not cfg.quantization and not cfg.eagle:
+            raise ValueError(f"{model_dir} holds {cfg.quantization['weights']} weights written by "
+                             f"quantize.py: load it with quantize.from_pretrained")
+        device, dtype = torch.device(device or "cpu"), as_dtype(dtype)
+        with torch.device("meta"):
+            model = cls(cfg, attend)
+        state = read_state(model_dir, model)
+        # floats in ``dtype``; integer tensors (a draft's head_ids) as stored
+        state = checkpoint.cast(state, device, lambda k, v: dtype if v.is_floating_point() else None)
+        checkpoint.check_finite({k: v for k, v in state.items() if v.is_floating_point()}, model_dir)
+        model.load_state_dict(checkpoint.fuse(state, FUSED, cfg.n_layers), strict=False, assign=True)
+        if cfg.tie_embeddings and not cfg.eagle:
             model.tie_head()
-        for layer in model.modules():
-            if hasattr(layer, "prepare"):
-                layer.prepare(dtype)
         model.inv_freq = rope_frequencies(cfg).to(device)
         return model.eval()
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def as_dtype(name) -> torch.dtype:
+    if name is None:
+        return torch.float32
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype '{name}': use float32, bfloat16 or float16 (fp32/bf16/fp16)")
+    return DTYPES[name]
+
+
+def read_state(model_dir, model: "Llama") -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors by the model's names (no "model." prefix, no rotary buffers), checked
+    against the tensors ``model`` (on the meta device) needs; a tied head's copy is dropped."""
+    state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(model_dir).items()
+             if not k.endswith("rotary_emb.inv_freq")}
+    if model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
+        state.pop("lm_head.weight", None)
+    checkpoint.check_tensors(state, checkpoint_shapes(model), model_dir)
+    return state
 
 
 def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed: int = 0):
@@ -445,39 +435,21 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
     return checkpoint.save(out_dir, state, hf_config)
 
 
-def build(model_dir, device=None, dtype=None, weights: str | None = None, group_size: int = quantize.GROUP,
-          attn: str = "sdpa", prepacked: bool = True, prepare: bool = True, cfg: LlamaConfig | None = None,
-          head: str | None = None) -> Llama:
-    """The one way a model is assembled from a checkpoint directory: read it, quantize every Linear if ``weights``
-    (int8/int4) asks (the LM head per ``head``: quantize.scheme_of), build the CPU's C++ kernels, give eager passes
-    their prepacked weights (``prepacked=False``: half the memory, slower several-position passes).
-    ``prepare=False``: quantized layers stay portable (to save)."""
-    quantize.check_scheme(weights, group_size)
-    cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
-    if cfg.quantization and weights not in (None, "auto"):
-        raise ValueError(f"{model_dir} is already quantized ({cfg.quantization['weights']}); "
-                         f"drop --weights or load the full-precision checkpoint")
-    model = Llama.from_pretrained(model_dir, device, dtype, cfg, attn)
-    if model.embed_tokens.weight.device.type == "cpu":
-        kernels.native_kernels()
-    quantize.quantize_model(model, weights, group_size, prepare, head)
-    kernels.prepack(model, copies=prepacked)    # a no-op off the CPU
-    return model
-
-
-def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None,
-         group_size: int = quantize.GROUP, attn: str = "sdpa", prepacked: bool = True,
-         head: str | None = None) -> tuple[Llama, Tokenizer]:
-    """Alias, directory or .gguf -> (model, tokenizer): `build` on the resolved
-    directory, its tokenizer, and every EOS id either file knows."""
-    quantize.check_scheme(weights, group_size)
+def read_model_dir(name: str):
+    """Alias, directory or .gguf -> (its directory, its config with every EOS id either file knows,
+    its tokenizer): the cheap checks, before any gigabytes of weights are read."""
     model_dir = checkpoint.resolve(name)
-    # Cheap checks first: a bad config or missing tokenizer should not wait for gigabytes of weights.
     cfg = LlamaConfig.from_hf(checkpoint.read_config(model_dir))
     tok = Tokenizer.from_dir(model_dir)
-    model = build(model_dir, device, dtype, weights, group_size, attn, prepacked, cfg=cfg, head=head)
-    model.config.eos_ids = sorted(set(tok.eos_ids) | set(model.config.eos_ids))   # generation_config may add ids
-    return model, tok
+    cfg.eos_ids = sorted(set(tok.eos_ids) | set(cfg.eos_ids))   # generation_config may add ids
+    return model_dir, cfg, tok
+
+
+def load(name: str = checkpoint.DEFAULT_MODEL, device="cpu", dtype=torch.float32) -> tuple[Llama, Tokenizer]:
+    """Alias, directory or .gguf -> (model, tokenizer), the weights in ``dtype`` (nanoinfer.load
+    runs it fast: quantized, native kernels, prepacked)."""
+    model_dir, cfg, tok = read_model_dir(name)
+    return Llama.from_pretrained(model_dir, device, dtype, cfg), tok
 
 
 # ----------------------------------------------------------------------------
@@ -509,13 +481,39 @@ class GenerationStats:
         return t0
 
 
-def context_limit(model: Llama, cache: KVCache | None = None) -> int:
+class Cache:
+    """The smallest KV cache: each layer's keys and values so far, grown by concatenation (kvcache.py
+    holds the general ones, tested equal to this). A pass over T new tokens appends their K/V and
+    attends over everything held; ``begin`` says which keys each new token may read."""
+    limit = None                # it grows with the conversation: only the model's context bounds it
+
+    def __init__(self, config: LlamaConfig):
+        self.window, self.length = config.sliding_window, 0
+        self.layers = [CacheLayer() for _ in range(config.n_layers)]
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        self.length += positions.shape[-1]
+        return attention_mask(positions, torch.arange(self.length, device=positions.device), self.window)
+
+
+class CacheLayer:
+    def __init__(self):
+        self.k = self.v = None
+
+    def update(self, k, v, positions):
+        """Append this pass's k, v (B, H_kv, T, d); return all held (B, H_kv, L, d)."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+def context_limit(model: Llama, cache=None) -> int:
     """The model's context, or less when the cache is preallocated smaller."""
     limit = model.config.max_seq_len
     return limit if cache is None or cache.limit is None else min(limit, cache.limit)
 
 
-def check_context(model: Llama, n_tokens: int, cache: KVCache | None = None):
+def check_context(model: Llama, n_tokens: int, cache=None):
     if n_tokens >= (limit := context_limit(model, cache)):
         raise ContextOverflow(f"prompt is {n_tokens} tokens but the context holds {limit}")
 
@@ -552,7 +550,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
     conversation's cache and only its own tokens). On exit the cache holds
     everything except the last yielded token, which the caller may feed next."""
     stats = stats if stats is not None else GenerationStats()
-    cache = cache if cache is not None else model.new_cache()
+    cache = cache if cache is not None else Cache(model.config)
     start, limit = cache.length, context_limit(model, cache)
     check_context(model, start + len(prompt), cache)
     dev = model.embed_tokens.weight.device

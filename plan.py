@@ -273,7 +273,7 @@ class Plan:
     machine: str
     device: str
     dtype: str                       # float32 / bfloat16 / float16
-    cache: str = "dynamic"           # model.CACHES
+    cache: str = "dynamic"           # kvcache.CACHES
     ctx: int = DEFAULT_CTX
     attn: str = "sdpa"
     compile: bool = False

@@ -55,7 +55,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 import kernels
+from model import (FUSED, QUANTIZATION_KEY, Llama, LlamaConfig, as_dtype, attend, read_state,
+                   rope_frequencies)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                   # the largest finite e4m3 number
@@ -374,8 +377,6 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
         if prepare:
             layer.prepare(dtype)
         replace_layer(model, name, layer)
-    model.quantization = ({"weights": weights} | ({"group_size": group} if weights == "int4" else {})
-                          | ({"head": head} if head is not None else {}))
     return model
 
 
@@ -394,7 +395,19 @@ def empty_quantized(model: nn.Module, spec: dict):
             replace_layer(model, name, Int8Linear(lin.in_features, lin.out_features))
         else:
             replace_layer(model, name, Int4Linear(lin.in_features, lin.out_features, group))
-    model.quantization = dict(spec)
+
+
+def scheme(model: nn.Module) -> dict | None:
+    """The model's quantization as a checkpoint's config.json names it ({"weights": "int4",
+    "group_size": 32}, …), read off its layers; None for a float model."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))}
+    if not layers:
+        return None
+    int4 = [m for m in layers.values() if isinstance(m, Int4Linear)]
+    spec = {"weights": "int4", "group_size": int4[0].group} if int4 else {"weights": "int8"}
+    if "lm_head" not in layers and isinstance(getattr(model, "lm_head", None), nn.Linear):
+        spec["head"] = "float"          # kept as loaded (scheme_of)
+    return spec
 
 
 def check_quantized_tensors(state: dict[str, torch.Tensor]):
@@ -431,7 +444,31 @@ def weight_bytes(model: nn.Module) -> int:
 # weight_min for int4), and config.json naming the scheme under CONFIG_KEY (our
 # own key: transformers' "quantization_config" would make it try its own loaders).
 
-CONFIG_KEY = "nanoinfer_quantization"
+CONFIG_KEY = QUANTIZATION_KEY
+
+
+def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, attend=attend):
+    """A checkpoint quantize.py wrote (config.json names its scheme under CONFIG_KEY), loaded as it
+    is stored: model.Llama.from_pretrained's steps with empty quantized layers swapped in on the
+    meta device; the scales keep their dtypes and each layer prepares its kernel's layout."""
+    cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
+    device, dtype = torch.device(device or "cpu"), as_dtype(dtype)
+    with torch.device("meta"):
+        model = Llama(cfg, attend)
+        empty_quantized(model, cfg.quantization)
+    state = read_state(model_dir, model)
+    state = checkpoint.cast(state, device, lambda k, v: dtype if is_plain(k, v) else None)
+    checkpoint.check_finite({k: v for k, v in state.items() if is_plain(k, v)}, model_dir)
+    state = checkpoint.fuse(state, FUSED, cfg.n_layers)
+    check_quantized_tensors(state)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings and isinstance(model.lm_head, nn.Linear):     # a head kept as loaded
+        model.tie_head()
+    for layer in model.modules():
+        if hasattr(layer, "prepare"):
+            layer.prepare(dtype)
+    model.inv_freq = rope_frequencies(cfg).to(device)
+    return model.eval()
 
 
 def is_plain(name: str, t: torch.Tensor) -> bool:

@@ -37,14 +37,17 @@ import torch
 import checkpoint
 import drafting
 import engine
+import flash
 import kernels
+import kvcache
+import nanoinfer.load
 import plan
 import quantize
 import speculative
 import tp
 from kvcache import common_prefix
-from model import (ATTN, CACHES, DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
-                   generate_cached, generate_naive, load)
+from model import (DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
+                   generate_cached, generate_naive)
 from sampling import SamplingParams
 from tokenizer import Tokenizer
 
@@ -74,7 +77,7 @@ class Chat:
         self.reset()
 
     def new_cache(self):
-        return self.model.new_cache(self.cache_kind, self.ctx, kv_dtype=self.kv_dtype)
+        return kvcache.new_cache(self.model, self.cache_kind, self.ctx, codec=quantize.kv_codec(self.kv_dtype))
 
     def reset(self):
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -247,7 +250,7 @@ def make_proposer(target: Llama, tok, draft: str | None = None, k: int = 4, adap
     speculative.check_k(k)
     shape = speculative.parse_tree(tree) if tree is not None else None
     if draft is not None:
-        model = drafting.load_draft(draft, target, tok, device, dtype)
+        model = nanoinfer.load.load_draft(draft, target, tok, device, dtype)
         if shape is not None and isinstance(model, Llama) and not model.config.eagle:
             raise ValueError(f"--spec-tree needs an EAGLE head or Medusa heads as the draft (train.py's `bundled` "
                              f"or `medusa`); {draft} is a standalone draft model")
@@ -272,7 +275,7 @@ def plain_step_s(model: Llama, cache=None, context: int = 64, steps: int = 6) ->
     drifts minute to minute and the baseline must see the answer's own minute. An empty
     cache first takes a `context`-token prompt. 0.0 when the cache has no room left."""
     dev = model.embed_tokens.weight.device
-    cache = model.new_cache() if cache is None else cache
+    cache = kvcache.new_cache(model) if cache is None else cache
     start, times = cache.length, []
     with torch.inference_mode():
         if start == 0:     # a small --ctx holds it too
@@ -312,7 +315,7 @@ def parse_args(argv=None):
                     "(default: 0.9)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--decoder", choices=list(DECODERS), default="cached")
-    ap.add_argument("--cache", choices=list(CACHES), default=None,
+    ap.add_argument("--cache", choices=list(kvcache.CACHES), default=None,
                     help="KV cache: grows (dynamic), preallocated (static), a ring (sliding-window models), or "
                          "grows in host memory and visits the device a layer at a time (offloaded); default: "
                          "static where the plan compiles, else dynamic")
@@ -324,7 +327,7 @@ def parse_args(argv=None):
                     help="paged: the continuous-batching engine's block pool (engine.py); the conversation "
                          "stays in its blocks between turns, and full blocks are shared by prefix caching")
     ap.add_argument("--block-size", type=int, default=None, help="--kv paged: tokens per block (default: 16)")
-    ap.add_argument("--attn", choices=list(ATTN), default=None,
+    ap.add_argument("--attn", choices=list(flash.ATTENTION), default=None,
                     help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, the naive "
                          "full score matrix, or flash.py's Triton kernels (a CUDA GPU); default: the plan's (sdpa)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -387,7 +390,7 @@ def warm_up(chat: Chat, argv: list[str] | None = None):
     (--compile-only, ~1 min) while the chat answers on the eager step; take_compiled_step then loads it."""
     t0 = time.perf_counter()
     background = argv is not None and chat.proposer is None
-    chat.model.compile_decode(build=not background)
+    kernels.compile_decode(chat.model, build=not background)
     draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
     drafted = isinstance(draft, drafting.DraftModel) and draft.static   # its step is compiled too (make_proposer)
     steps = [chat.model.compiled_step] + ([draft.model.compiled_step] if drafted else [])
@@ -445,7 +448,7 @@ def take_compiled_step(chat: Chat):
               f"eager step]", file=sys.stderr)
         return
     t0 = time.perf_counter()
-    chat.model.compile_decode()
+    kernels.compile_decode(chat.model)
     step_once(chat.model, chat.new_cache())         # the conversation's cache is live: a scratch one
     print(f"[compiled step ready: loaded in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
 
@@ -589,13 +592,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
         if args.tp:
-            model, tok = tp.load(args.model, device, dtype, p.attn, prepacked=not args.no_prepack)
+            model, tok = tp.load(args.model, device, dtype, nanoinfer.load.attention(p.attn),
+                                 prepacked=not args.no_prepack)
             print(tp.describe(model), file=sys.stderr)
         else:
-            model, tok = load(args.model, args.device, dtype, p.weights, args.group_size or quantize.GROUP,
+            model, tok = nanoinfer.load.load(args.model, args.device, dtype, p.weights, args.group_size or quantize.GROUP,
                               attn=p.attn, prepacked=p.prepack and not args.no_prepack, head=p.head)
         w = model.embed_tokens.weight
-        quant = f", weights {model.quantization['weights']}" if model.quantization else ""
+        quant = f", weights {q['weights']}" if (q := quantize.scheme(model)) else ""
         packed = kernels.prepacked_bytes(model)
         packed = f" + {packed / 1e6:.0f} MB of oneDNN-prepacked copies" if packed else ""
         print(f"loaded in {time.perf_counter() - t0:.1f} s: {quantize.count_parameters(model) / 1e6:.0f}M "

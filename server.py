@@ -70,9 +70,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import checkpoint
 import engine
 import kernels
+import nanoinfer.load
 import plan
 import quantize
-from model import load
 from sampling import SamplingParams
 from tokenizer import Tokenizer
 
@@ -645,7 +645,7 @@ def build(args) -> Server:
     # auto: the plan's dtype (plan.py: bf16 where native and measured faster); the engine stays eager and paged
     dtype = plan.plan_for(args.model, device).dtype if args.dtype == "auto" else args.dtype
     weights = None if args.weights == "auto" else args.weights
-    model, tok = load(args.model, args.device, dtype, weights)
+    model, tok = nanoinfer.load.load(args.model, args.device, dtype, weights)
     kv = None if args.kv_dtype == "auto" else args.kv_dtype
     eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), kv_dtype=kv)
     return Server(eng, tok, Path(str(args.model)).name, args.api_key, args.max_queue, args.max_body)

@@ -91,8 +91,9 @@ from typing import Iterator
 
 import torch
 
-from kvcache import DynamicCache, attention_mask
-from model import GenerationStats, Llama, check_context, context_limit, generate_cached, load
+import kvcache
+from kvcache import DynamicCache
+from model import GenerationStats, Llama, attention_mask, check_context, context_limit, generate_cached, load
 from sampling import SamplingParams, check_logits, finish_reason, sample, sampling_probs, seeded_generator
 
 ROOT = Path(__file__).resolve().parent
@@ -325,7 +326,7 @@ def generate_simple(model: Llama, prompt: list[int], p: SamplingParams, draft: L
     `generate` with a DraftModel produces the same tokens (the tests check it)."""
     dev = model.embed_tokens.weight.device
     gen, eos = seeded_generator(p.seed, dev), set(model.config.eos_ids)
-    cache, dcache, limit = model.new_cache(), draft.new_cache(), context_limit(model)
+    cache, dcache, limit = kvcache.new_cache(model), kvcache.new_cache(draft), context_limit(model)
     check_context(model, len(prompt))
     logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache, last_only=True)
     context = prompt + [sample(logits[0, -1], p, gen)]
@@ -387,7 +388,7 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
     except the last yielded token, exactly as after generate_cached."""
     stats = stats if stats is not None else GenerationStats()
     spec = spec if spec is not None else SpecStats()
-    cache = cache if cache is not None else model.new_cache()
+    cache = cache if cache is not None else kvcache.new_cache(model)
     history = list(history or [])
     if len(history) != cache.length:
         raise ValueError(f"history has {len(history)} tokens but the cache holds {cache.length}")

@@ -85,6 +85,7 @@ import torch.nn as nn
 
 import checkpoint
 import kernels
+import kvcache
 import model
 import quantize
 from sampling import SamplingParams
@@ -189,14 +190,14 @@ def shard(full: model.Llama, part: Part, group=None) -> model.Llama:
     counts (attention reads them from there, and so does new_cache: the cache holds only
     its KV heads), its slices of each product, and o_proj/down_proj wrapped in RowParallel."""
     c = full.config
-    if full.quantization:
+    if quantize.scheme(full):
         raise ValueError(f"tensor parallelism splits float weights, and this model is quantized "
-                         f"({full.quantization['weights']}): load the full-precision checkpoint")
+                         f"({quantize.scheme(full)['weights']}): load the full-precision checkpoint")
     local = replace(c, n_heads=len(part.heads), n_kv_heads=len(part.kv_heads), intermediate_size=len(part.units))
     state = {name: slice_tensor(name, t, part, c.head_dim) for name, t in model.unfuse(full).items()}
     state = checkpoint.fuse(state, model.FUSED, c.n_layers)
     with torch.device("meta"):
-        mine = model.Llama(local, full.attn)
+        mine = model.Llama(local, full.attend)
     mine.load_state_dict(state, assign=True)
     if c.tie_embeddings and not c.eagle:
         mine.tie_head()
@@ -295,14 +296,17 @@ def shared_seed(seed: int | None, group=None) -> int:
     return box[0]
 
 
-def load(name: str, device=None, dtype=None, attn: str = "sdpa", prepacked: bool = True,
+def load(name: str, device=None, dtype=None, attend=model.attend, prepacked: bool = True,
          group=None) -> tuple[model.Llama, object]:
     """Every rank: read the checkpoint on the CPU (mmap-backed: no device ever holds all of
-    it), check that the ranks agree, keep this rank's part and move it to its device."""
+    it), check that the ranks agree, keep this rank's part and move it to its device; its
+    layers attend with ``attend`` (model.attend's signature)."""
     dev = kernels.pick_device(device)
-    cfg = model.LlamaConfig.from_hf(checkpoint.read_config(checkpoint.resolve(name)))
+    model_dir, cfg, tok = model.read_model_dir(name)
     part = plan(cfg, dist.get_rank(group), dist.get_world_size(group))      # before reading any weight
-    full, tok = model.load(name, "cpu", kernels.pick_dtype(dtype, dev), attn=attn, prepacked=False)
+    full = model.Llama.from_pretrained(model_dir, "cpu", kernels.pick_dtype(dtype, dev), cfg, attend)
+    if dev.type == "cpu":
+        kernels.native_kernels()
     check_same(full, str(name), group)
     mine = shard(full, part, group).to(dev)
     return kernels.prepack(mine, copies=prepacked), tok
@@ -371,7 +375,7 @@ def generate(llama: model.Llama, prompt: list[int], new_tokens: int, seed: int |
              temperature: float = 0.0, cache: str = "static") -> list[int]:
     """new_tokens tokens (EOS ignored) from the cached decoder, on a `cache` sized to fit."""
     p = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=new_tokens, ignore_eos=True)
-    kv = llama.new_cache(cache, len(prompt) + new_tokens + 1)
+    kv = kvcache.new_cache(llama, cache, len(prompt) + new_tokens + 1)
     return list(model.generate_cached(llama, prompt, p, cache=kv))
 
 
@@ -381,7 +385,7 @@ def measure(name: str, dtype: str, prompt_tokens: int, steps: int, split: bool =
     alone. split=False: the plain model in this one process, for comparison."""
     llama = load(name, "cpu", dtype)[0] if split else model.load(name, "cpu", dtype)[0]
     c, stats, times, comm = llama.config, getattr(llama, "comm", Comm()), [], []
-    cache = llama.new_cache("static", prompt_tokens + steps + 1)
+    cache = kvcache.new_cache(llama, "static", prompt_tokens + steps + 1)
     with torch.inference_mode():
         llama(torch.arange(prompt_tokens)[None] % c.vocab_size, torch.arange(prompt_tokens), cache, last_only=True)
         for i in range(steps):
@@ -406,7 +410,7 @@ def measure(name: str, dtype: str, prompt_tokens: int, steps: int, split: bool =
 def demo_rank(name: str, prompt: list[int], new_tokens: int) -> dict:
     llama, _ = load(name, "cpu", "float32")
     tokens = generate(llama, prompt, new_tokens)
-    return {"tokens": tokens, "bytes": weight_bytes(llama), "kv": llama.new_cache("static", 1024).nbytes,
+    return {"tokens": tokens, "bytes": weight_bytes(llama), "kv": kvcache.new_cache(llama, "static", 1024).nbytes,
             "comm": llama.comm, "describe": describe(llama)}
 
 
@@ -426,7 +430,7 @@ if __name__ == "__main__":
             raise SystemExit(f"error: {r}")
     split, whole = weight_bytes(one)
     print(f"1 process: {split / 1e6:.1f} MB to split + {whole / 1e6:.1f} MB replicated, KV "
-          f"{one.new_cache('static', 1024).nbytes / 1e6:.1f} MB for 1,024 tokens")
+          f"{kvcache.new_cache(one, 'static', 1024).nbytes / 1e6:.1f} MB for 1,024 tokens")
     for r in ranks:
         print(f"{r['describe']}; KV {r['kv'] / 1e6:.1f} MB for 1,024 tokens; {r['comm'].calls} all-reduces, "
               f"{r['comm'].bytes / 1e6:.2f} MB sent")

@@ -72,9 +72,10 @@ import torch
 import checkpoint
 import kernels
 from engine import LLM
-from model import Llama, LlamaConfig, load, unfuse
+from model import Llama, LlamaConfig, unfuse
+from nanoinfer.load import load
 from sampling import SamplingParams
-from drafting import BUNDLED_DRAFT, BUNDLED_MEDUSA, MedusaHeads
+from drafting import BUNDLED_DRAFT, BUNDLED_MEDUSA, MedusaHeads, share_target
 from speculative import SUMMARISE
 
 # ----------------------------------------------------------------------------
@@ -203,7 +204,7 @@ def make_head(target: Llama, target_dir: Path, ids: torch.Tensor) -> tuple[Llama
     with torch.no_grad():
         head.fc.weight[:, d:] += torch.eye(d)
         head.norm.weight.copy_(target.norm.weight.float())
-    head.share_target(target)
+    share_target(head, target)
     head.embed_tokens.weight.requires_grad_(False)
     return head, hf
 

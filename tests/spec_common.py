@@ -7,11 +7,13 @@ import shutil
 
 import torch
 
+import drafting
 import model as M
 import sampling
 import speculative as S
 from conftest import make_checkpoint
 import pytest
+import kvcache
 
 SMALL = dict(tokenizer=False, max_position_embeddings=1024)
 PROMPTS = [[0, 5, 17, 99, 4], [0, 250, 251, 252, 253, 7, 7, 7], [0, 42]]
@@ -63,7 +65,7 @@ def eagle_head(models, tmp_path_factory):
     cfg = json.loads((make_checkpoint(root / "c", **SMALL) / "config.json").read_text())
     cfg.update(num_hidden_layers=1, eagle=True, draft_vocab_size=96)
     head = M.Llama.from_pretrained(M.save_random_checkpoint(cfg, root / "h", seed=2), "cpu", torch.float32)
-    return head.share_target(target)
+    return drafting.share_target(head, target)
 
 
 def random_medusa(target, n_heads: int, ids: list[int], seed: int):
@@ -125,8 +127,8 @@ def small_vocab(tmp_path_factory):
     # an EAGLE head for the target, over the same 10 tokens
     hf = json.loads((root / "d" / "config.json").read_text())
     hf.update(hidden_size=32, num_hidden_layers=1, eagle=True, draft_vocab_size=10)
-    eagle = M.Llama.from_pretrained(M.save_random_checkpoint(hf, root / "e", torch.float32, seed=3), "cpu",
-                                    torch.float32).share_target(target)
+    eagle = drafting.share_target(M.Llama.from_pretrained(
+        M.save_random_checkpoint(hf, root / "e", torch.float32, seed=3), "cpu", torch.float32), target)
     target.config.eos_ids = draft.config.eos_ids = part.config.eos_ids = []
     return target, draft, part, eagle, random_medusa(target, 3, [0, 1, 2, 4, 5, 7, 9, 11, 12, 15], seed=5)
 
@@ -158,7 +160,7 @@ def check_greedy(target, proposers: dict, k: int, n: int = 128):
     for prompt in PROMPTS:
         want = plain(target, prompt, n)
         for name, make in proposers.items():
-            spec, cache = S.SpecStats(), target.new_cache()
+            spec, cache = S.SpecStats(), kvcache.new_cache(target)
             got = list(S.generate(target, prompt, greedy, make(), spec=spec, cache=cache))
             assert got == want, (name, k, prompt)
             assert cache.length == len(prompt) + n - 1

@@ -130,7 +130,7 @@ def test_engine_step_table(tmp_path):
 def test_long_prompts_scenario_saves_its_table(tmp_path, capsys):
     """The chunked-prefill scenario run for real on a tiny checkpoint: its table, the same
     tokens with and without chunks, and the decoders' gaps counted."""
-    from model import load
+    from nanoinfer.load import load
     model, _ = load(str(make_checkpoint(tmp_path / "tiny", max_position_embeddings=4096)))
     args = argparse.Namespace(model="tiny", decoders=2, decode_tokens=12, long_prompts=2, chunks=[0, 256], max_batch=8)
     bench.bench_long_prompts(model, args)

@@ -12,13 +12,15 @@ import pytest
 
 import kernels
 import model as M
+import nanoinfer.load as nl
 from conftest import ROOT, make_checkpoint
+import kvcache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def decode(model, prompt, max_len=64, n=32):
-    cache = model.new_cache("static", max_len=max_len)
+    cache = kvcache.new_cache(model, "static", max_len=max_len)
     return list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=n), cache=cache))
 
 
@@ -35,13 +37,13 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
         return model
 
     eager, prompt = start(), list(range(10, 30))
-    first = start().compile_decode()
+    first = kernels.compile_decode(start())
     assert decode(first, prompt) == decode(eager, prompt)                # ≥ 32 greedy tokens, fp32
     assert len(builds) == 1 and "compiled (once)" in first.compiled_step.log[0]
     assert first.compiled_step.built == builds
     assert [p.name for p in (tmp_path / "xdg" / "nanoinfer" / "compiled").iterdir()] == [builds[0].name]
 
-    second = start().compile_decode()                                     # a later start: loads, no compile
+    second = kernels.compile_decode(start())                                     # a later start: loads, no compile
     assert decode(second, [7, 8]) == decode(eager, [7, 8])
     assert len(builds) == 1 and second.compiled_step.log == [second.compiled_step.log[0]]
     assert second.compiled_step.log[0].startswith("compiled step loaded from cache in")
@@ -50,16 +52,21 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
     handed = second.compiled_step.handed[0]                               # the model's own tensors, no copy
     assert handed["model.embed_tokens.weight"] is second.embed_tokens.weight
 
-    lazy = start().compile_decode(build=False)          # another context: a package of its own, not on disk yet
+    lazy = kernels.compile_decode(start(), build=False)          # another context: a package of its own, not on disk yet
     assert decode(lazy, prompt, max_len=128, n=2) == decode(eager, prompt, max_len=128, n=2)   # (ran eagerly)
     assert len(builds) == 1 and [p.name for p in lazy.compiled_step.missing.values()] != [builds[0].name]
     assert len(lazy.compiled_step.missing) == 1 and lazy.compiled_step.runners == {}
     variant = next(iter(second.compiled_step.runners))
-    bf16 = start("bfloat16").compile_decode()                             # another dtype: another name
+    bf16 = kernels.compile_decode(start("bfloat16"))                             # another dtype: another name
     assert bf16.compiled_step.path(variant) not in builds
     # and another source: the step's modules, and the modules their imported names come from
-    sources = {p.name for p in kernels.project_sources(M, kernels.Path(M.__file__).parent)}
-    assert {"model.py", "kernels.py", "kvcache.py", "flash.py", "quantize.py"} <= sources
+    def sources(llama, cache_type):
+        home, code = kernels.Path(M.__file__).parent, kernels.step_code(llama, cache_type)
+        return {p.name for f in code for p in kernels.project_sources(sys.modules[f.__module__], home)}
+    assert {"model.py", "kernels.py", "kvcache.py"} <= sources(second, type(kvcache.new_cache(second, "static", 8)))
+    # the runner's: flash.py's attention around kernels.cpp's decode, int8 layers (quantize.py)
+    runner = nl.build(path, "cpu", "float32", "int8")
+    assert {"model.py", "kernels.py", "flash.py", "quantize.py"} <= sources(runner, None)
 
 
 def test_a_first_chat_answers_on_the_eager_step_while_a_child_compiles(tmp_path):

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import model as M
+import nanoinfer.load as nl
 import drafting as D
 import sampling
 import serve_local
 import speculative as S
 from conftest import make_checkpoint
 from spec_common import PROMPTS, SMALL, check_cache_lengths, check_greedy, check_sampling, head_subset, plain
+import kvcache
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,8 +90,8 @@ def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
     target, _ = models
     draft = copy.deepcopy(subset_draft if kind == "draft" else eagle_head)  # its compiled step stays off the fixture
     if kind != "draft":
-        draft.to(torch.bfloat16 if kind == "bf16 eagle" else torch.float32).share_target(target)
-        assert draft.lm_head.weight.dtype == draft.fc.weight.dtype == draft.new_cache().spec[3]
+        D.share_target(draft.to(torch.bfloat16 if kind == "bf16 eagle" else torch.float32), target)
+        assert draft.lm_head.weight.dtype == draft.fc.weight.dtype == kvcache.new_cache(draft).spec[3]
     proposer = D.draft_proposer(draft, target, 4, compile=True)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     for prompt in PROMPTS[:2]:
@@ -139,7 +141,7 @@ def test_eagle_reads_the_right_features(models, eagle_head):
     t = len(context) - 1
     with torch.inference_mode():
         _, feats = target(torch.tensor([context]), torch.arange(t + 1), hidden=True)
-        fresh = eagle_head.new_cache()
+        fresh = kvcache.new_cache(eagle_head)
         logits = eagle_head(torch.tensor([context[1:]]), torch.arange(t), fresh, features=feats[:, :t])
     assert proposer.cache.length == t
     for layer in range(len(fresh.k)):
@@ -148,7 +150,7 @@ def test_eagle_reads_the_right_features(models, eagle_head):
     assert guess == int(logits[0, -1].argmax())
     # a wrong alignment (feature j+1 with token j+1) builds a different cache
     with torch.inference_mode():
-        wrong = eagle_head.new_cache()
+        wrong = kvcache.new_cache(eagle_head)
         eagle_head(torch.tensor([context[1:]]), torch.arange(t), wrong, features=feats[:, 1:])
     assert not torch.allclose(proposer.cache.k[0][:, :, :t], wrong.k[0][:, :, :t], atol=1e-3)
 
@@ -180,7 +182,7 @@ def test_medusa_reads_the_last_feature(models, medusa_heads, tmp_path):
     assert proposer.propose(context + [7], 4, 100, greedy, None).candidates == []   # no feature before x_t
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in h.state_dict().items()}
     checkpoint.save(tmp_path / "m", state, dict(h.hf_config(), vocab_size=320))
-    loaded = D.load_draft(str(tmp_path / "m"), target, None)
+    loaded = nl.load_draft(str(tmp_path / "m"), target, None)
     assert isinstance(loaded, D.MedusaHeads) and loaded.rows.dtype == torch.float32
     assert torch.equal(loaded.head_ids, h.head_ids) and torch.equal(loaded.rows, h.rows)
     torch.testing.assert_close(loaded.blocks[2].weight, h.blocks[2].weight, atol=1e-2, rtol=1e-2)
@@ -191,17 +193,17 @@ def test_medusa_reads_the_last_feature(models, medusa_heads, tmp_path):
 def test_draft_vocabulary_checked_at_load(tmp_path):
     tgt_dir = make_checkpoint(tmp_path / "t")
     bad_dir = make_checkpoint(tmp_path / "d", vocab_size=352)
-    target, tok = M.load(str(tgt_dir))
+    target, tok = nl.load(str(tgt_dir))
     with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
-        D.load_draft(str(bad_dir), target, tok)
-    assert D.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+        nl.load_draft(str(bad_dir), target, tok)
+    assert nl.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
     # train.py's drafts carry no tokenizer files: they load with the target's, vocabulary still checked
     for d in (tgt_dir, bad_dir):
         for f in ("tokenizer.json", "tokenizer_config.json"):
             (d / f).unlink(missing_ok=True)
-    assert D.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
+    assert nl.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
     with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
-        D.load_draft(str(bad_dir), target, tok)
+        nl.load_draft(str(bad_dir), target, tok)
 
 
 def test_committed_draft(bundled_dir):
@@ -212,8 +214,8 @@ def test_committed_draft(bundled_dir):
     files = list(D.BUNDLED_DRAFT.iterdir())
     assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
                                                                                           "model.safetensors"}
-    target, tok = M.load(str(bundled_dir), "cpu", "float32")
-    head = D.load_draft("bundled", target, tok)
+    target, tok = nl.load(str(bundled_dir), "cpu", "float32")
+    head = nl.load_draft("bundled", target, tok)
     assert head.config.eagle and head.embed_tokens is target.embed_tokens
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()       # stored in bf16: run in bf16 where the CPU can
     assert head.fc.weight.dtype == head.lm_head.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
@@ -237,8 +239,8 @@ def test_committed_draft_with_int4_weights(bundled_dir):
     """The plan's int4 target (the GGUF's own Q4_1 bits, an int8 LM head): the EAGLE head scores with the
     head's dequantized rows (not its raw int8 codes), so it still guesses well, and with the C++ kernels
     (batch-invariant) the speculative text is the int4 model's own greedy text."""
-    target, tok = M.load(str(bundled_dir), "cpu", "float32", weights="int4", prepacked=False)
-    head = D.load_draft("bundled", target, tok)
+    target, tok = nl.load(str(bundled_dir), "cpu", "float32", weights="int4", prepacked=False)
+    head = nl.load_draft("bundled", target, tok)
     text = "Write a short poem about a lighthouse keeper."
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=32)
@@ -256,8 +258,8 @@ def test_committed_medusa(bundled_dir):
     files = list(D.BUNDLED_MEDUSA.iterdir())
     assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
                                                                                           "model.safetensors"}
-    target, tok = M.load(str(bundled_dir), "cpu", "float32")
-    heads = D.load_draft("medusa", target, tok)
+    target, tok = nl.load(str(bundled_dir), "cpu", "float32")
+    heads = nl.load_draft("medusa", target, tok)
     assert isinstance(heads, D.MedusaHeads) and len(heads.blocks) == 4
     assert heads.rows.shape == (len(heads.head_ids), target.config.hidden_size) and len(heads.head_ids) < 49152
     text = "Write a short poem about a lighthouse keeper."     # bench.py's second chat prompt
@@ -276,7 +278,7 @@ def test_committed_medusa(bundled_dir):
 def test_narrow_draft():
     """A bf16-stored draft runs in bf16 only under an fp32 target on a CPU that computes bf16."""
     cpu = torch.device("cpu")
-    assert D.narrow_draft("bfloat16", cpu, torch.float32) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert not D.narrow_draft("float32", cpu, torch.float32)
-    assert not D.narrow_draft(None, cpu, torch.float32)
-    assert not D.narrow_draft("bfloat16", torch.device("cuda"), torch.float32)
+    assert nl.narrow_draft("bfloat16", cpu, torch.float32) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not nl.narrow_draft("float32", cpu, torch.float32)
+    assert not nl.narrow_draft(None, cpu, torch.float32)
+    assert not nl.narrow_draft("bfloat16", torch.device("cuda"), torch.float32)

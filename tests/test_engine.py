@@ -12,11 +12,14 @@ import pytest
 import torch
 
 import model as M
+import nanoinfer.load as nl
 import serve_local
 from conftest import make_checkpoint
 from engine import LLM, Engine, Request, Scheduler, Sequence
 from kvcache import PagedKVCache
 from paged import BlockAllocator
+import kvcache
+import quantize
 
 GREEDY = M.SamplingParams
 
@@ -72,7 +75,7 @@ def test_paged_decoding_equals_contiguous_cache(llama, reference, block_size):
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
 def test_quantized_pages_equal_the_quantized_contiguous_cache(llama, kv):
     """The same rows, encoded the same way, whether they live in blocks or in one tensor."""
-    want = [list(M.generate_cached(llama, p, GREEDY(max_new_tokens=30), cache=llama.new_cache(kv_dtype=kv)))
+    want = [list(M.generate_cached(llama, p, GREEDY(max_new_tokens=30), cache=kvcache.new_cache(llama, codec=quantize.kv_codec(kv))))
             for p in PROMPTS]
     engine = Engine(llama, block_size=16, max_batch=len(PROMPTS), kv_dtype=kv)
     assert engine.cache.pool.dtype == torch.uint8
@@ -175,7 +178,7 @@ def test_sliding_window_model_in_pages(tmp_path):
 
 
 def test_bundled_model_batched_equals_alone(bundled_dir):
-    m, tok = M.load(str(bundled_dir), dtype="float32")
+    m, tok = nl.load(str(bundled_dir), dtype="float32")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_bos=False)
                for q in ["What is the capital of France?", "Write a haiku about the sea.",
                          "Name three primes."]]
@@ -542,7 +545,7 @@ class InterruptAfter(io.StringIO):
 
 
 def test_chat_paged_ctrl_c_stops_the_answer_between_steps(tiny_ckpt):
-    m, tok = M.load(str(tiny_ckpt))
+    m, tok = nl.load(str(tiny_ckpt))
     chat = serve_local.PagedChat(m, tok, M.SamplingParams(max_new_tokens=30), raw=True, ctx=200)
     m.config.eos_ids = []
     out = InterruptAfter(3)
@@ -558,7 +561,7 @@ def test_chat_paged_ctrl_c_stops_the_answer_between_steps(tiny_ckpt):
 
 
 def test_chat_paged_turns_reuse_blocks(bundled_dir):
-    m, tok = M.load(str(bundled_dir), dtype="float32")
+    m, tok = nl.load(str(bundled_dir), dtype="float32")
     params = M.SamplingParams(max_new_tokens=8)
     runs = {}
     for kv in ("contiguous", "paged"):

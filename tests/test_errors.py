@@ -6,6 +6,7 @@ import pytest
 
 import serve_local
 from conftest import make_checkpoint
+import nanoinfer.load as nl
 
 
 def fails_with(capsys, argv, message):
@@ -86,7 +87,7 @@ def test_context_overflow_in_chat_keeps_conversation(tmp_path):
     import io
     import model as M
     path = make_checkpoint(tmp_path / "short", max_position_embeddings=64)
-    m, tok = M.load(str(path))
+    m, tok = nl.load(str(path))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=4))
     chat.turn("hello", out=io.StringIO())
     before = (list(chat.ids), chat.cache.length, list(chat.messages))

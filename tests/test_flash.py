@@ -10,6 +10,7 @@ import torch
 import flash
 import kvcache as K
 import model as M
+import nanoinfer.load as nl
 from conftest import make_checkpoint
 
 NS = [1, 7, 128, 1000, 2049]
@@ -167,7 +168,7 @@ def tiny(tmp_path_factory):
 
 
 def test_model_attn_choices_agree(tiny):
-    models = {a: M.Llama.from_pretrained(tiny, "cpu", "float32", attn=a) for a in M.ATTN}
+    models = {a: M.Llama.from_pretrained(tiny, "cpu", "float32", attend=f) for a, f in flash.ATTENTION.items()}
     ids = torch.randint(0, 320, (2, 150), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = {a: m(ids, torch.arange(150)) for a, m in models.items()}
@@ -176,21 +177,21 @@ def test_model_attn_choices_agree(tiny):
     prompt = list(range(10, 50))
     for kind in ("dynamic", "static"):
         runs = {a: list(M.generate_cached(m, prompt, M.SamplingParams(max_new_tokens=40),
-                                          cache=m.new_cache(kind, max_len=128)))
+                                          cache=K.new_cache(m, kind, max_len=128)))
                 for a, m in models.items()}
         assert runs["flash"] == runs["sdpa"] == runs["naive"]
     with pytest.raises(ValueError, match="unknown attention 'fast'"):
-        M.Llama.from_pretrained(tiny, "cpu", "float32", attn="fast")
+        flash.attention_named("fast")
 
 
 def test_sliding_window_model_with_flash(tmp_path):
     """A Mistral-style window through every cache, the ring buffer included."""
     path = make_checkpoint(tmp_path / "w", tokenizer=False, sliding_window=16)
-    models = {a: M.Llama.from_pretrained(path, "cpu", "float32", attn=a) for a in ("flash", "naive")}
+    models = {a: M.Llama.from_pretrained(path, "cpu", "float32", attend=flash.ATTENTION[a]) for a in ("flash", "naive")}
     assert models["flash"].config.sliding_window == 16
     for kind in ("dynamic", "static", "sliding"):
         runs = [list(M.generate_cached(m, list(range(3, 43)), M.SamplingParams(max_new_tokens=30),
-                                       cache=m.new_cache(kind, max_len=128))) for m in models.values()]
+                                       cache=K.new_cache(m, kind, max_len=128))) for m in models.values()]
         assert runs[0] == runs[1]
 
 
@@ -205,7 +206,7 @@ def test_bundled_model_greedy_flash_equals_naive(bundled_dir):
     prompt = None
     runs = {}
     for attn in ("flash", "naive"):
-        model, tok = M.load(str(bundled_dir), "cpu", "float32", attn=attn)
+        model, tok = nl.load(str(bundled_dir), "cpu", "float32", attn=attn)
         model.config.eos_ids = []
         prompt = prompt or tok.encode(tok.apply_chat_template(
             [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_bos=False)

@@ -10,6 +10,7 @@ import kvcache as K
 import model as M
 import results
 from conftest import make_checkpoint
+import kernels
 
 WINDOW = 16
 
@@ -70,7 +71,7 @@ def test_write_rows_puts_each_row_where_its_position_says():
 def test_caches_equal_naive_greedy(llama, kind):
     for prompt in PROMPTS:
         naive = list(M.generate_naive(llama, prompt, M.SamplingParams(max_new_tokens=70)))
-        cache = llama.new_cache(kind, max_len=128)
+        cache = K.new_cache(llama, kind, max_len=128)
         assert decode(llama, prompt, cache, 70) == naive
         assert cache.length == len(prompt) + 69     # all but the last token were fed back
 
@@ -98,6 +99,8 @@ def test_sliding_window_without_cache_builds_no_full_mask(mistral, monkeypatch):
     monkeypatch.setattr(flash, "attention", lambda *a, **kw: calls.append((kw["window"], kw["mask"])) or real(*a, **kw))
     monkeypatch.setattr(flash, "attention_mask", lambda q, k, *a, **kw: shapes.append((len(q), len(k))) or
                         mask_rule(q, k, *a, **kw))
+    for block in ours.layers:       # the runner's "sdpa" (nanoinfer.load.attention)
+        monkeypatch.setattr(block.self_attn, "attend", flash.attend_sdpa)
     ids = torch.randint(0, 320, (1, 600), generator=torch.Generator().manual_seed(1))
     got = ours(ids, torch.arange(600))          # attn "sdpa": flash's tiles, run eagerly
     with torch.no_grad():
@@ -110,7 +113,7 @@ def test_sliding_window_caches_equal_naive(mistral, kind):
     model, _ = mistral
     for prompt in PROMPTS:   # the 40-token prompt is longer than the window
         naive = list(M.generate_naive(model, prompt, M.SamplingParams(max_new_tokens=70)))
-        cache = model.new_cache(kind, max_len=128)
+        cache = K.new_cache(model, kind, max_len=128)
         assert decode(model, prompt, cache, 70) == naive
     if kind == "sliding":    # memory stays window + slack rows, however long the sequence
         assert cache.capacity == WINDOW + cache.slack and cache.length == 40 + 69
@@ -120,7 +123,7 @@ def test_sliding_window_caches_equal_naive(mistral, kind):
 def test_crop_then_redecode_reproduces(llama, mistral, kind):
     model = mistral[0] if kind == "sliding" else llama
     prompt = list(range(3, 23))
-    cache = model.new_cache(kind, max_len=128)
+    cache = K.new_cache(model, kind, max_len=128)
     first = decode(model, prompt, cache, 40)
     cache.crop(len(prompt) + 25)         # roll back 14 tokens (speculative decoding's move)
     assert cache.length == len(prompt) + 25
@@ -129,7 +132,7 @@ def test_crop_then_redecode_reproduces(llama, mistral, kind):
 
 
 def test_sliding_crop_beyond_slack_is_refused(mistral):
-    cache = mistral[0].new_cache("sliding")
+    cache = K.new_cache(mistral[0], "sliding")
     decode(mistral[0], list(range(3, 23)), cache, 100)
     with pytest.raises(ValueError, match="can roll back at most 64 tokens"):
         cache.crop(10)
@@ -138,14 +141,14 @@ def test_sliding_crop_beyond_slack_is_refused(mistral):
 @pytest.mark.parametrize("kind", ["dynamic", "static", "offloaded"])
 def test_fork_shares_until_write_and_branches_are_independent(llama, kind):
     prefix, questions = list(range(30, 70)), [[5, 6, 7], [9], [11, 12]]
-    cache = llama.new_cache(kind, max_len=128)
+    cache = K.new_cache(llama, kind, max_len=128)
     llama(torch.tensor([prefix]), torch.arange(len(prefix)), cache)
     parent_ptr, parent_bytes = cache.k[0].data_ptr(), cache.nbytes
     branches = [cache.fork() for _ in questions]
     assert all(b.k[0].data_ptr() == parent_ptr and b.length == len(prefix) for b in branches)
     outs = [decode(llama, q, b, 20) for q, b in zip(questions, branches)]
     for q, out, b in zip(questions, outs, branches):
-        alone = decode(llama, prefix + q, llama.new_cache(kind, max_len=128), 20)
+        alone = decode(llama, prefix + q, K.new_cache(llama, kind, max_len=128), 20)
         assert out == alone                              # exactly an independent run
         assert b.k[0].data_ptr() != parent_ptr           # wrote -> got its own storage
     assert len(set(map(tuple, outs))) > 1
@@ -155,7 +158,7 @@ def test_fork_shares_until_write_and_branches_are_independent(llama, kind):
 
 
 def test_dynamic_growth_is_amortised(llama):
-    cache = llama.new_cache("dynamic")
+    cache = K.new_cache(llama, "dynamic")
     capacities = set()
     for p in range(1000):
         k = torch.zeros(1, 2, 1, 16)
@@ -168,7 +171,7 @@ def test_dynamic_growth_is_amortised(llama):
 
 def test_static_nbytes_is_the_formula_and_full_cache_is_refused(llama):
     c = llama.config
-    cache = llama.new_cache("static", max_len=50)
+    cache = K.new_cache(llama, "static", max_len=50)
     assert cache.nbytes == 50 * K.kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, 4)
     decode(llama, list(range(40)), cache, 10)
     with pytest.raises(M.ContextOverflow, match="context holds 50"):   # the decoder checks first
@@ -257,11 +260,11 @@ def test_compiled_static_decode_equals_eager(tmp_path):
     model = M.Llama.from_pretrained(make_checkpoint(tmp_path / "m", num_hidden_layers=1), "cpu", "float32")
     model.config.eos_ids = []
     prompt = list(range(10, 30))
-    eager = decode(model, prompt, model.new_cache("static", max_len=64), 30)
-    model.compile_decode()
-    compiled = decode(model, prompt, model.new_cache("static", max_len=64), 30)
+    eager = decode(model, prompt, K.new_cache(model, "static", max_len=64), 30)
+    kernels.compile_decode(model)
+    compiled = decode(model, prompt, K.new_cache(model, "static", max_len=64), 30)
     assert compiled == eager
     plain = M.Llama.from_pretrained(tmp_path / "m", "cpu", "float32")
     plain.config.eos_ids = []
-    again = decode(model, [7, 8], model.new_cache("static", max_len=64), 30)   # same graph, new cache
-    assert again == decode(plain, [7, 8], plain.new_cache("static", max_len=64), 30)
+    again = decode(model, [7, 8], K.new_cache(model, "static", max_len=64), 30)   # same graph, new cache
+    assert again == decode(plain, [7, 8], K.new_cache(plain, "static", max_len=64), 30)

@@ -11,7 +11,8 @@ import results
 import sampling
 import kernels
 from conftest import make_checkpoint
-from kvcache import causal_scores
+from model import causal_scores
+import kvcache
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -65,7 +66,7 @@ def test_cached_logits_match_full_forward(tiny_ckpt):
     model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
     ids = torch.randint(0, 320, (1, 50), generator=torch.Generator().manual_seed(2))
     full = model(ids, torch.arange(50))
-    cache = model.new_cache()
+    cache = kvcache.new_cache(model)
     parts = [model(ids[:, :20], torch.arange(20), cache), model(ids[:, 20:45], torch.arange(20, 45), cache)]
     parts += [model(ids[:, i:i + 1], torch.tensor([i]), cache) for i in range(45, 50)]
     assert cache.length == 50

@@ -7,6 +7,7 @@ import torch
 import kvcache as K
 import model as M
 from conftest import make_checkpoint
+import quantize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,8 +27,8 @@ def decode(model, prompt, cache, n):
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_offloaded_greedy_equals_dynamic(llama, kv_dtype):
     for prompt in ([0], [0, 5, 17, 42, 99, 3], list(range(10, 50))):
-        want = decode(llama, prompt, llama.new_cache("dynamic", kv_dtype=kv_dtype), 80)
-        cache = llama.new_cache("offloaded", kv_dtype=kv_dtype)
+        want = decode(llama, prompt, K.new_cache(llama, "dynamic", codec=quantize.kv_codec(kv_dtype)), 80)
+        cache = K.new_cache(llama, "offloaded", codec=quantize.kv_codec(kv_dtype))
         assert isinstance(cache, K.OffloadedCache) and decode(llama, prompt, cache, 80) == want
         assert cache.length == len(prompt) + 79
 
@@ -37,7 +38,7 @@ def test_bytes_moved_per_step_are_the_whole_cache(llama):
     c = llama.config
     per_token = K.kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, 4)      # fp32: 3 · 2 · 2 · 16 · 4 B
     assert per_token == 768
-    cache, moved = llama.new_cache("offloaded"), []
+    cache, moved = K.new_cache(llama, "offloaded"), []
     prompt = list(range(3, 23))
     params = M.SamplingParams(max_new_tokens=40)
     for _ in M.generate_cached(llama, prompt, params, cache=cache):
@@ -55,7 +56,7 @@ def test_bytes_moved_per_step_are_the_whole_cache(llama):
 
 def test_offloaded_crop_and_fork(llama):
     prompt = list(range(3, 23))
-    cache = llama.new_cache("offloaded")
+    cache = K.new_cache(llama, "offloaded")
     first = decode(llama, prompt, cache, 40)
     cache.crop(len(prompt) + 25)
     assert decode(llama, [first[25]], cache, 14) == first[26:40]
@@ -66,9 +67,9 @@ def test_offloaded_crop_and_fork(llama):
 
 def test_cache_kinds_are_one_table(llama):
     for kind in ("dynamic", "static", "offloaded"):
-        assert kind in M.CACHES and llama.new_cache(kind, max_len=8) is not None
+        assert kind in K.CACHES and K.new_cache(llama, kind, max_len=8) is not None
     with pytest.raises(ValueError, match="use dynamic, static, sliding, offloaded"):
-        llama.new_cache("pinned")
+        K.new_cache(llama, "pinned")
 
 
 def test_calculator_mla_and_offload_lines():

@@ -12,6 +12,7 @@ import kernels
 import plan
 import serve_local
 from conftest import run_cli
+import nanoinfer.load as nl
 
 GB = 1 << 30
 
@@ -221,9 +222,9 @@ def test_default_plan_is_exact_to_the_file(bundled_dir, smol, one_thread):
     from sampling import SamplingParams
     p = plan.choose(cpu(bf16=True, int4=0.05), smol)
     assert (p.weights, p.head) == ("int4", "float")
-    ours, tok = M.load(str(bundled_dir), "cpu", p.dtype, p.weights, head=p.head)
+    ours, tok = nl.load(str(bundled_dir), "cpu", p.dtype, p.weights, head=p.head)
     assert isinstance(ours.lm_head, torch.nn.Linear) and ours.lm_head.weight.dtype == torch.float32
-    exact, _ = M.load(str(bundled_dir), "cpu", "float32")
+    exact, _ = nl.load(str(bundled_dir), "cpu", "float32")
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
     for text in EXACT_PROMPTS:
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 import model as M
+import nanoinfer.load as nl
 import quantize as Q
 from conftest import make_checkpoint, run_cli
+import kvcache
+import kernels
 
 
 # --- round trips --------------------------------------------------------------
@@ -64,18 +67,18 @@ PROMPT = [0, 5, 17, 42, 99, 3, 7, 250, 31]
 def test_quantized_cache_kinds_agree_and_stay_close_to_full(llama, kv):
     """Dynamic and static caches store the same bytes, so they decode the same tokens;
     logits stay within a small distance of the full-precision cache's."""
-    dyn = decode(llama, PROMPT, llama.new_cache("dynamic", kv_dtype=kv), 40)
-    assert decode(llama, PROMPT, llama.new_cache("static", max_len=64, kv_dtype=kv), 40) == dyn
+    dyn = decode(llama, PROMPT, kvcache.new_cache(llama, "dynamic", codec=Q.kv_codec(kv)), 40)
+    assert decode(llama, PROMPT, kvcache.new_cache(llama, "static", max_len=64, codec=Q.kv_codec(kv)), 40) == dyn
     ids = torch.tensor([PROMPT + dyn])
     pos = torch.arange(ids.shape[1])
-    full = llama(ids, pos, llama.new_cache("dynamic"))
-    quant = llama(ids, pos, llama.new_cache("dynamic", kv_dtype=kv))
+    full = llama(ids, pos, kvcache.new_cache(llama, "dynamic"))
+    quant = llama(ids, pos, kvcache.new_cache(llama, "dynamic", codec=Q.kv_codec(kv)))
     rel = (quant - full).norm() / full.norm()
     assert 0 < rel < (0.02 if kv == "int8" else 0.06)
 
 
 def test_quantized_cache_crop_and_fork(llama):
-    cache = llama.new_cache("dynamic", kv_dtype="int8")
+    cache = kvcache.new_cache(llama, "dynamic", codec=Q.kv_codec("int8"))
     first = decode(llama, PROMPT, cache, 30)
     # crop back to the prompt and decode again: the same continuation
     cache.crop(len(PROMPT) - 1)
@@ -94,9 +97,9 @@ def test_quantized_cache_crop_and_fork(llama):
 def test_quantized_cache_bytes_include_scales(llama):
     c = llama.config
     for kv, row in [("int8", c.head_dim + 2), ("fp8", c.head_dim + 2), ("fp8-plain", c.head_dim)]:
-        cache = llama.new_cache("static", max_len=50, kv_dtype=kv)
+        cache = kvcache.new_cache(llama, "static", max_len=50, codec=Q.kv_codec(kv))
         assert cache.nbytes == 2 * c.n_layers * c.n_kv_heads * 50 * row
-    full = llama.new_cache("static", max_len=50)
+    full = kvcache.new_cache(llama, "static", max_len=50)
     assert full.nbytes == 2 * c.n_layers * c.n_kv_heads * 50 * c.head_dim * 4   # fp32 model
 
 
@@ -138,8 +141,8 @@ def test_compiled_int8_decode_equals_eager(tmp_path):
         model = Q.quantize_model(M.Llama.from_pretrained(path, "cpu", "float32"), "int8")
         model.config.eos_ids = []
         if compiled:
-            model.compile_decode()
-        runs.append(decode(model, PROMPT, model.new_cache("static", max_len=64), 30))
+            kernels.compile_decode(model)
+        runs.append(decode(model, PROMPT, kvcache.new_cache(model, "static", max_len=64), 30))
     assert runs[0] == runs[1]
 
 
@@ -150,14 +153,14 @@ def test_saved_checkpoint_matches_on_the_fly(tmp_path, scheme):
                            "--dtype", "float32", "--out", str(tmp_path / "q"))
     assert rc == 0, err
     assert json.loads((tmp_path / "q" / "config.json").read_text())[Q.CONFIG_KEY]["weights"] == scheme
-    loaded, tok = M.load(str(tmp_path / "q"), "cpu", "float32")
-    fly, _ = M.load(str(src), "cpu", "float32", weights=scheme, group_size=32)
+    loaded, tok = nl.load(str(tmp_path / "q"), "cpu", "float32")
+    fly, _ = nl.load(str(src), "cpu", "float32", weights=scheme, group_size=32)
     assert isinstance(loaded.layers[0].mlp.down_proj, Q.Int8Linear if scheme == "int8" else Q.Int4Linear)
     assert isinstance(loaded.lm_head, Q.Int8Linear)          # int4 keeps the head in int8
     ids = torch.tensor([PROMPT])
     assert torch.equal(loaded(ids, torch.arange(len(PROMPT))), fly(ids, torch.arange(len(PROMPT))))
     assert decode(loaded, PROMPT, None, 40) == decode(fly, PROMPT, None, 40)
-    assert Q.weight_bytes(loaded) < Q.weight_bytes(M.load(str(src), "cpu", "float32")[0]) / 2
+    assert Q.weight_bytes(loaded) < Q.weight_bytes(nl.load(str(src), "cpu", "float32")[0]) / 2
 
 
 # --- bad input ------------------------------------------------------------------

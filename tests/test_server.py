@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import engine                      # noqa: E402
 import server                      # noqa: E402
-from model import load             # noqa: E402
+from nanoinfer.load import load   # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 
 from conftest import ROOT          # noqa: E402

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import model as M
+import nanoinfer.load as nl
 import sampling
 import bench
 import drafting as D
@@ -17,6 +18,7 @@ import serve_local
 import speculative as S
 from conftest import make_checkpoint
 from spec_common import PROMPTS, SMALL, check_greedy, check_sampling, chi_square_p, plain
+import kvcache
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,13 +61,13 @@ def test_accepted_rows_moved_behind_x_t(models, branches):
     want = plain(target, prompt, 96)
     proposer = S.Lookahead(5, 3, 4) if branches == "lookahead" else \
         FixedTree(prompt, want, target.config.vocab_size)
-    spec, cache = S.SpecStats(), target.new_cache()
+    spec, cache = S.SpecStats(), kvcache.new_cache(target)
     out = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=96),
                           proposer, spec=spec, cache=cache))
     assert out == want
     if branches == "tree":          # the last branch wins every step: 4 guesses and the target's next token
         assert spec.histogram[4] >= 18 and spec.tokens_per_forward > 4.5, spec.summary()
-    ref = target.new_cache()
+    ref = kvcache.new_cache(target)
     with torch.inference_mode():
         seq = prompt + out[:-1]
         target(torch.tensor([seq]), torch.arange(len(seq)), ref)
@@ -183,7 +185,7 @@ def test_bad_input(models, eagle_head, tmp_path, monkeypatch):
     narrow = M.Llama.from_pretrained(make_checkpoint(tmp_path / "n", hidden_size=32, **SMALL), "cpu")
     wide_cfg = json.loads((tmp_path / "n" / "config.json").read_text())
     wide_cfg.update(num_hidden_layers=1, eagle=True, draft_vocab_size=8)
-    head = M.Llama.from_pretrained(M.save_random_checkpoint(wide_cfg, tmp_path / "e"), "cpu").share_target(narrow)
+    head = D.share_target(M.Llama.from_pretrained(M.save_random_checkpoint(wide_cfg, tmp_path / "e"), "cpu"), narrow)
     with pytest.raises(ValueError, match="width is 32 but the target's is 64"):
         D.EagleDraft(head, target)
     with pytest.raises(ValueError, match="needs the target's features"):
@@ -191,7 +193,7 @@ def test_bad_input(models, eagle_head, tmp_path, monkeypatch):
     for proposer in (S.Lookahead(3, 3, 3), D.EagleDraft(eagle_head, target, 3, tree=(2, 4))):
         with pytest.raises(ValueError, match="need the dynamic cache"):
             next(S.generate(target, [0, 1], M.SamplingParams(), proposer,
-                            cache=target.new_cache("static", max_len=64)))
+                            cache=kvcache.new_cache(target, "static", max_len=64)))
     for text in ["0,4", "2,0", "2", "a,b"]:
         with pytest.raises(ValueError, match="--spec-tree"):
             S.parse_tree(text)
@@ -230,10 +232,10 @@ def test_static_cache_and_chat_turns(models, tmp_path):
     want = plain(target, prompt, 64)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     for proposer in (D.DraftModel(draft, target, 4), S.PromptLookup(3, 4)):
-        cache = target.new_cache("static", max_len=128)
+        cache = kvcache.new_cache(target, "static", max_len=128)
         assert list(S.generate(target, prompt, greedy, proposer, cache=cache)) == want
         assert cache.length == len(prompt) + 64 - 1
-    model, tok = M.load(str(make_checkpoint(tmp_path / "chat")))
+    model, tok = nl.load(str(make_checkpoint(tmp_path / "chat")))
     model.config.eos_ids = []
     params = M.SamplingParams(temperature=0, max_new_tokens=40)
     chats = [serve_local.Chat(model, tok, params),
@@ -260,7 +262,7 @@ def test_compare_reports_where_texts_part(models):
     """bench.py's table: exact methods match plain decoding on every prompt; a text
     that parts from it is reported with the first new token that differs."""
     target, _ = models
-    static = target.new_cache("static", 64)      # plain decoding on a given cache, reused prompt after prompt
+    static = kvcache.new_cache(target, "static", 64)      # plain decoding on a given cache, reused prompt after prompt
     rows = bench.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3),
                                            "static": lambda: static}, 24)
     assert [r["diverged"] for r in rows] == [[None, None]] * 3
@@ -275,7 +277,7 @@ def test_plain_step_baseline_uses_the_given_cache(models):
     """The runner's baseline runs through its own cache (compiled with --compile) and leaves
     it as it found it: empty, or holding the conversation, whose entries stay untouched."""
     target, _ = models
-    cache = target.new_cache("static", 256)
+    cache = kvcache.new_cache(target, "static", 256)
     assert serve_local.plain_step_s(target, cache) > 0 and cache.length == 0
     assert serve_local.plain_step_s(target) > 0
     with torch.inference_mode():
@@ -284,7 +286,7 @@ def test_plain_step_baseline_uses_the_given_cache(models):
     held = [cache.k[0][:, :, :n].clone(), cache.v[0][:, :, :n].clone()]
     assert serve_local.plain_step_s(target, cache) > 0 and cache.length == n
     assert torch.equal(cache.k[0][:, :, :n], held[0]) and torch.equal(cache.v[0][:, :, :n], held[1])
-    full = target.new_cache("static", len(PROMPTS[0]))
+    full = kvcache.new_cache(target, "static", len(PROMPTS[0]))
     with torch.inference_mode():
         target(torch.tensor([PROMPTS[0]]), torch.arange(len(PROMPTS[0])), full)
     assert serve_local.plain_step_s(target, full) == 0.0 and full.length == len(PROMPTS[0])

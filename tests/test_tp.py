@@ -21,6 +21,8 @@ import tp
 from conftest import ROOT, make_checkpoint
 from sampling import SamplingParams
 from tokenizer import Tokenizer
+import kvcache
+import nanoinfer.load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW, KV_TOKENS = 64, 256
@@ -37,7 +39,7 @@ def two_ranks(paths: dict, prompts: dict, other: str) -> dict:
         with torch.inference_mode():
             logits = llama(torch.tensor([ids]), torch.arange(len(ids)))[0]
         out[key] = {"tokens": tokens, "logits": logits.clone() if rank == 0 else None, "part": llama.part,
-                    "weights": tp.weight_bytes(llama), "kv": llama.new_cache("static", KV_TOKENS).nbytes,
+                    "weights": tp.weight_bytes(llama), "kv": kvcache.new_cache(llama, "static", KV_TOKENS).nbytes,
                     "calls": llama.comm.calls, "bytes": llama.comm.bytes}
     seed = tp.shared_seed(None)           # no seed given: rank 0's random one, for every rank
     out["sampled"] = (seed, tp.generate(models["gqa"], prompts["gqa"], 32, seed, temperature=0.9))
@@ -96,7 +98,7 @@ def alone(launched):
     paths, prompts, _, _ = launched
     out = {}
     for key, prompt in prompts.items():
-        llama, _ = model.load(paths[key], "cpu", "float32")
+        llama, _ = nanoinfer.load.load(paths[key], "cpu", "float32")
         tokens = tp.generate(llama, prompt, NEW)
         with torch.inference_mode():
             logits = llama(torch.tensor([prompt + tokens]), torch.arange(len(prompt) + NEW))[0]
@@ -133,7 +135,7 @@ def test_bytes_per_rank(launched, alone):
     one = alone["gqa"][0]
     split, whole = tp.weight_bytes(one)
     assert r0["gqa"]["weights"] == (split // 2, whole)
-    assert r0["gqa"]["kv"] * 2 == one.new_cache("static", KV_TOKENS).nbytes
+    assert r0["gqa"]["kv"] * 2 == kvcache.new_cache(one, "static", KV_TOKENS).nbytes
     assert whole == 4 * (2 * 320 * 64 + 5 * 64 + 8)      # embedding + untied head, 5 norms, RoPE's 8 frequencies
     bundled = alone["bundled"][0]
     c, (split, whole) = bundled.config, tp.weight_bytes(bundled)
@@ -144,7 +146,7 @@ def test_bytes_per_rank(launched, alone):
     mlp = c.n_layers * 4 * 3 * h * len(part.units)
     assert r0["bundled"]["weights"] == (attention + mlp, whole)
     assert mlp * 2 == c.n_layers * 4 * 3 * h * c.intermediate_size
-    assert r0["bundled"]["kv"] * 3 == bundled.new_cache("static", KV_TOKENS).nbytes * 2
+    assert r0["bundled"]["kv"] * 3 == kvcache.new_cache(bundled, "static", KV_TOKENS).nbytes * 2
     assert whole == 4 * (c.vocab_size * h + (2 * c.n_layers + 1) * h + d // 2)   # tied embedding
 
 

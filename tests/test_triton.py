@@ -14,10 +14,12 @@ pytest.importorskip("triton", reason="the Triton kernels need triton (pip instal
 import flash  # noqa: E402
 import kernels  # noqa: E402
 import model as M  # noqa: E402
+import kernels
 from conftest import make_checkpoint  # noqa: E402
 from engine import Engine  # noqa: E402
 from kvcache import PagedKVCache  # noqa: E402
 from paged import BlockAllocator  # noqa: E402
+import kvcache
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # a row that sees no key takes log(0) = -inf on purpose; numpy warns about it in the interpreter
@@ -156,9 +158,9 @@ def test_cuda_graph_step_equals_the_eager_step(ckpt):
     eager step's greedy tokens, in bf16 on the GPU."""
     m = M.Llama.from_pretrained(ckpt, "cuda", "bfloat16")
     p = M.SamplingParams(max_new_tokens=16)
-    want = [list(M.generate_cached(m, q, p, cache=m.new_cache("static", 64))) for q in PROMPTS]
-    m.compile_decode()
-    assert [list(M.generate_cached(m, q, p, cache=m.new_cache("static", 64))) for q in PROMPTS] == want
+    want = [list(M.generate_cached(m, q, p, cache=kvcache.new_cache(m, "static", 64))) for q in PROMPTS]
+    kernels.compile_decode(m)
+    assert [list(M.generate_cached(m, q, p, cache=kvcache.new_cache(m, "static", 64))) for q in PROMPTS] == want
 
 
 @pytest.mark.cuda
