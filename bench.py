@@ -100,7 +100,7 @@ import tp
 from kvcache import KVCache, common_prefix, kv_bytes_per_token
 from model import GenerationStats, Llama, LlamaConfig, generate_cached, save_random_checkpoint, unfuse
 from nanoinfer.load import build, load
-from sampling import SamplingParams
+from sampling import SamplingParams, visible
 
 ROOT = Path(__file__).resolve().parent
 HANDBOOK = (ROOT / "data" / "handbook.txt").read_text().strip()   # a document to ask questions about
@@ -621,11 +621,11 @@ def run_continuous(model: Llama, jobs: list[Job], max_batch: int, **engine_kwarg
     eng = engine.Engine(model, max_batch=max_batch, **engine_kwargs)
     t0 = time.perf_counter()
     reqs = [eng.add(j.prompt, SamplingParams(max_new_tokens=j.output_len, ignore_eos=True)) for j in jobs]
-    rows = eng.stats["decode_tokens"]
+    rows = eng.stats().decode_tokens
     steps = eng.run()
     wall = time.perf_counter() - t0
     return RunResult(f"continuous (max batch {max_batch})", [r.sequences[0].output for r in reqs], wall, steps,
-                     eng.stats["decode_tokens"] - rows, [r.finish - t0 for r in reqs])
+                     eng.stats().decode_tokens - rows, [r.finish - t0 for r in reqs])
 
 
 def run_static(model: Llama, jobs: list[Job], batch: int, pad: bool = True, **engine_kwargs) -> RunResult:
@@ -647,7 +647,7 @@ def run_static(model: Llama, jobs: list[Job], batch: int, pad: bool = True, **en
             latencies.append(end if pad else r.finish - t0)
     wall = time.perf_counter() - t0
     name = "static, padded rows" if pad else "static, finished rows dropped"
-    return RunResult(f"{name} (batch {batch})", outputs, wall, steps, eng.stats["decode_tokens"], latencies)
+    return RunResult(f"{name} (batch {batch})", outputs, wall, steps, eng.stats().decode_tokens, latencies)
 
 
 def batching_table(runs: list[RunResult], title: str = "") -> results.Table:
@@ -778,7 +778,7 @@ def run_long_prompts(model: Llama, decoders: list[Job], long: list[Job], every: 
     reqs = [eng.add(j.prompt, params(j)) for j in decoders]
     watched, last, gaps, late = {r.id for r in reqs}, {}, [], []
     while eng.has_work() or len(late) < len(long):
-        if len(late) < len(long) and eng.stats["steps"] == 2 + len(late) * every:
+        if len(late) < len(long) and eng.stats().steps == 2 + len(late) * every:
             late.append(eng.add(long[len(late)].prompt, params(long[len(late)])))
         events = eng.step()
         now = time.perf_counter()
@@ -845,11 +845,11 @@ def engine_demo(model_name: str, n: int, max_batch: int):
         events = eng.step()
         done = [e.request_id for e in events if e.finished]
         used = eng.allocator.num_blocks - eng.num_free_blocks
-        print(f"{eng.stats['steps']:4} | {' '.join(str(e.request_id) for e in events):24} | {used:11} | "
+        print(f"{eng.stats().steps:4} | {' '.join(str(e.request_id) for e in events):24} | {used:11} | "
               f"{' '.join(map(str, done))}")
-    s = eng.stats
-    print(f"\n{s['steps']} steps; prefill computed {s['prefill_tokens']} tokens, found {s['cached_tokens']} in the "
-          f"prefix cache; {s['decode_tokens']} decode rows; every block back: {eng.num_free_blocks} free")
+    s = eng.stats()
+    print(f"\n{s.steps} steps; prefill computed {s.prefill_tokens} tokens, found {s.cached_tokens} in the "
+          f"prefix cache; {s.decode_tokens} decode rows; every block back: {eng.num_free_blocks} free")
 
 
 # ----------------------------------------------------------------------------
@@ -1044,7 +1044,7 @@ def bench_prefix(model_name: str = checkpoint.DEFAULT_MODEL, n_answer: int = 24)
     def answer(ids, cache):
         stats = GenerationStats()
         out = list(generate_cached(model, ids, params, stats, cache))
-        return tok.decode([t for t in out if t not in model.config.eos_ids]), stats
+        return tok.decode([t for t in out if visible(t, model.config.eos_ids)]), stats
 
     t0 = time.perf_counter()
     plain = [answer(ids, kvcache.new_cache(model)) for ids in convs]

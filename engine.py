@@ -37,6 +37,9 @@ The parts, bottom up:
   cancellation, finishing. Unit-testable without a model.
 * ``Engine`` — the tensors: the ``PagedKVCache`` pool, the forward passes,
   per-request sampling. ``add_request`` / ``step`` / ``cancel`` / ``stream``.
+  What comes out is plain data: ``step()`` returns ``Event``s (a branch's token,
+  whether it is shown, its log-probabilities, its finish reason) and ``stats()``
+  a ``Stats``, so a consumer (server.py) never reads a sequence or the scheduler.
 * ``LLM`` — the offline API: ``LLM("smollm2-135m").generate(prompts, params)``
   returns one ``Output`` per prompt, in input order, with a progress bar.
 
@@ -85,6 +88,7 @@ batching, prefix caching and chunked prefill (RESULTS.md); server.py serves it.
 from __future__ import annotations
 
 import argparse
+import enum
 import itertools
 import math
 import operator
@@ -92,7 +96,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 
@@ -100,9 +104,26 @@ import quantize
 from kvcache import PagedKVCache, kv_bytes_per_token
 from model import Llama, LlamaConfig, load
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable
-from sampling import SamplingParams, finish_reason, sample, seeded_generator
+from sampling import SamplingParams, finish_reason, sample, seeded_generator, visible
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+class Status(enum.Enum):
+    """Where a sequence is: queued (holding no blocks), in the batch, or done."""
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Trace(str, enum.Enum):
+    """The kinds of event a trace logs (``BlockAllocator(events=[...])``, ``trace()``). The
+    allocator's are named by these values in paged.py (below this file, it cannot import
+    them), so the enum is a str: ``Trace(kind)`` reads a logged one back."""
+    ALLOCATE = "allocate"     # (seq, tokens, blocks hit in the prefix cache); its new blocks follow
+    ALLOC = "alloc"           # (seq, block): a table takes a new block
+    COW = "cow"               # (seq, src, dst): a shared last block copied on write
+    FORK = "fork"             # (seq, twin): the twin shares every block of seq
+    FREE = "free"             # (seq, {"free" | "cached" | "kept": blocks})
+    DECODE = "decode"         # the scheduler's: what follows is this step's decode
 
 
 # ----------------------------------------------------------------------------
@@ -125,7 +146,12 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.status == FINISHED for s in self.sequences)
+        return all(s.status is Status.FINISHED for s in self.sequences)
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        """Each branch's finish reason, in branch order (None while it runs)."""
+        return [s.finish_reason for s in sorted(self.sequences, key=lambda s: s.branch)]
 
 
 @dataclass(eq=False)
@@ -135,7 +161,7 @@ class Sequence:
     branch: int = 0
     output: list[int] = field(default_factory=list)
     table: BlockTable | None = None   # while running: holds prompt + output except the last token
-    status: str = WAITING
+    status: Status = Status.WAITING
     finish_reason: str | None = None  # stop (EOS), length (max_new_tokens or context), cancelled
     forks: int = 0                    # branches to fork from this one right after its first prefill
     n_cached: int = 0                 # tokens of the table already computed when admitted
@@ -150,11 +176,21 @@ class Sequence:
         return self.request.prompt + self.output
 
 
-class Event(NamedTuple):       # one new token: ``step()`` returns one per running sequence
+@dataclass(frozen=True)
+class Event:
+    """One new token of one branch: ``step()`` returns one per sequence that sampled.
+    Everything a consumer (server.py, a benchmark) needs, so it never reads a sequence."""
     request_id: int
+    branch: int
     token: int
-    finished: bool          # this branch is done
-    branch: int = 0
+    visible: bool                     # False for a stop token (EOS): not shown, not counted
+    finish_reason: str | None = None  # set on the branch's last token: stop or length
+    logprob: float | None = None      # with params.logprobs: the token's log-probability,
+    top: list[tuple[int, float]] | None = None   # and (id, log-probability) of the likeliest
+
+    @property
+    def finished(self) -> bool:       # this branch is done
+        return self.finish_reason is not None
 
 
 # ----------------------------------------------------------------------------
@@ -203,7 +239,7 @@ class Scheduler:
             if table is None:
                 return
             self.waiting.popleft()
-            seq.table, seq.status, seq.n_computed = table, RUNNING, seq.n_cached
+            seq.table, seq.status, seq.n_computed = table, Status.RUNNING, seq.n_cached
             seq.prefilling, budget = table.num_tokens < len(seq.tokens), budget - table.num_tokens + seq.n_cached
             self.running.append(seq)
             yield seq
@@ -264,7 +300,7 @@ class Scheduler:
         """Give every running sequence the slot for the token it feeds next, oldest
         first. When no block is left: drop a parked conversation, else preempt the
         newest sequence. Returns the batch; block copies owed are in ``copies``."""
-        self.alloc.note("decode")     # for a trace: the events that follow are this step's decode
+        self.alloc.note(Trace.DECODE)   # for a trace: the events that follow are this step's decode
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -287,13 +323,14 @@ class Scheduler:
         recompute its tokens (prefix cache permitting, only some of them)."""
         self.running.remove(seq)
         self.alloc.free(seq.table)
-        seq.table, seq.status, seq.preempted = None, WAITING, True
+        seq.table, seq.status, seq.preempted = None, Status.WAITING, True
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
     def fork(self, seq: Sequence, new_id: int, branch: int, generator=None) -> Sequence:
         """A branch sharing ``seq``'s blocks (copy-on-write), running right after it, sampling with ``generator``."""
-        twin = Sequence(new_id, seq.request, branch, list(seq.output), self.alloc.fork(seq.table, new_id), RUNNING,
+        table = self.alloc.fork(seq.table, new_id)
+        twin = Sequence(new_id, seq.request, branch, list(seq.output), table, Status.RUNNING,
                         n_cached=seq.n_cached, generator=generator)
         self.running.insert(self.running.index(seq) + 1, twin)
         seq.request.sequences.append(twin)
@@ -302,9 +339,9 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str):
         """Retire a sequence: its blocks go back at once (full ones stay in the prefix
         cache until evicted), or are parked for the session's next turn."""
-        if seq.status == WAITING:
+        if seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        elif seq.status == RUNNING:
+        elif seq.status is Status.RUNNING:
             self.running.remove(seq)
             session = seq.request.session
             if session is not None and reason != "cancelled" and seq.request.n == 1:
@@ -312,7 +349,7 @@ class Scheduler:
                 self.parked[session] = seq.table
             else:
                 self.alloc.free(seq.table)
-        seq.table, seq.status, seq.finish_reason = None, FINISHED, reason
+        seq.table, seq.status, seq.finish_reason = None, Status.FINISHED, reason
 
     def end_session(self, session) -> bool:
         if (table := self.parked.pop(session, None)) is not None:
@@ -326,14 +363,37 @@ class Scheduler:
 DEFAULT_KV_BYTES = 1 << 30
 
 
+@dataclass
+class Counts:
+    """What the engine has done so far, counted as it goes."""
+    steps: int = 0
+    prefill_tokens: int = 0         # prompt tokens computed (recomputed ones included)
+    cached_tokens: int = 0          # prompt tokens found in the prefix cache or a parked session
+    recomputed_tokens: int = 0      # computed again after a preemption
+    decode_tokens: int = 0          # decode rows
+    block_copies: int = 0           # copy-on-write
+
+
+@dataclass
+class Stats(Counts):
+    """``Engine.stats()``: the batch and the pool now, then the counts. Plain numbers, so a
+    reader (server.py's metrics, a benchmark) needs no scheduler or allocator."""
+    running: int = 0                # sequences in the batch, prefilling ones included
+    waiting: int = 0                # queued for a batch slot or blocks
+    free_blocks: int = 0            # free, or cached and evictable
+    used_blocks: int = 0            # held by sequences or parked sessions
+    preemptions: int = 0
+
+
 class Engine:
     """Continuous batching over one paged KV pool.
 
         engine = Engine(model, block_size=16, max_batch=16)
         rid = engine.add_request(prompt_ids, SamplingParams(max_new_tokens=64))
         while engine.has_work():
-            for request_id, token, finished, branch in engine.step():
+            for ev in engine.step():          # an Event: request_id, branch, token, ...
                 ...
+        engine.stats()                        # a Stats: the batch, the pool, the counters
 
     ``num_blocks`` defaults to what ``kv_bytes`` of memory holds (1 GiB), but no
     more than ``max_batch`` sequences of the model's full context need.
@@ -367,12 +427,29 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_batch, watermark)
         self.requests: dict[int, Request] = {}     # unfinished ones
         self._ids = itertools.count(1)             # request and sequence ids
-        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "recomputed_tokens": 0,
-                      "decode_tokens": 0, "block_copies": 0}
+        self.counts = Counts()
 
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
+
+    def stats(self) -> Stats:
+        """The engine's state now, as plain numbers: what a server's metrics read."""
+        s, free = self.scheduler, self.allocator.num_free
+        return Stats(**vars(self.counts), running=len(s.running), waiting=len(s.waiting),
+                     free_blocks=free, used_blocks=self.allocator.num_blocks - free,
+                     preemptions=s.preemptions)
+
+    def describe(self) -> str:
+        """One line for a log: the model's size and storage, the pool, the batch."""
+        w, a = self.model.embed_tokens.weight, self.allocator
+        return (f"{quantize.count_parameters(self.model) / 1e6:.0f}M parameters, "
+                f"{str(w.dtype).removeprefix('torch.')}, {w.device}; KV pool {a.num_blocks} "
+                f"blocks of {a.block_size} tokens, batches of up to {self.max_batch}")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -432,7 +509,7 @@ class Engine:
         if req is None:
             return False
         for seq in req.sequences:
-            if seq.status != FINISHED and branch in (None, seq.branch):
+            if seq.status is not Status.FINISHED and branch in (None, seq.branch):
                 self.scheduler.finish(seq, "cancelled" if branch is None else "stop")
         if req.finished:
             del self.requests[request_id]
@@ -474,15 +551,16 @@ class Engine:
             # over with an empty pool rather than ever reading them.
             self._reset()
             raise
-        self.stats["steps"] += 1
+        self.counts.steps += 1
         return events
 
     def _prefill(self, seq: Sequence) -> torch.Tensor:
         self._apply_copies()
         table, start, req = seq.table, seq.n_computed, seq.request
-        self.stats["prefill_tokens"] += table.num_tokens - start
-        self.stats["recomputed_tokens"] += (table.num_tokens - start) * seq.preempted
-        self.stats["cached_tokens"] += start * (start == seq.n_cached)     # once an admission: its first chunk
+        self.counts.prefill_tokens += table.num_tokens - start
+        self.counts.recomputed_tokens += (table.num_tokens - start) * seq.preempted
+        # once an admission: its first chunk
+        self.counts.cached_tokens += start * (start == seq.n_cached)
         if start == seq.n_cached and not seq.preempted:
             req.cached_tokens, req.prefill_tokens = start, len(seq.tokens) - start
         ids = torch.tensor([table.token_ids[start:]], device=self.device)
@@ -493,37 +571,40 @@ class Engine:
         self._apply_copies()
         ids = torch.tensor([[s.output[-1]] for s in batch], device=self.device)
         pos = torch.tensor([[s.table.num_tokens - 1] for s in batch], device=self.device)
-        self.stats["decode_tokens"] += len(batch)
+        self.counts.decode_tokens += len(batch)
         return self.model(ids, pos, self.cache.bind([s.table for s in batch]))[:, -1]
 
     def _apply_copies(self):
         for src, dst in self.scheduler.copies:
             self.cache.copy_block(src, dst)
-        self.stats["block_copies"] += len(self.scheduler.copies)
+        self.counts.block_copies += len(self.scheduler.copies)
         self.scheduler.copies.clear()
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
-        req, p = seq.request, seq.request.params
+        req, p, eos_ids = seq.request, seq.request.params, self.model.config.eos_ids
         token = sample(logits, p, seq.generator)
         seq.output.append(token)
+        chosen = top = None
         if p.logprobs:
             lp = torch.log_softmax(logits.float(), dim=-1)
             seq.logprobs.append((*lp.topk(p.logprobs), lp[token]))
+            values, ids, chosen = seq.logprobs[-1]
+            chosen, top = float(chosen), list(zip(ids.tolist(), values.tolist()))
         now = time.perf_counter()
         req.first_token = req.first_token or now
         reason = finish_reason(token, len(seq.output), len(req.prompt) + len(seq.output), p,
-                               self.model.config.eos_ids, self.max_len)
+                               eos_ids, self.max_len)
         if reason:
             self.scheduler.finish(seq, reason)
             if req.finished:
                 req.finish = now
                 self.requests.pop(req.id, None)
-        return Event(req.id, token, reason is not None, seq.branch)
+        return Event(req.id, seq.branch, token, visible(token, eos_ids), reason, chosen, top)
 
     def _reset(self):
         for req in list(self.requests.values()):
             for seq in req.sequences:
-                seq.status, seq.table, seq.finish_reason = FINISHED, None, "cancelled"
+                seq.status, seq.table, seq.finish_reason = Status.FINISHED, None, "cancelled"
         self.requests.clear()
         a = self.allocator
         self.allocator = BlockAllocator(a.num_blocks, a.block_size, a.prefix_caching, a.events)
@@ -545,12 +626,12 @@ class Engine:
 
     def run(self, progress=None) -> int:
         """Step until nothing is left; returns the number of steps."""
-        start = self.stats["steps"]
+        start = self.counts.steps
         while self.has_work():
             events = self.step()
             if progress is not None:
                 progress(events)
-        return self.stats["steps"] - start
+        return self.counts.steps - start
 
 
 # ----------------------------------------------------------------------------
@@ -629,7 +710,8 @@ class LLM:
         return [self._output(r, p) for r, p in zip(reqs, prompts)]
 
     def _output(self, req: Request, prompt) -> Output:
-        decode = (lambda ids: self.tokenizer.decode([t for t in ids if t not in self.model.config.eos_ids],
+        eos_ids = self.model.config.eos_ids
+        decode = (lambda ids: self.tokenizer.decode([t for t in ids if visible(t, eos_ids)],
                                                     skip_special=True)) if self.tokenizer else (lambda ids: None)
         seqs = sorted(req.sequences, key=lambda s: s.branch)
         top = lambda s: tuple(torch.stack(x) for x in list(zip(*s.logprobs))[:2]) if s.logprobs else None
@@ -665,30 +747,38 @@ def trace(write=print, num_blocks: int = 8, seed: int = 0) -> Engine:
         seqs, lines = {key: s for r in reqs for s in r.sequences for key in (s.id, (r.id, s.branch))}, []
         for kind, *a in log:
             s = seqs.get(a[0]) if a else None
-            if kind == "decode":     # the prefills and forks are done: the rest of ``out`` is the batch
-                lines.append("decode  " + " ".join(name(seqs[e.request_id, e.branch]) for e in out[len(lines):]))
-            elif kind == "allocate":   # its new blocks follow, as alloc events
-                n, hits = a[1:]
-                lines.append(f"prefill {name(s)}{' again' * (n > len(s.request.prompt))}: {n} tokens, "
-                             + f"hit {' '.join(map(str, hits))}, " * bool(hits) + f"computed {n - s.n_cached} into new "
-                             + "block" + "s" * (alloc.blocks_for(n) - len(hits) > 1))
-            elif kind == "alloc" and lines[-1].startswith("prefill"):
-                lines[-1] += f" {a[1]}"
-            elif kind in ("alloc", "cow"):
-                lines.append(f"grow    {name(s)}: " + (f"new block {a[1]}" if kind == "alloc" else
-                                                       f"copies block {a[1]} → {a[2]} (copy-on-write)"))
-            elif kind == "fork":
-                lines.append(f"fork    {name(seqs[a[1]])} shares every block of {name(s)}")
-            elif kind == "free":
-                lines.append(f"{'preempt' if s.status == WAITING else 'finish':8}{name(s)}: " +
-                             ", ".join(f"{fate} " + " ".join(map(str, sorted(b))) for fate, b in a[1].items() if b))
+            match Trace(kind):
+                case Trace.DECODE:     # prefills and forks done: the rest of ``out`` is the batch
+                    lines.append("decode  " + " ".join(name(seqs[e.request_id, e.branch])
+                                                       for e in out[len(lines):]))
+                case Trace.ALLOCATE:   # its new blocks follow, as ALLOC events
+                    n, hits = a[1:]
+                    new = alloc.blocks_for(n) - len(hits)
+                    again = " again" * (n > len(s.request.prompt))
+                    lines.append(f"prefill {name(s)}{again}: {n} tokens, "
+                                 + f"hit {' '.join(map(str, hits))}, " * bool(hits)
+                                 + f"computed {n - s.n_cached} into new block" + "s" * (new > 1))
+                case Trace.ALLOC if lines[-1].startswith("prefill"):
+                    lines[-1] += f" {a[1]}"
+                case Trace.ALLOC:
+                    lines.append(f"grow    {name(s)}: new block {a[1]}")
+                case Trace.COW:
+                    lines.append(f"grow    {name(s)}: copies block {a[1]} → {a[2]} "
+                                 "(copy-on-write)")
+                case Trace.FORK:
+                    lines.append(f"fork    {name(seqs[a[1]])} shares every block of {name(s)}")
+                case Trace.FREE:
+                    fates = ", ".join(f"{fate} " + " ".join(map(str, sorted(b)))
+                                      for fate, b in a[1].items() if b)
+                    how = "preempt" if s.status is Status.WAITING else "finish"
+                    lines.append(f"{how:8}{name(s)}: {fates}")
         steps.append(lines + [f"pool    {alloc.describe()}"])
     for lines, same in itertools.groupby(enumerate(steps, 1), key=lambda step: step[1]):   # a repeat: "steps 7-8"
         first, *rest = [n for n, _ in same]
         write(f"\n{f'steps {first}-{rest[-1]}' if rest else f'step {first}':12}" + f"\n{'':12}".join(lines))
     alloc.check_invariants()
     write(f"\nevery block came back: {alloc.num_free} of {alloc.num_blocks} free ({len(alloc.evictable)} of them "
-          f"still cached); {engine.scheduler.preemptions} preemption; check_invariants() passed")
+          f"still cached); {engine.stats().preemptions} preemption; check_invariants() passed")
     return engine
 
 

@@ -120,6 +120,13 @@ def finish_reason(token: int, generated: int, length: int, p: SamplingParams, eo
     return None
 
 
+def visible(token: int, eos_ids) -> bool:
+    """The stop token's other half: an EOS id ends the answer (``finish_reason``) but is
+    not part of it. Every reader applies this one rule: the engine marks its events with
+    it, and a decoder's text and a server's completion-token count leave such a token out."""
+    return token not in eos_ids
+
+
 def seeded_generator(seed: int | None, device) -> torch.Generator | None:
     """Sampling's random state: seeded for reproducible runs, None for torch's global one."""
     return None if seed is None else torch.Generator(device).manual_seed(seed)

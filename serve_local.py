@@ -48,7 +48,7 @@ import tp
 from kvcache import common_prefix
 from model import (DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
                    generate_cached, generate_naive)
-from sampling import SamplingParams
+from sampling import SamplingParams, visible
 from tokenizer import Tokenizer
 
 
@@ -120,7 +120,7 @@ class Chat:
         try:
             for t in tokens:
                 answer.append(t)
-                if t not in self.model.config.eos_ids:
+                if visible(t, self.model.config.eos_ids):
                     out.write(stream.push(t))
                     out.flush()
         except KeyboardInterrupt:
@@ -135,7 +135,7 @@ class Chat:
             self.ids = ids + answer
         if self.proposer is not None:      # the baseline of the speedup the stats line prints
             self.plain_step_s = plain_step_s(self.model, self.cache) or self.plain_step_s
-        text = self.tok.decode([t for t in answer if t not in self.model.config.eos_ids], skip_special=True)
+        text = self.tok.decode([t for t in answer if visible(t, self.model.config.eos_ids)], skip_special=True)
         if not self.raw:
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
         return stats

@@ -58,7 +58,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, AsyncIterator, Literal, NamedTuple
+from typing import Annotated, AsyncIterator, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -72,7 +72,6 @@ import engine
 import kernels
 import nanoinfer.load
 import plan
-import quantize
 from sampling import SamplingParams
 from tokenizer import Tokenizer
 
@@ -191,17 +190,9 @@ class StopText:
         return text[:len(text) - len(self.held)], False
 
 
-class Token(NamedTuple):
-    """One new token of one branch, as the engine thread hands it over."""
-    token: int
-    branch: int
-    logprob: tuple | None               # (its logprob, [(id, logprob) of the likeliest]) when asked for
-    finish_reason: str | None           # set on the branch's last token
-
-
 @dataclass
 class Job:
-    """One HTTP request as the engine thread sees it: token ids in, Tokens out on ``events``."""
+    """One HTTP request as the engine thread sees it: ids in, engine.Events out on ``events``."""
     ids: list[int]
     params: SamplingParams
     n: int
@@ -210,7 +201,6 @@ class Job:
     request: engine.Request | None = None
     arrival: float = field(default_factory=time.perf_counter)
     last_token: dict = field(default_factory=dict)      # branch → time of its last token
-    sent: dict = field(default_factory=dict)            # branch → tokens handed over so far
 
     def put(self, item):
         """From the engine thread: hand an item to the handler's event loop."""
@@ -249,14 +239,13 @@ class Metrics:
         self.cached_total += req.cached_tokens
         self.hit_rate.set(self.cached_total / self.prompt_total)
 
-    def update(self, eng: engine.Engine):
-        s = eng.scheduler
-        self.running.set(len(s.running))
-        self.waiting.set(len(s.waiting))
-        self.blocks_free.set(eng.num_free_blocks)
-        self.blocks_used.set(eng.allocator.num_blocks - eng.num_free_blocks)
-        self.preemptions.inc(s.preemptions - self.preempted)
-        self.preempted = s.preemptions
+    def update(self, stats: engine.Stats):
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.blocks_free.set(stats.free_blocks)
+        self.blocks_used.set(stats.used_blocks)
+        self.preemptions.inc(stats.preemptions - self.preempted)
+        self.preempted = stats.preemptions
 
 
 # ----------------------------------------------------------------------------
@@ -326,7 +315,7 @@ class EngineLoop:
         elif kind == "cancel" and job.request is not None and job.request.id in self.jobs:
             self.engine.cancel(job.request.id, arg)
             self.retire(job)
-        self.metrics.update(self.engine)
+        self.metrics.update(self.engine.stats())
 
     def step(self):
         try:
@@ -335,39 +324,31 @@ class EngineLoop:
             for job in self.jobs.values():
                 job.put(APIError(500, f"the engine failed and dropped the requests in flight: {e}"))
             self.jobs.clear()
-            self.metrics.update(self.engine)
+            self.metrics.update(self.engine.stats())
             return
         now, m, touched = time.perf_counter(), self.metrics, {}
         for ev in events:
             job = self.jobs.get(ev.request_id)
             if job is None:
                 continue
-            req = job.request
-            seq = next(s for s in req.sequences if s.branch == ev.branch)
             if ev.branch in job.last_token:
                 m.itl.observe(now - job.last_token[ev.branch])
             elif ev.branch == 0:
                 m.ttft.observe(now - job.arrival)
-                m.admitted(req)
+                m.admitted(job.request)
             job.last_token[ev.branch] = now
             m.generated.inc()
-            # A new request's first step yields two tokens (prefill, then decode): index, not [-1].
-            k, lp = job.sent.get(ev.branch, 0), None
-            job.sent[ev.branch] = k + 1
-            if req.params.logprobs:
-                values, ids, chosen = seq.logprobs[k]
-                lp = (float(chosen), list(zip(ids.tolist(), values.tolist())))
-            job.put(Token(ev.token, ev.branch, lp, seq.finish_reason if ev.finished else None))
+            job.put(ev)                   # the event carries all the handler needs
             touched[job.request.id] = job
         for job in touched.values():      # after all its tokens: a step may end every branch of a request
             self.retire(job)
-        m.update(self.engine)
+        m.update(self.engine.stats())
 
     def retire(self, job: Job):
         req = job.request
         if req.finished and self.jobs.pop(req.id, None) is not None:
-            for s in req.sequences:
-                self.metrics.finished.labels(s.finish_reason).inc()
+            for reason in req.finish_reasons:
+                self.metrics.finished.labels(reason).inc()
             job.put("done")
 
 
@@ -400,7 +381,6 @@ class Server:
                  max_queue: int = 256, max_body: int = 1 << 20):
         self.engine, self.tok, self.name = eng, tok, name
         self.api_key, self.max_queue, self.max_body = api_key, max_queue, max_body
-        self.eos = set(eng.model.config.eos_ids)
         self.metrics = Metrics()
         self.loop = EngineLoop(eng, self.metrics)
         self.in_flight = 0
@@ -441,8 +421,9 @@ class Server:
 
     async def start(self, ids: list[int], params: SamplingParams, n: int, param: str) -> Job:
         """Check, queue, and wait until the engine has taken the job (or refused it)."""
-        if n > self.engine.scheduler.max_batch:
-            raise APIError(400, f"n must be at most {self.engine.scheduler.max_batch}, the server's --max-batch", "n")
+        if n > self.engine.max_batch:
+            raise APIError(400, f"n must be at most {self.engine.max_batch}, the server's "
+                           "--max-batch", "n")
         try:
             self.engine.check_request(ids, params, n)     # reads only what never changes: safe off-thread
         except ValueError as e:
@@ -476,16 +457,16 @@ class Server:
                 b = branches[item.branch]
                 if b.finish_reason:           # cut by a stop string: tokens already in flight are moot
                     continue
-                eos = item.token in self.eos
-                b.tokens += not eos
-                text = "" if eos else b.decoder.push(item.token)
+                b.tokens += item.visible      # a stop token is neither shown nor counted
+                text = b.decoder.push(item.token) if item.visible else ""
                 if item.finish_reason:
                     text += b.decoder.flush()
                 text, hit = b.stop.push(text, final=item.finish_reason is not None)
                 if hit:
                     self.loop.cancel(job, item.branch)
                 b.finish_reason = "stop" if hit else item.finish_reason
-                yield Piece(item.branch, text, item.token, item.logprob, b.finish_reason)
+                lp = None if item.logprob is None else (item.logprob, item.top)
+                yield Piece(item.branch, text, item.token, lp, b.finish_reason)
         finally:
             self.in_flight -= 1
             if not done:
@@ -660,11 +641,8 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    w = server.engine.model.embed_tokens.weight
-    print(f"loaded in {time.perf_counter() - t0:.1f} s: {quantize.count_parameters(server.engine.model) / 1e6:.0f}M "
-          f"parameters, {str(w.dtype).removeprefix('torch.')}, {w.device}; KV pool "
-          f"{server.engine.allocator.num_blocks} blocks of {server.engine.allocator.block_size} tokens, "
-          f"batches of up to {server.engine.scheduler.max_batch}", file=sys.stderr)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s: {server.engine.describe()}",
+          file=sys.stderr)
     print(f"serving on http://{args.host}:{args.port}/ (chat page), API at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     # SIGTERM or Ctrl-C: uvicorn stops accepting, lets the requests in flight finish (up to

@@ -3,6 +3,7 @@ solo, preemption and prefix caching change no token, forks are independent, bad 
 while the engine keeps serving, every block comes back; the scheduler driven without a model;
 the chat runner's --kv paged."""
 
+import dataclasses
 import io
 import os
 import random
@@ -15,11 +16,12 @@ import model as M
 import nanoinfer.load as nl
 import serve_local
 from conftest import make_checkpoint
-from engine import LLM, Engine, Request, Scheduler, Sequence
+from engine import LLM, Engine, Request, Scheduler, Sequence, Status
 from kvcache import PagedKVCache
 from paged import BlockAllocator
 import kvcache
 import quantize
+from sampling import finish_reason, visible
 
 GREEDY = M.SamplingParams
 
@@ -125,8 +127,8 @@ def test_forked_branches_equal_independent_runs(llama):
     p = M.SamplingParams(temperature=1.0, top_k=50, seed=7, max_new_tokens=30)
     engine = Engine(llama, max_batch=4)
     (branches,) = run_engine(engine, [prompt], p, n=3)
-    assert engine.stats["block_copies"] >= 2
-    assert engine.stats["prefill_tokens"] == len(prompt)      # one prefill for all three
+    assert engine.stats().block_copies >= 2
+    assert engine.stats().prefill_tokens == len(prompt)      # one prefill for all three
     alone = [run_engine(Engine(llama, max_batch=1), [prompt],
                         M.SamplingParams(temperature=1.0, top_k=50, seed=7 + i, max_new_tokens=30))[0][0]
              for i in range(3)]
@@ -148,7 +150,8 @@ def test_batch_of_32_equals_each_request_alone(llama):
     got = [o[0] for o in run_engine(engine, prompts, params)]
     assert got == want
     admission = -(-sum(map(len, prompts)) // engine.chunk_tokens)                  # steps of prompt chunks
-    assert engine.stats["steps"] <= max(sp.max_new_tokens for sp in params) + admission   # they really ran together
+    # they really ran together
+    assert engine.stats().steps <= max(sp.max_new_tokens for sp in params) + admission
     all_blocks_back(engine)
 
 
@@ -158,7 +161,7 @@ def test_preempted_requests_produce_the_same_tokens(llama):
     engine = Engine(llama, num_blocks=20, block_size=4, max_batch=10)   # 80 token slots for ~10 × 35
     got = [o[0] for o in run_engine(engine, prompts, params)]
     assert engine.scheduler.preemptions > 0
-    assert engine.stats["recomputed_tokens"] > 0
+    assert engine.stats().recomputed_tokens > 0
     assert got == want
     all_blocks_back(engine)
 
@@ -300,6 +303,78 @@ def test_logprobs_are_the_models_own_distribution_at_each_output_token(llama):
             assert ids[:, 0].tolist() == out.token_ids
 
 
+def test_visible_is_the_one_stop_token_rule():
+    """sampling.visible: an EOS id ends an answer but is never part of its text or its count;
+    any other id is shown, whatever ignore_eos says about stopping."""
+    assert visible(5, [2, 7]) and not visible(2, [2, 7]) and not visible(7, {2, 7})
+    assert all(visible(t, []) for t in range(10))        # a model without EOS shows everything
+    assert finish_reason(2, 1, 10, GREEDY(), [2], 100) == "stop" and not visible(2, [2])
+    assert finish_reason(2, 1, 10, GREEDY(ignore_eos=True), [2], 100) is None
+
+
+def test_events_carry_logprobs_finish_reason_and_stop_tokens(llama, monkeypatch):
+    """What server.py reads, it reads from the events: each branch's tokens in order, the
+    chosen token's log-probability and the top N (the model's own distribution), the
+    finish reason on the last one only, and the EOS that ended a branch marked not visible."""
+    prompt, free = [5, 6, 7, 8], contiguous(llama, [5, 6, 7, 8], GREEDY(max_new_tokens=20))
+    k = next(i for i in range(2, 20) if free[i] not in free[:i])
+    monkeypatch.setattr(llama.config, "eos_ids", [free[k]])        # greedy stops after k + 1 tokens
+    engine = Engine(llama, max_batch=4)
+    a = engine.add(prompt, GREEDY(max_new_tokens=20, logprobs=3))
+    b = engine.add([9, 10], GREEDY(max_new_tokens=5))
+    c = engine.add([11, 12, 13], M.SamplingParams(temperature=1.0, seed=1, max_new_tokens=6), n=2)
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    of = lambda req, branch=0: [e for e in events if (e.request_id, e.branch) == (req.id, branch)]
+    assert [e.token for e in of(a)] == free[:k + 1] == a.sequences[0].output
+    assert [e.finish_reason for e in of(a)] == [None] * k + ["stop"]
+    assert [e.visible for e in of(a)] == [True] * k + [False]         # the EOS: not shown
+    assert [e.finished for e in of(a)] == [False] * k + [True]
+    with torch.inference_mode():
+        seq = prompt + free[:k + 1]
+        logits = llama(torch.tensor([seq]), torch.arange(len(seq)))[0, len(prompt) - 1:-1]
+        full = torch.log_softmax(logits, -1)
+    values, ids = full.topk(3)
+    for e, v, i, row in zip(of(a), values, ids, full):
+        assert [t for t, _ in e.top] == i.tolist() and i[0] == e.token    # greedy: the likeliest
+        torch.testing.assert_close(torch.tensor([x for _, x in e.top]), v, atol=1e-4, rtol=0)
+        assert abs(e.logprob - float(row[e.token])) < 1e-4
+    assert [e.finish_reason for e in of(b)] == [None] * 4 + ["length"]
+    assert all(e.logprob is None and e.top is None and e.visible for e in of(b))
+    for branch in (0, 1):
+        mine = of(c, branch)
+        assert [e.token for e in mine] == c.sequences[branch].output and mine[-1].finished
+    assert c.finish_reasons == [of(c, 0)[-1].finish_reason, of(c, 1)[-1].finish_reason]
+    all_blocks_back(engine)
+
+
+def test_stats_are_plain_numbers_of_the_batch_and_the_pool(llama):
+    """Engine.stats(): a dataclass of ints that says what the scheduler and the allocator
+    hold, so a reader (server.py's metrics) needs neither."""
+    engine = Engine(llama, num_blocks=16, block_size=4, max_batch=2)
+    s = engine.stats()
+    assert dataclasses.is_dataclass(s)
+    assert all(type(v) is int for v in dataclasses.asdict(s).values())
+    assert (s.running, s.waiting, s.free_blocks, s.used_blocks, s.steps) == (0, 0, 16, 0, 0)
+    reqs = [engine.add(list(range(3 + i, 12 + i)), GREEDY(max_new_tokens=30)) for i in range(3)]
+    assert engine.stats().waiting == 3
+    engine.step()
+    s, sched, alloc = engine.stats(), engine.scheduler, engine.allocator
+    assert (s.running, s.waiting) == (len(sched.running), len(sched.waiting)) == (2, 1)
+    assert s.free_blocks == alloc.num_free
+    assert s.used_blocks == alloc.num_blocks - alloc.num_free > 0
+    assert (s.steps, s.prefill_tokens, s.decode_tokens) == (1, 18, 2)
+    before, frozen = dataclasses.asdict(s), s
+    engine.run()
+    assert dataclasses.asdict(frozen) == before                  # a snapshot, not a view
+    s = engine.stats()
+    assert (s.running, s.waiting, s.free_blocks, s.used_blocks) == (0, 0, 16, 0)
+    assert s.preemptions == sched.preemptions > 0    # 16 blocks of 4: two rows of 39 tokens need 20
+    assert s.recomputed_tokens > 0 and all(r.finished for r in reqs)
+    all_blocks_back(engine)
+
+
 def test_stream_yields_tokens_and_closing_it_cancels(llama):
     engine = Engine(llama, max_batch=2)
     want = contiguous(llama, [5, 6, 7], GREEDY(max_new_tokens=9))
@@ -418,7 +493,7 @@ def test_scheduler_bookkeeping_without_a_model(budget):
         want = []
         for _ in range(seq.request.params.max_new_tokens):
             want.append(fake_next(seq.request.prompt + want) + seq.branch)
-        assert seq.status == "finished" and seq.output == want, f"sequence {seq.id}"
+        assert seq.status is Status.FINISHED and seq.output == want, f"sequence {seq.id}"
 
 
 def test_out_of_blocks_frees_parked_conversations_first_then_preempts_the_newest():
@@ -455,7 +530,8 @@ def test_out_of_blocks_frees_parked_conversations_first_then_preempts_the_newest
             assert batch == seqs and not sched.parked and sched.preemptions == 0
         else:
             assert batch == seqs[:2] and sched.preemptions == 1
-            assert list(sched.waiting) == [seqs[2]] and seqs[2].table is None and seqs[2].status == "waiting"
+            assert list(sched.waiting) == [seqs[2]] and seqs[2].table is None
+            assert seqs[2].status is Status.WAITING
         assert all(s.table.num_tokens == 9 for s in batch) and not sched.copies
         alloc.check_invariants()
 
@@ -479,9 +555,9 @@ def test_chunked_prefill_produces_the_tokens_of_whole_prompts(llama):
             reqs = [engine.add(p, sp, n=2) for p, sp in zip(prompts, params)]
             most = 0
             while engine.has_work():
-                before = engine.stats["prefill_tokens"]
+                before = engine.stats().prefill_tokens
                 engine.step()
-                most = max(most, engine.stats["prefill_tokens"] - before)
+                most = max(most, engine.stats().prefill_tokens - before)
                 engine.allocator.check_invariants()
             assert most == chunk if chunk else most > 32     # unchunked: several whole prompts a step
             outputs[chunk] = [[s.output for s in sorted(r.sequences, key=lambda s: s.branch)] for r in reqs]

@@ -31,11 +31,13 @@ def test_trace_prints_the_golden_schedule():
 
 def test_trace_means_what_it_prints():
     eng, _ = run()
-    s, alloc = eng.stats, eng.allocator
-    assert eng.scheduler.preemptions == 1
-    assert s["cached_tokens"] == 32 + 32 + 32 + 48     # r2, r3, r4: the system prompt; r4 again: its block 4 too
-    assert s["prefill_tokens"] == 40 + 11 + 4 + 4 + 6  # r1, r2, r3 (once for both branches), r4, r4 again
-    assert s["recomputed_tokens"] == 6 and s["block_copies"] == 1
+    s, alloc = eng.stats(), eng.allocator
+    assert eng.scheduler.preemptions == s.preemptions == 1
+    # r2, r3, r4: the system prompt; r4 again: its block 4 too
+    assert s.cached_tokens == 32 + 32 + 32 + 48
+    # r1, r2, r3 (once for both branches), r4, r4 again
+    assert s.prefill_tokens == 40 + 11 + 4 + 4 + 6
+    assert s.recomputed_tokens == 6 and s.block_copies == 1
     assert not eng.has_work() and not eng.requests
     assert not alloc.live and alloc.num_free == alloc.num_blocks == 8
     alloc.check_invariants()

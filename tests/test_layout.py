@@ -142,3 +142,33 @@ def test_bookkeeping_is_free_of_torch():
             if isinstance(node, ast.ClassDef) and node.name in classes:
                 used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
                 assert "torch" not in used, f"{file}:{node.name} uses torch"
+
+
+def test_server_reads_the_engine_only_through_its_public_data():
+    """server.py consumes engine.Events, Engine.stats() and a request's public results: it never
+    walks a request's sequences, the scheduler, the allocator or the model behind the engine."""
+    tree = ast.parse((ROOT / "server.py").read_text())
+    internals = {"sequences", "scheduler", "allocator", "cache", "counts"}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = ast.unparse(node.value)
+        engine_side = re.search(r"\beng(ine)?$", base) is not None
+        hidden = node.attr == "model" or node.attr.startswith("_")
+        if node.attr in internals or (engine_side and hidden):
+            found.append(f"server.py:{node.lineno} {base}.{node.attr}")
+        if node.attr == "logprobs" and base != "body":
+            found.append(f"server.py:{node.lineno} {base}.logprobs")  # a sequence's, not the body's
+    assert found == []
+
+
+def test_one_stop_token_rule():
+    """Whether a token is shown is sampling.visible's to say: no other file tests
+    `t not in ...eos...`."""
+    found = [f"{name}.py:{node.lineno}" for name, path in modules().items() if name != "sampling"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Compare) and any(isinstance(op, ast.NotIn) for op in node.ops)
+             and any(isinstance(c, (ast.Name, ast.Attribute, ast.Call)) and "eos" in ast.unparse(c)
+                     for c in node.comparators)]   # a set of ids, not a tuple of names
+    assert found == []

@@ -22,7 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import engine                      # noqa: E402
 import server                      # noqa: E402
 from nanoinfer.load import load   # noqa: E402
-from sampling import SamplingParams  # noqa: E402
+from sampling import SamplingParams, visible  # noqa: E402
 
 from conftest import ROOT          # noqa: E402
 
@@ -122,9 +122,9 @@ def test_chat_equals_llm_generate(live, model_tok, reference):
         assert got.choices[0].message.content == want.text
         assert got.choices[0].message.role == "assistant"
         assert got.choices[0].finish_reason == want.finish_reason
-        eos = set(live.server.eos)
+        eos = model_tok[0].config.eos_ids
         assert got.usage.prompt_tokens == len(chat_ids(tok, q))
-        assert got.usage.completion_tokens == sum(t not in eos for t in want.token_ids)
+        assert got.usage.completion_tokens == sum(visible(t, eos) for t in want.token_ids)
         assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
         assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
 
@@ -213,6 +213,17 @@ def test_logprobs(live, model_tok, reference):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(t) == 2 and max(t.values()) == pytest.approx(v, abs=1e-4)
                for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_metrics_read_only_the_engines_stats():
+    """Metrics.update takes an engine.Stats, plain numbers: no scheduler, no allocator."""
+    m = server.Metrics()
+    m.update(engine.Stats(running=3, waiting=2, free_blocks=5, used_blocks=7, preemptions=4))
+    m.update(engine.Stats(running=1, waiting=0, free_blocks=9, used_blocks=3, preemptions=6))
+    get = m.registry.get_sample_value
+    assert (get("nanoinfer_requests_running"), get("nanoinfer_requests_waiting")) == (1, 0)
+    assert (get("nanoinfer_kv_blocks_free"), get("nanoinfer_kv_blocks_used")) == (9, 3)
+    assert get("nanoinfer_preemptions_total") == 6         # a counter: the increments add up
 
 
 def test_models_health_metrics_page(live):
