@@ -85,6 +85,26 @@ def test_no_module_aliases():
     assert aliased == []
 
 
+PROGRAMS = {"bench", "serve_local", "server", "train"}   # the programs on top; every other root file is a lesson
+
+
+def test_no_lesson_imports_bench():
+    """bench/ (and bench.py) measure the lessons; a lesson never imports them, at any depth: its own
+    `python X.py` demo shows its idea without the benchmark code."""
+    found = []
+    for name, path in modules().items():
+        if name in PROGRAMS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [f"{name}.py:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name == "bench" or a.name.startswith("bench.")]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                    node.module == "bench" or node.module.startswith("bench.")):
+                found.append(f"{name}.py:{node.lineno} imports from {node.module}")
+    assert found == []
+
+
 def test_device_specific_code_lives_in_kernels():
     """oneDNN calls and inductor settings are named in kernels.py alone (bench.py may report them)."""
     pattern = re.compile(r"mkldnn|onednn|_inductor|inductor\.config")
