@@ -23,8 +23,8 @@ rotation by position cannot be folded into a fixed matrix, so it is kept apart):
     bf16): (512 + 64) · 2 = 1,152 B; × 61 layers = 68.6 KiB per token the same 128 heads as MHA (K 192
     wide with its RoPE part, V 128): 80 KiB per layer, 71× more
 
-`python kvcache.py --config llama2-7b --seq 32768` prints these for any config; `python kvcache.py
---plot` draws what each kind of cache below holds against the context, in fp16 and int8 (the end of this
+`python kvcache.py --config llama2-7b --seq 32768` prints these for any config; `python bench.py
+kv-plot` draws what each kind of cache below holds against the context, in fp16 and int8 (the end of this
 file says why they differ).
 
 Four contiguous caches and a paged one share one interface (quantized and speculative code build on it):
@@ -62,7 +62,6 @@ from pathlib import Path
 import torch
 
 import kernels
-import results
 from model import Llama, attention_mask     # the one mask rule
 
 
@@ -581,7 +580,7 @@ def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | N
 
 
 # ----------------------------------------------------------------------------
-# What each kind of cache holds as the context grows (`python kvcache.py --plot`).
+# What each kind of cache holds as the context grows (`python bench.py kv-plot` draws it).
 #
 # The formula says what one token costs; what a cache holds also depends on how it allocates. With
 # tokens arriving one at a time (a generation):
@@ -637,70 +636,20 @@ def held_bytes(kind: str, contexts: list[int], shape: tuple[int, int, int], dtyp
     return [rows * token_bytes(shape, dtype) for rows in rows_held(kind, contexts, max_len, window, block_size)]
 
 
-def plot_bytes(config: str, seq: int, window: int, block_size: int = 16) -> Path:
-    """Bytes held against context, 1 to ``seq`` tokens, for every kind in fp16/bf16
-    and int8: a plot (plots/kv_bytes.png) and a table at a few contexts (results/)."""
-    shape = shape_of(config)
-    if not 1 <= window <= seq:
-        raise ValueError(f"--plot draws contexts up to --seq {seq}: give a --window between 1 and that")
-    contexts = list(range(1, seq + 1))    # every one: each step of each staircase is drawn where it is
-    shown = [n for n in (100, 1000, 5000, 20000) if n < seq] + [seq]   # the table's columns
-    dtypes = {"fp16": "fp16/bf16", "int8": "int8 + scale"}
-    curves = {(kind, dtype): held_bytes(kind, contexts, shape, dtype, seq, window, block_size)
-              for kind in KINDS for dtype in dtypes}
-    labels = {"dynamic": "dynamic (doubling)", "static": f"static (max_len {seq})",
-              "sliding": f"sliding (window {window})", "paged": f"paged ({block_size}-token blocks)"}
-    rows = [[labels[kind], dtypes[dtype]] + [human(curve[contexts.index(n)]) for n in shown]
-            for (kind, dtype), curve in curves.items()]
-    table = results.Table(
-        f"{config}: bytes a cache holds, batch 1", ["cache", "dtype"] + [f"{n} tokens" for n in shown], rows,
-        [f"{shape[0]} layers, {shape[1]} KV heads, d_head {shape[2]}: {human(token_bytes(shape, 'fp16'))} per "
-         f"token in fp16, {human(token_bytes(shape, 'int8'))} in int8 (d_head values + a 2-byte scale per "
-         f"token and head).",
-         "Tokens arrive one at a time; a paged sequence holds whole blocks of a shared pool; static and "
-         "sliding allocate everything up front (sliding: window + 64 rows of slack for rollbacks)."])
-    print(table.markdown())
-    plots, plt = [], results.pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for (kind, dtype), curve in curves.items():
-            ax.plot(contexts, [b / 2 ** 20 for b in curve], drawstyle="steps-post", color=f"C{KINDS.index(kind)}",
-                    ls="-" if dtype == "fp16" else "--", lw=2 if dtype == "fp16" else 1.5,
-                    label=f"{labels[kind]}, {dtypes[dtype]}")
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="cache bytes held (MiB, log)",
-               title=f"KV cache memory against context: {config}, batch 1")
-        results.plain_ticks(ax.xaxis, [4 ** k for k in range(seq.bit_length()) if 4 ** k <= seq])
-        results.plain_ticks(ax.yaxis)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))   # beside the plot: no curve hidden
-        plots.append(results.save_plot(fig, "kv_bytes.png", dpi=120, bbox_inches="tight"))
-    return results.save("kv-bytes-by-kind", "kvcache", [table], plots=plots)
-
-
 def _main():
     ap = argparse.ArgumentParser(description="KV cache memory calculator: bytes per token, per sequence, per batch")
     ap.add_argument("--config", default="smollm2-135m",
                     help=f"config.json path or preset: {', '.join([*PRESETS, *MLA_PRESETS])}")
-    ap.add_argument("--seq", type=int, default=None, help="tokens (default 32768; with --plot the longest "
-                    "context drawn, default 8192, SmolLM2's context)")
+    ap.add_argument("--seq", type=int, default=32768, help="tokens")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="fp16", choices=list(DTYPE_BYTES))
     ap.add_argument("--gpu-gib", type=float, default=None)
-    ap.add_argument("--plot", action="store_true", help="bytes held against context for every kind of cache, "
-                    "fp16 and int8: plots/kv_bytes.png and results/kv-bytes-by-kind.json")
-    ap.add_argument("--window", type=int, default=4096, help="--plot: the sliding window (Mistral-7B's: 4096)")
     args = ap.parse_args()
-    for name in ("seq", "batch", "gpu_gib", "window"):
+    for name in ("seq", "batch", "gpu_gib"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.plot:
-        try:
-            plot_bytes(args.config, args.seq or 8192, args.window)
-        except ValueError as e:
-            ap.error(str(e))
-        return
-    print(calculator(args.config, args.seq or 32768, args.batch, args.dtype, args.gpu_gib))
+    print(calculator(args.config, args.seq, args.batch, args.dtype, args.gpu_gib))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 # Steps: the Triton kernels' tests, compiled on the GPU and in the interpreter; the CUDA-marked
 # tests (CUDA-graph decode step, the engine reading the paged pool in place); bench.py decode on
 # the bundled model and the TinyLlama shape in bf16 (ours eager, ours compiled with CUDA graphs,
-# transformers generate; GB/s against the device's copy bandwidth); flash.py --bench on CUDA
+# transformers generate; GB/s against the device's copy bandwidth); bench.py attention on CUDA
 # (ours tiled, Triton, SDPA, up to N = 16384); the engine at batch 16. Every benchmark saves its
 # table as JSON through results.py (results/*.json; `python bench.py report` renders RESULTS.md).
 set -u
@@ -65,7 +65,7 @@ step "Triton kernels in the interpreter (CUDA hidden)" 50 \
 step "decode, batch 1, bf16: eager, compiled + CUDA graphs, transformers" 150 \
     "$PY" bench.py decode --device cuda --dtypes bfloat16 --weights auto --reps 2
 step "flash attention: tiled, Triton, SDPA (N up to 16384)" 70 \
-    "$PY" flash.py --bench --quick --device cuda --dtype bfloat16 --plot ""
+    "$PY" bench.py attention --quick --device cuda --dtype bfloat16 --plot ""
 step "the engine at batch 16" 40 \
     "$PY" bench.py batching --dtype bfloat16 --max-batch 16 --requests 32 --questions 2 --skip-dropped
 

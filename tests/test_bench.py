@@ -11,7 +11,14 @@ from collections import Counter
 
 import pytest
 
-import bench
+import bench.batching
+import bench.common
+import bench.compiled
+import bench.decode
+import bench.kvcache
+import bench.quantize_eval
+import bench.runner
+import bench.speculative
 import results
 import speculative as S
 from conftest import make_checkpoint
@@ -25,7 +32,7 @@ def record(name: str) -> dict:
 
 
 def test_kv_bytes_saves_its_table(tmp_path, capsys):
-    bench.bench_kv_bytes(str(make_checkpoint(tmp_path / "tiny")))
+    bench.kvcache.bench_kv_bytes(str(make_checkpoint(tmp_path / "tiny")))
     r = record("kv-bytes")
     assert (r["name"], r["lesson"]) == ("kv-bytes", "kvcache")
     table = r["tables"][0]
@@ -39,7 +46,7 @@ def test_kv_bytes_saves_its_table(tmp_path, capsys):
 
 def test_prefix_saves_its_table(tmp_path):
     ckpt = make_checkpoint(tmp_path / "tiny", max_position_embeddings=4096)   # the handbook: ~2,300 tiny-BPE tokens
-    bench.bench_prefix(str(ckpt), n_answer=1)
+    bench.kvcache.bench_prefix(str(ckpt), n_answer=1)
     r = record("prefix")
     assert (r["name"], r["lesson"]) == ("prefix", "kvcache")
     table = r["tables"][0]
@@ -51,30 +58,30 @@ def test_prefix_saves_its_table(tmp_path):
 
 def test_decode_table_and_name():
     args = argparse.Namespace(prompt_tokens=128, new_tokens=128, reps=3, dtypes=["float32"])
-    table = bench.decode_table([["smollm2-135m", "nanoinfer cached", "float32", 0.0514, 2490.2, 41.26, 22.3, 1.5]],
+    table = bench.decode.decode_table([["smollm2-135m", "nanoinfer cached", "float32", 0.0514, 2490.2, 41.26, 22.3, 1.5]],
                                args)
     assert table.columns == ["model", "implementation", "dtype", "TTFT ms", "prefill tok/s", "decode tok/s", "GB/s",
                              "× transformers"]
     assert table.rows == [["smollm2-135m", "nanoinfer cached", "float32", "51", "2490", "41.3", "22.3", "1.50"]]
     assert "EOS ignored" in table.title
-    assert bench.decode_name(bench.DECODE_MODELS, bench.DECODE_DTYPES) == "decode"
-    assert bench.decode_name(["smollm2-135m"], ["bfloat16"]) == "decode-smollm2-135m-bfloat16"
-    assert bench.decode_name(["/tmp/My Model/"], ["float32", "bfloat16"]) == "decode-my-model-float32-bfloat16"
+    assert bench.decode.decode_name(bench.decode.DECODE_MODELS, bench.decode.DECODE_DTYPES) == "decode"
+    assert bench.decode.decode_name(["smollm2-135m"], ["bfloat16"]) == "decode-smollm2-135m-bfloat16"
+    assert bench.decode.decode_name(["/tmp/My Model/"], ["float32", "bfloat16"]) == "decode-my-model-float32-bfloat16"
 
 
 def fake_runs() -> list:
     outs = [[1, 2, 3], [4, 5]]
-    return [bench.RunResult("static, padded rows (batch 2)", outs, 2.0, 3, 6, [2.0, 2.0]),
-            bench.RunResult("continuous (max batch 2)", outs, 1.0, 3, 5, [1.0, 0.5])]
+    return [bench.batching.RunResult("static, padded rows (batch 2)", outs, 2.0, 3, 6, [2.0, 2.0]),
+            bench.batching.RunResult("continuous (max batch 2)", outs, 1.0, 3, 5, [1.0, 0.5])]
 
 
 def test_batching_tables():
-    table = bench.batching_table(fake_runs(), "workload")
+    table = bench.batching.batching_table(fake_runs(), "workload")
     assert table.columns == ["scheduling", "steps", "decode rows computed", "output tokens", "wall s", "tokens/s",
                              "× first row", "mean latency s"]
     assert table.rows[1] == ["continuous (max batch 2)", 3, 5, 5, "1.0", "5.0", "2.00", "0.8"]
     assert "same tokens in every run (greedy): True" in table.notes[0]
-    prefix = bench.prefix_cache_table([(False, 0.5, 0.4, 1200, [[7]]), (True, 0.5, 0.02, 30, [[7]])])
+    prefix = bench.batching.prefix_cache_table([(False, 0.5, 0.4, 1200, [[7]]), (True, 0.5, 0.02, 30, [[7]])])
     assert prefix.rows == [["off", "500", "400", "1200", "1.0"], ["on", "500", "20", "30", "20.0"]]
     assert prefix.notes == ["same first tokens with and without the cache: True"]
 
@@ -85,19 +92,19 @@ def test_speculative_table_and_histogram():
              "diverged": [None] * 3, "spec": None},
             {"method": "lookup", "tok_s": 20.0, "speedup": 2.0, "speedups": [1.5, 2.0, 3.25], "tokens": [9, 30, 4],
              "diverged": [None, 12, None], "spec": lookup}]
-    table = bench.table(rows, "3 chat prompts: at most 256 new tokens, answers stopping at EOS")
+    table = bench.speculative.table(rows, "3 chat prompts: at most 256 new tokens, answers stopping at EOS")
     assert table.columns == ["method", "decode tok/s", "speedup (median)", "spread (min–max)", "acceptance",
                              "tokens/forward", "accepted lengths", "same tokens"]
     assert table.rows == [["plain", "10.0", "1.00×", "1.00–1.00×", "", "1", "", "yes"],
                           ["lookup", "20.0", "2.00×", "1.50–3.25×", "75%", "2.50", "0:1 2:3", "2/3; others from token 12"]]
     assert table.notes[1:] == ["answer lengths (new tokens): 9 30 4",
                                "per-prompt speedups, in prompt order: lookup: 1.50 2.00 3.25"]
-    path = bench.plot_accepted({"chat": rows, "summarise": rows})
+    path = bench.speculative.plot_accepted({"chat": rows, "summarise": rows})
     assert (path == results.plot_path("speculative_accepted.png") and path.is_file()) if HAS_MATPLOTLIB else path is None
 
 
 def test_quantize_table():
-    table = bench.quantize_table([("full", 46080, 269e6, 10.123, 0.0, 100.0, 41.0),
+    table = bench.quantize_eval.quantize_table([("full", 46080, 269e6, 10.123, 0.0, 100.0, 41.0),
                                   ("KV int8", 12000, 269e6, 10.2, 0.76, 97.25, 40.0)])
     assert table.columns == ["configuration", "KV bytes/token", "weight MB", "perplexity", "Δ ppl", "top-1 agreement",
                              "decode tok/s"]
@@ -106,11 +113,11 @@ def test_quantize_table():
 
 def test_batching_plot_or_one_line(capsys, monkeypatch):
     if HAS_MATPLOTLIB:
-        path = bench.plot_batching(fake_runs(), "two runs")
+        path = bench.batching.plot_batching(fake_runs(), "two runs")
         assert path == results.plot_path("batching.png") and path.stat().st_size > 1000
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # as if it were not installed
     capsys.readouterr()
-    assert bench.plot_batching(fake_runs(), "two runs") is None
+    assert bench.batching.plot_batching(fake_runs(), "two runs") is None
     assert capsys.readouterr().out.count("\n") == 1
 
 
@@ -118,7 +125,7 @@ def test_engine_step_table(tmp_path):
     """Eager rows only (a compile takes minutes): one row per thread count and batch size."""
     args = argparse.Namespace(model=str(make_checkpoint(tmp_path / "tiny")), dtype="float32", batches=[1, 3],
                               compile_batches=[], threads=[1], context=40, reps=2)
-    bench.bench_engine_step(args)
+    bench.compiled.bench_engine_step(args)
     r = record("engine-step")
     assert (r["name"], r["lesson"]) == ("engine-step", "engine")
     table = r["tables"][0]
@@ -133,7 +140,7 @@ def test_long_prompts_scenario_saves_its_table(tmp_path, capsys):
     from nanoinfer.load import load
     model, _ = load(str(make_checkpoint(tmp_path / "tiny", max_position_embeddings=4096)))
     args = argparse.Namespace(model="tiny", decoders=2, decode_tokens=12, long_prompts=2, chunks=[0, 256], max_batch=8)
-    bench.bench_long_prompts(model, args)
+    bench.batching.bench_long_prompts(model, args)
     r = record("chunked-prefill")
     assert (r["name"], r["lesson"]) == ("chunked-prefill", "engine")
     table = r["tables"][0]
@@ -150,14 +157,14 @@ def test_runner_session_reads_each_answer_and_its_stats():
     answer comes back whole and equals what `serve_local.py --prompt` prints for the same prompt."""
     import subprocess
     flags = ["--cache", "dynamic", "--no-speculation"]
-    session = bench.RunnerSession(flags, max_new_tokens=12, timeout=300)
+    session = bench.runner.RunnerSession(flags, max_new_tokens=12, timeout=300)
     try:
         answers = [session.ask(p) for p in ("What is the capital of France?", "Name a colour.")]
     finally:
         session.close()
     assert session.loaded_s is not None and session.ready_s >= session.loaded_s
     alone = subprocess.run([sys.executable, "serve_local.py", "--prompt", "What is the capital of France?",
-                            "--temperature", "0", "--max-new-tokens", "12", *flags], cwd=bench.ROOT,
+                            "--temperature", "0", "--max-new-tokens", "12", *flags], cwd=bench.common.ROOT,
                            capture_output=True, text=True, timeout=300)
     assert answers[0]["text"] == alone.stdout.strip() and "Paris" in answers[0]["text"]
     assert answers[1]["text"] and answers[1]["text"] != answers[0]["text"]     # /reset: a fresh conversation
@@ -172,7 +179,7 @@ def test_runner_rounds_become_one_answer_per_prompt_and_zero_rounds_is_one_line(
     rounds = [{"tok_s": 10.0, "ttft_ms": 5.0, "estimate": None, "text": "a", "new_tokens": 3},
               {"tok_s": 30.0, "ttft_ms": 9.0, "estimate": 0.5, "text": "a", "new_tokens": 3},
               {"tok_s": 20.0, "ttft_ms": 7.0, "estimate": 0.7, "text": "a", "new_tokens": 3}]
-    assert bench.per_prompt(rounds) == {"tok_s": 20.0, "ttft_ms": 7.0, "estimate": 0.6, "text": "a", "new_tokens": 3}
-    assert bench.per_prompt(rounds[:2] + [rounds[2] | {"text": "b"}])["text"] == "texts differ between rounds"
+    assert bench.runner.per_prompt(rounds) == {"tok_s": 20.0, "ttft_ms": 7.0, "estimate": 0.6, "text": "a", "new_tokens": 3}
+    assert bench.runner.per_prompt(rounds[:2] + [rounds[2] | {"text": "b"}])["text"] == "texts differ between rounds"
     rc, out, err = run_cli("bench.py", "runner", "--rounds", "0", timeout=120)
     assert rc == 1 and err.strip() == "error: --rounds must be at least 1, got 0" and out == ""

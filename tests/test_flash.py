@@ -212,15 +212,3 @@ def test_bundled_model_greedy_flash_equals_naive(bundled_dir):
             [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_bos=False)
         runs[attn] = list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=128)))
     assert len(runs["flash"]) == 128 and runs["flash"] == runs["naive"]
-
-
-def test_bench_table_from_measurements():
-    """The benchmark's table (its full run takes minutes): times in ms, memory in MiB, the two ratios."""
-    row = {"n": 4096, "d": 64, "naive": {"time_s": 0.5, "peak_mib": 512.0},
-           "tiled eager": {"time_s": 0.3, "peak_mib": 9.0}, "tiled compiled": {"time_s": 0.12, "peak_mib": 8.0},
-           "sdpa": {"time_s": 0.1, "peak_mib": 6.0}}
-    table = flash.bench_table([row], "float32")
-    assert table.columns == ["N", "d", "naive ms", "tiled eager ms", "tiled compiled ms", "SDPA ms", "compiled / SDPA",
-                             "naive MiB", "tiled eager MiB", "tiled compiled MiB", "SDPA MiB", "naive / compiled MiB"]
-    assert table.rows == [[4096, 64, "500.0", "300.0", "120.0", "100.0", "1.20×", "512", "9", "8", "6", "64×"]]
-    assert "float32" in table.title and table.markdown().startswith("| N | d |")

@@ -24,12 +24,12 @@ def test_gpu_check_parses_and_its_dry_run_prints_every_step():
     reason = "skipped: --dry-run" if torch.cuda.is_available() else "skipped: no CUDA GPU on this machine"
     assert p.stdout.count(reason) == p.stdout.count("\n== ") == 7
     assert "bench.py decode --device cuda --dtypes bfloat16" in p.stdout
-    assert "flash.py --bench --quick --device cuda" in p.stdout
+    assert "bench.py attention --quick --device cuda" in p.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
 def test_without_cuda_the_script_and_the_gpu_flags_fail_in_one_line():
     p = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stdout.count("\n") == 1 and "--dry-run" in p.stdout
-    rc, out, err = run_cli("flash.py", "--bench", "--device", "cuda")
+    rc, out, err = run_cli("bench.py", "attention", "--device", "cuda")
     assert rc == 2 and "no such CUDA GPU on this machine" in err and "Traceback" not in err

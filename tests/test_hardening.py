@@ -201,12 +201,12 @@ def test_paged_simulation_writes_no_tracked_file():
     """Its table and plot go where NANOINFER_RESULTS points (conftest), never into results/ or plots/."""
     plot = ROOT / "plots" / "paged_simulation.png"
     before = plot.stat().st_mtime_ns, sorted((ROOT / "results").glob("*"))
-    rc, out, err = run_cli("paged.py", "--simulate", "30")
+    rc, out, err = run_cli("bench.py", "paged", "--simulate", "30")
     assert rc == 0, err
     assert (plot.stat().st_mtime_ns, sorted((ROOT / "results").glob("*"))) == before
     record = json.loads((results.directory() / "paged-simulation.json").read_text())
     assert (record["name"], record["lesson"], record["command"]) == ("paged-simulation", "paged",
-                                                                     "python paged.py --simulate 30")
+                                                                     "python bench.py paged --simulate 30")
     table = record["tables"][0]
     assert table["columns"][:2] == ["allocation", "peak concurrent seqs"] and len(table["rows"]) == 3
     assert table["rows"][2][0] == "16-token pages"

@@ -1,14 +1,10 @@
 """kvcache.py: every cache decodes exactly like the naive decoder; crop, fork, nbytes, the calculator."""
 
-import importlib.util
-import json
-
 import pytest
 import torch
 
 import kvcache as K
 import model as M
-import results
 from conftest import make_checkpoint
 import kernels
 
@@ -220,25 +216,6 @@ def test_bytes_by_kind_equal_real_caches():
                                                                                  512 * 128, 1024 * 128]
     assert K.held_bytes("sliding", [1, 600], shape, "fp16", 600, 64) == [128 * 128] * 2      # window + 64 slack
     assert K.held_bytes("paged", [1, 16, 17], shape, "int8", 600, 64) == [16 * 80, 16 * 80, 32 * 80]
-
-
-def test_kv_bytes_plot_saves_the_table_and_the_picture():
-    path = K.plot_bytes("smollm2-135m", 2048, 1024)
-    record = json.loads(path.read_text())
-    assert (path.name, record["name"], record["lesson"]) == ("kv-bytes-by-kind.json", "kv-bytes-by-kind", "kvcache")
-    (table,) = record["tables"]
-    assert table["columns"] == ["cache", "dtype", "100 tokens", "1000 tokens", "2048 tokens"]
-    rows = {(r[0], r[1]): r[2:] for r in table["rows"]}
-    assert len(rows) == 8
-    # SmolLM2: 30 layers × 2 × 3 KV heads × 128 B = 22.5 KiB per token in fp16, × 66 B = 11.6 KiB in int8
-    assert rows["dynamic (doubling)", "fp16/bf16"] == ["5.62 MiB", "22.50 MiB", "45 MiB"]       # 256, 1024, 2048 rows
-    assert rows["paged (16-token blocks)", "fp16/bf16"] == ["2.46 MiB", "22.15 MiB", "45 MiB"]   # 112, 1008, 2048
-    assert rows["static (max_len 2048)", "int8 + scale"] == [K.human(2048 * 11880)] * 3
-    assert rows["sliding (window 1024)", "fp16/bf16"] == [K.human(1088 * 23040)] * 3
-    if importlib.util.find_spec("matplotlib") is None:
-        assert record["plots"] == []
-    else:
-        assert record["plots"] == ["kv_bytes.png"] and results.plot_path("kv_bytes.png").stat().st_size > 10_000
 
 
 def test_calculator_reads_config_json(tmp_path, llama):

@@ -102,8 +102,8 @@ def test_attention_scores_with_a_longer_prompt(tiny_ckpt):
 
 
 def test_bench_naive_vs_cached_counts_saves_and_plots(tiny_ckpt):
-    import bench
-    path = bench.bench_naive_vs_cached(str(tiny_ckpt), [4, 8])
+    import bench.context
+    path = bench.context.bench_naive_vs_cached(str(tiny_ckpt), [4, 8])
     record = json.loads(path.read_text())
     assert (path.name, record["name"], record["lesson"]) == ("naive-vs-cached.json", "naive-vs-cached", "model")
     work, ratios = record["tables"]
@@ -119,8 +119,8 @@ def test_bench_naive_vs_cached_counts_saves_and_plots(tiny_ckpt):
 
 
 def test_bench_context_table_cost_model_and_plot(tiny_ckpt):
-    import bench
-    path = bench.bench_context(str(tiny_ckpt), "float32", [8, 64], steps=2, reps=1)
+    import bench.context
+    path = bench.context.bench_context(str(tiny_ckpt), "float32", [8, 64], steps=2, reps=1)
     record = json.loads(path.read_text())
     assert (path.name, record["name"], record["lesson"]) == ("context.json", "context", "model")
     (table,) = record["tables"]
@@ -132,7 +132,7 @@ def test_bench_context_table_cost_model_and_plot(tiny_ckpt):
     assert all(r[1] > 0 and r[3] > 0 for r in table["rows"])
     assert_plot(record, "context.png")
     with pytest.raises(ValueError, match="--contexts must be between 1 and"):
-        bench.bench_context(str(tiny_ckpt), "float32", [300], steps=2, reps=1)
+        bench.context.bench_context(str(tiny_ckpt), "float32", [300], steps=2, reps=1)
 
 
 def assert_plot(record, name):

@@ -91,9 +91,9 @@ def test_bench_offload_saves_its_tables(tmp_path, capsys):
     """bench.py offload on a tiny checkpoint (3 layers, 2 KV heads, d_head 16, fp32: 768 B per token)."""
     import json
 
-    import bench
+    import bench.kvcache
     import results
-    path = bench.bench_offload(str(make_checkpoint(tmp_path / "tiny", num_hidden_layers=3)), contexts=[16, 64],
+    path = bench.kvcache.bench_offload(str(make_checkpoint(tmp_path / "tiny", num_hidden_layers=3)), contexts=[16, 64],
                                steps=4, device_gib=[0.001])
     record = json.loads(path.read_text())
     assert (record["name"], record["lesson"]) == ("offload", "kvcache") and path.parent == results.directory()

@@ -1,12 +1,10 @@
 """paged.py bookkeeping: slots, prefix caching (with forced hash collisions), copy-on-write,
-out-of-blocks errors, LRU eviction, randomized and property-based invariant runs, the simulation.
+out-of-blocks errors, LRU eviction, randomized and property-based invariant runs (the simulation: tests/test_bench_lessons.py).
 
 A fake KV storage (one list entry per slot, holding the token id written there) stands in
 for the tensors: every sequence must read back exactly its own tokens through its block table."""
 
-import json
 import random
-import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -330,26 +328,3 @@ def test_property_any_sequence_of_operations(ops, block_size):
             assert snapshot(d.alloc) == before, "a failed call changed the bookkeeping"
         d.check()
     d.free_all()
-
-
-def test_simulation_meets_the_fragmentation_targets():
-    _, (maxlen, oracle, pages) = P.simulate(150, seed=1)
-    assert pages.empty_pct <= 4 and maxlen.empty_pct >= 50
-    assert pages.never_written_pct < 4 and oracle.never_written_pct == 0
-    assert pages.peak_running > oracle.peak_running > maxlen.peak_running
-    assert pages.steps < maxlen.steps
-    table = P.simulation_table([maxlen, oracle, pages], 150)
-    assert [row[0] for row in table.rows] == ["contiguous, reserve 2048", "contiguous, reserve true length (oracle)",
-                                              "16-token pages"]
-    assert table.rows[2][5] == f"{pages.empty_pct:.1f}%" and table.markdown().startswith("| allocation |")
-
-
-def test_a_missing_matplotlib_still_saves_the_table(capsys, monkeypatch, tmp_path):
-    """The plot is optional: without matplotlib one line says so, and the table is saved."""
-    monkeypatch.setenv("NANOINFER_RESULTS", str(tmp_path))
-    monkeypatch.setitem(sys.modules, "matplotlib", None)      # as if it were not installed
-    P.run_simulation(20, 65536, 2048, 16, seed=0)
-    assert capsys.readouterr().out.count("matplotlib is not installed") == 1
-    record = json.loads((tmp_path / "paged-simulation.json").read_text())
-    assert (record["name"], record["lesson"], record["plots"]) == ("paged-simulation", "paged", [])
-    assert len(record["tables"][0]["rows"]) == 3 and not (tmp_path / "paged_simulation.png").exists()

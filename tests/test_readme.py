@@ -14,10 +14,10 @@ from conftest import ROOT, run_cli
 # Run here: command → seconds allowed. Interactive runner commands get a prompt appended.
 QUICK = {
     "python kvcache.py --config llama2-7b --seq 32768": 60,
-    "python kvcache.py --plot": 60,
+    "python bench.py kv-plot": 60,
     "python flash.py": 60,
     "python paged.py": 60,
-    "python paged.py --simulate 1000": 120,
+    "python bench.py paged --simulate 1000": 120,
     "python quantize.py": 60,
     "python tp.py": 120,
     "python engine.py --trace": 120,

@@ -12,7 +12,7 @@ import torch
 import model as M
 import nanoinfer.load as nl
 import sampling
-import bench
+import bench.speculative
 import drafting as D
 import serve_local
 import speculative as S
@@ -263,14 +263,14 @@ def test_compare_reports_where_texts_part(models):
     that parts from it is reported with the first new token that differs."""
     target, _ = models
     static = kvcache.new_cache(target, "static", 64)      # plain decoding on a given cache, reused prompt after prompt
-    rows = bench.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3),
+    rows = bench.speculative.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3),
                                            "static": lambda: static}, 24)
     assert [r["diverged"] for r in rows] == [[None, None]] * 3
     assert rows[0]["speedup"] == 1.0 and rows[0]["speedups"] == [1.0, 1.0]
     assert rows[1]["spec"].steps > 0 and rows[2]["spec"] is None and len(rows[1]["speedups"]) == 2
     assert rows[0]["tokens"] == [23, 23]      # the target's eos_ids are cleared: every answer runs to 24 tokens
-    assert bench.same_tokens([None, None]) == "yes"
-    assert bench.same_tokens([None, 7, 3]) == "1/3; others from token 3, 7"
+    assert bench.speculative.same_tokens([None, None]) == "yes"
+    assert bench.speculative.same_tokens([None, 7, 3]) == "1/3; others from token 3, 7"
 
 
 def test_plain_step_baseline_uses_the_given_cache(models):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import bench
+import bench.tp
 import model
 import results
 import serve_local
@@ -229,8 +229,8 @@ def test_bench_tp_table(monkeypatch, capsys):
                  "weights": 343_400_000 if split else 538_100_000, "kv": 4_950_000 if split else 7_420_000,
                  "layers": 30, "threads": threads} for r in range(world)]
     monkeypatch.setattr(tp, "launch", fake)
-    monkeypatch.setattr(bench, "model_dir", lambda name: name)
-    bench.bench_tp(["smollm2-135m"], "float32", 128, 32)
+    monkeypatch.setattr(bench.tp, "model_dir", lambda name: name)
+    bench.tp.bench_tp(["smollm2-135m"], "float32", 128, 32)
     r = results.load()
     record = next(x for x in r if x["name"] == "tp")
     assert record["lesson"] == "tp" and "tp" in results.LESSONS
