@@ -50,7 +50,7 @@ import kernels
 import kvcache
 import quantize
 from kvcache import common_prefix
-from model import Llama
+from model import Llama, attend
 from sampling import SamplingParams, sampling_probs
 from speculative import Proposal, PromptLookup, check_k, check_tree, generate
 
@@ -150,7 +150,7 @@ class EagleDraft(DraftModel):
     has already worked out. EAGLE's head instead reads the target's feature f_j
     (the final normalised hidden state, what the LM head reads) next to the
     token x_j+1 that followed, and predicts f_j+1; the target's LM head turns
-    the prediction into a token (model.Llama.fc and share_target):
+    the prediction into a token (EagleHead and share_target):
 
         head input at position j:  fc([embed(x_j+1); f_j])   ->   f̂_j+1  ->  token x̂_j+2
 
@@ -445,6 +445,32 @@ def check_same_vocab(target_tok, draft_tok, target: Llama, draft: Llama):
     if [target_tok.decode([i]) for i in probe] != [draft_tok.decode([i]) for i in probe]:
         raise ValueError("the draft's tokenizer maps ids to different text than the target's: "
                          "a draft must use the same tokenizer")
+
+
+class EagleHead(Llama):
+    """An EAGLE draft head (Li et al. 2024; EagleDraft below) is a Llama of one block whose input
+    at position j is fc([embed(x_j+1); f_j]): the next token together with the *target's* feature
+    at j (its final normalised hidden state, what the target's LM head reads). Its own output
+    there, norm(x), predicts the target's feature at j+1, and the target's LM head turns that into
+    a token. It owns no embedding or head: share_target lends it the target's."""
+    borrowed = ("embed_tokens.weight", "lm_head.weight")
+
+    def __init__(self, cfg, attend=attend):
+        super().__init__(cfg, attend)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, tokens, positions, cache=None, last_only=False, mask=None, features=None,
+                hidden=False):
+        if features is None or features.shape[:2] != tokens.shape:
+            raise ValueError(f"an EAGLE head needs the target's features for each of its "
+                             f"{tuple(tokens.shape)} tokens, got "
+                             f"{None if features is None else tuple(features.shape)}")
+        return super().forward(tokens, positions, cache, last_only, mask, features, hidden)
+
+    def embed(self, tokens, features=None):
+        dtype = self.norm.weight.dtype      # the head's own; its embedding is the target's
+        x = self.embed_tokens(tokens).to(dtype)
+        return self.fc(torch.cat([x, features.to(dtype)], dim=-1))
 
 
 def share_target(head: Llama, target: Llama) -> Llama:

@@ -78,7 +78,7 @@ class LlamaConfig:
     eos_ids: list[int] = field(default_factory=list)
     quantization: dict | None = None    # a checkpoint written by quantize.py: {"weights": "int8"}, ...
     head_vocab: int | None = None       # an LM head over only this many tokens (a draft's, train.py)
-    eagle: bool = False                 # an EAGLE draft head: reads the target's features too (below)
+    eagle: bool = False                 # config.json's "eagle": an EAGLE draft head (drafting.EagleHead)
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
@@ -277,18 +277,16 @@ def unfuse(model: "Llama") -> dict:
 def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
     """The tensors a checkpoint must hold for this model (a model on the meta device
     will do), by checkpoint name, each with its shape."""
-    shapes = {k: tuple(v.shape) for k, v in unfuse(model).items()}
-    if model.config.eagle:           # an EAGLE head uses the target's embedding and head (Llama.share_target)
-        shapes.pop("embed_tokens.weight")
-        shapes.pop("lm_head.weight")
-    elif model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
-        shapes.pop("lm_head.weight")
+    shapes = {k: tuple(v.shape) for k, v in unfuse(model).items() if k not in model.borrowed}
+    if model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
+        shapes.pop("lm_head.weight", None)
     return shapes
 
 
 class Llama(nn.Module):
     # Submodule names follow Hugging Face's (minus the "model." prefix) so a
     # checkpoint's tensors load by name.
+    borrowed: tuple[str, ...] = ()      # tensors taken from another model, not from the checkpoint
     def __init__(self, cfg: LlamaConfig, attend=attend):
         super().__init__()
         self.config = cfg
@@ -306,14 +304,7 @@ class Llama(nn.Module):
         # speculative.py's rejection rule handles exactly.
         self.register_buffer("head_ids", torch.zeros(cfg.head_vocab, dtype=torch.long) if cfg.head_vocab else None)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.head_vocab or cfg.vocab_size, bias=False)
-        # An EAGLE draft head (Li et al. 2024; drafting.EagleDraft) is a Llama of
-        # one block whose input at position j is fc([embed(x_j+1); f_j]): the next
-        # token together with the *target's* feature at j (its final normalised
-        # hidden state, what the target's LM head reads). Its own output there,
-        # norm(x), predicts the target's feature at j+1, and the target's LM head
-        # turns that into a token. It owns no embedding or head (share_target).
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False) if cfg.eagle else None
-        if cfg.tie_embeddings and not cfg.eagle:
+        if cfg.tie_embeddings and "lm_head.weight" not in self.borrowed:
             self.tie_head()
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         # A faster one-token step with step's signature (a compiled one: the product sets it), run in
@@ -335,10 +326,7 @@ class Llama(nn.Module):
         (speculative.py packs token trees at overlapping positions into one pass).
         ``hidden`` also returns the features (B, T, hidden_size), the final
         normalised states the LM head reads, at every position; ``features`` is
-        that input, for an EAGLE head."""
-        if self.config.eagle and (features is None or features.shape[:2] != tokens.shape):
-            raise ValueError(f"an EAGLE head needs the target's features for each of its {tuple(tokens.shape)} "
-                             f"tokens, got {None if features is None else tuple(features.shape)}")
+        that input, for a head that reads another model's (``embed``)."""
         if cache is not None:
             own = cache.begin(positions)      # host-side bookkeeping, then pure tensor work below
             mask = own if mask is None else mask
@@ -351,10 +339,7 @@ class Llama(nn.Module):
     def step(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
         """The tensor work of a forward pass; with a StaticCache and one token it
         has fixed shapes, so torch.compile turns it into one fused program."""
-        x = self.embed_tokens(tokens)
-        if self.fc is not None:
-            dtype = self.norm.weight.dtype      # the head's own; its embedding is the target's
-            x = self.fc(torch.cat([x.to(dtype), features.to(dtype)], dim=-1))
+        x = self.embed(tokens, features)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, None if cache is None else cache.layers[i], positions)
@@ -366,6 +351,11 @@ class Llama(nn.Module):
             full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), -math.inf)
             logits = full.index_copy_(-1, self.head_ids, logits)
         return (logits, h) if hidden else logits
+
+    def embed(self, tokens, features=None):
+        """The input at each position: the token's embedding (a draft head may mix in more: ``features``,
+        drafting.EagleHead)."""
+        return self.embed_tokens(tokens)
 
     def tie_head(self):
         """Share the embedding with the LM head: the same matrix, or its head_ids
@@ -391,7 +381,7 @@ class Llama(nn.Module):
         state = checkpoint.cast(state, device, lambda k, v: dtype if v.is_floating_point() else None)
         checkpoint.check_finite({k: v for k, v in state.items() if v.is_floating_point()}, model_dir)
         model.load_state_dict(checkpoint.fuse(state, FUSED, cfg.n_layers), strict=False, assign=True)
-        if cfg.tie_embeddings and not cfg.eagle:
+        if cfg.tie_embeddings and "lm_head.weight" not in model.borrowed:
             model.tie_head()
         model.inv_freq = rope_frequencies(cfg).to(device)
         return model.eval()
@@ -422,12 +412,13 @@ def read_state(model_dir, model: "Llama") -> dict[str, torch.Tensor]:
     return state
 
 
-def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed: int = 0):
+def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed: int = 0, cls=None):
     """Write an HF directory with random weights for ``hf_config`` (tests and
-    benchmarks of real model shapes without downloading the real weights)."""
+    benchmarks of real model shapes without downloading the real weights), the
+    tensors of a ``cls`` (Llama, or a Llama subclass such as drafting.EagleHead)."""
     cfg = LlamaConfig.from_hf(hf_config)
     with torch.device("meta"):
-        shapes = checkpoint_shapes(Llama(cfg))
+        shapes = checkpoint_shapes((cls or Llama)(cfg))
     gen = torch.Generator().manual_seed(seed)
     state = {name: torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else
              torch.randperm(cfg.vocab_size, generator=gen)[:shape[0]].sort().values if name == "head_ids" else

@@ -75,7 +75,7 @@ from engine import LLM
 from model import Llama, LlamaConfig, unfuse
 from nanoinfer.load import load
 from sampling import SamplingParams
-from drafting import BUNDLED_DRAFT, BUNDLED_MEDUSA, MedusaHeads, share_target
+from drafting import BUNDLED_DRAFT, BUNDLED_MEDUSA, EagleHead, MedusaHeads, share_target
 from speculative import SUMMARISE
 
 # ----------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def make_head(target: Llama, target_dir: Path, ids: torch.Tensor) -> tuple[Llama
     hf = checkpoint.read_config(target_dir)
     hf.update(HEAD, eagle=True, torch_dtype="bfloat16", draft_vocab_size=len(ids))
     torch.manual_seed(0)
-    head = Llama(LlamaConfig.from_hf(hf))
+    head = EagleHead(LlamaConfig.from_hf(hf))
     head.head_ids.copy_(ids)
     for p in head.parameters():
         if p.dim() == 2:

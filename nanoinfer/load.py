@@ -47,7 +47,8 @@ def build(model_dir, device=None, dtype=None, weights: str | None = None, group_
                          f"drop --weights or load the full-precision checkpoint")
     device = kernels.pick_device(device)
     dtype = kernels.pick_dtype(dtype, device)
-    read = quantize.from_pretrained if cfg.quantization else Llama.from_pretrained
+    read = quantize.from_pretrained if cfg.quantization else \
+        (drafting.EagleHead if cfg.eagle else Llama).from_pretrained
     model = read(model_dir, device, dtype, cfg, attention(attn))
     if device.type == "cpu":
         kernels.native_kernels()

@@ -64,7 +64,8 @@ def eagle_head(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     cfg = json.loads((make_checkpoint(root / "c", **SMALL) / "config.json").read_text())
     cfg.update(num_hidden_layers=1, eagle=True, draft_vocab_size=96)
-    head = M.Llama.from_pretrained(M.save_random_checkpoint(cfg, root / "h", seed=2), "cpu", torch.float32)
+    head = drafting.EagleHead.from_pretrained(
+        M.save_random_checkpoint(cfg, root / "h", seed=2, cls=drafting.EagleHead), "cpu", torch.float32)
     return drafting.share_target(head, target)
 
 
@@ -127,8 +128,9 @@ def small_vocab(tmp_path_factory):
     # an EAGLE head for the target, over the same 10 tokens
     hf = json.loads((root / "d" / "config.json").read_text())
     hf.update(hidden_size=32, num_hidden_layers=1, eagle=True, draft_vocab_size=10)
-    eagle = drafting.share_target(M.Llama.from_pretrained(
-        M.save_random_checkpoint(hf, root / "e", torch.float32, seed=3), "cpu", torch.float32), target)
+    eagle = drafting.share_target(drafting.EagleHead.from_pretrained(
+        M.save_random_checkpoint(hf, root / "e", torch.float32, seed=3, cls=drafting.EagleHead), "cpu",
+        torch.float32), target)
     target.config.eos_ids = draft.config.eos_ids = part.config.eos_ids = []
     return target, draft, part, eagle, random_medusa(target, 3, [0, 1, 2, 4, 5, 7, 9, 11, 12, 15], seed=5)
 

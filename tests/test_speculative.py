@@ -185,7 +185,8 @@ def test_bad_input(models, eagle_head, tmp_path, monkeypatch):
     narrow = M.Llama.from_pretrained(make_checkpoint(tmp_path / "n", hidden_size=32, **SMALL), "cpu")
     wide_cfg = json.loads((tmp_path / "n" / "config.json").read_text())
     wide_cfg.update(num_hidden_layers=1, eagle=True, draft_vocab_size=8)
-    head = D.share_target(M.Llama.from_pretrained(M.save_random_checkpoint(wide_cfg, tmp_path / "e"), "cpu"), narrow)
+    head = D.share_target(D.EagleHead.from_pretrained(
+        M.save_random_checkpoint(wide_cfg, tmp_path / "e", cls=D.EagleHead), "cpu"), narrow)
     with pytest.raises(ValueError, match="width is 32 but the target's is 64"):
         D.EagleDraft(head, target)
     with pytest.raises(ValueError, match="needs the target's features"):
