@@ -200,7 +200,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features))
         self.native = False                   # prepare() decides: kernels.int8_mm or aten's kernel
-        self.onednn = None                    # kernels.prepack: (weight, its widened blocked copy)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Linear":
@@ -271,7 +270,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("tiled", None, persistent=False)             # the CPU kernel's layout
         self.register_buffer("scales_and_zeros", None, persistent=False)
         self.native = False                   # prepare() decides: kernels.int4_mm or aten's tiled kernel
-        self.onednn = None                    # kernels.prepack: (weight, its widened blocked copy)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group: int) -> "Int4Linear":
