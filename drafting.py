@@ -52,7 +52,7 @@ import quantize
 from kvcache import common_prefix
 from model import Llama, attend
 from sampling import SamplingParams, sampling_probs
-from speculative import Proposal, PromptLookup, check_k, check_tree, generate
+from speculative import Proposal, PromptLookup, Proposer, check_k, check_tree, generate
 
 ROOT = Path(__file__).resolve().parent
 BUNDLED_DRAFT = ROOT / "drafts" / "smollm2-135m-draft"   # written by train.py
@@ -61,18 +61,16 @@ TRAIN = {"bundled": "python train.py` (distils an EAGLE head from the bundled mo
          "medusa": "python train.py --medusa 4` (~30 min on 2 CPU cores)"}
 
 
-class DraftModel:
+class DraftModel(Proposer):
     """A small model with the same tokenizer drafts k tokens autoregressively.
 
     A drafted token must cost a small fraction of a target step. Run eagerly, a
     tiny draft's step is mostly per-op overhead, so with ``compile=True`` its
-    one-token step is compiled (model.compile_decode) on a static cache, sized
+    one-token step is compiled (kernels.compile_decode) on a static cache, sized
     in powers of two (≥ 512) so the compiled step sees few shapes (attention
     reads the whole static cache, so it is not made larger than needed).
     Greedy drafting takes the argmax of the logits and hands verify no
     distributions."""
-    needs_dynamic_cache = False
-    needs_features = False
 
     def __init__(self, draft: Llama, target: Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
                  compile: bool = False):
@@ -333,7 +331,7 @@ class MedusaHeads(nn.Module):
         return heads.to(device=device, dtype=dtype)
 
 
-class MedusaDraft:
+class MedusaDraft(Proposer):
     """The proposer for MedusaHeads: from the feature of the last token the target
     computed (position t-1; x_t, the token it chose there, is already emitted),
     head k guesses x_t+k. A chain takes each head's top token; with ``tree=(W, M)``
@@ -391,7 +389,7 @@ class MedusaDraft:
         pass
 
 
-class LookupThenDraft:
+class LookupThenDraft(Proposer):
     """Prompt lookup where the text repeats itself, the draft model elsewhere.
 
     The two are strong in different places. Chat answers repeat their own

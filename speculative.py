@@ -232,10 +232,32 @@ class Proposal:
     branch_mask: torch.Tensor | None = None      # (E, E): what branch tokens see among themselves
 
 
-class PromptLookup:
-    """Propose the continuation of the latest earlier occurrence of the last n tokens."""
+class Proposer:
+    """What `generate` asks of a proposer (PromptLookup, Lookahead below; drafting.py's drafts).
+
+    Each step it calls ``propose(context, k, room, params, gen)`` for at most k guesses after the
+    context (``room``: positions left in the cache), verifies them in one target pass, then calls
+    ``update(context, n, k, branch_logits)`` with the n accepted. A proposer that reads the target's
+    features (``needs_features``: EAGLE, Medusa) gets them through ``observe(start, features)``,
+    for the positions the target computed. ``needs_dynamic_cache``: its guesses share positions
+    (trees, lookahead's branches), which only a dynamic cache holds. ``cache``: its own KV cache,
+    or None (the trace reports its length)."""
     needs_dynamic_cache = False
-    needs_features = False     # EagleDraft: the target's features, through observe()
+    needs_features = False
+    cache = None
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        raise NotImplementedError
+
+    def observe(self, start: int, features: torch.Tensor):
+        pass
+
+    def update(self, context, n, k, branch_logits):
+        pass
+
+
+class PromptLookup(Proposer):
+    """Propose the continuation of the latest earlier occurrence of the last n tokens."""
 
     def __init__(self, ngram: int = 3, k: int = 4, min_ngram: int = 1):
         if ngram < 1:
@@ -252,14 +274,10 @@ class PromptLookup:
                     return Proposal([context[start + n:start + n + k]])
         return Proposal()
 
-    def update(self, context, n, k, branch_logits):
-        pass
 
-
-class Lookahead:
+class Lookahead(Proposer):
     """Jacobi iteration over W future positions; n-grams from its trajectories; verify up to G."""
     needs_dynamic_cache = True
-    needs_features = False
 
     def __init__(self, window: int, ngram: int, guesses: int, seed: int = 0):
         if window < 1 or ngram < 2 or guesses < 1:
@@ -468,7 +486,7 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
         spec.accepted += n
         spec.emitted += len(accepted)
         spec.histogram[n] += 1
-        draft_cache = getattr(proposer, "cache", None)
+        draft_cache = proposer.cache
         spec.trace.append((done + len(accepted), n, k, cache.length, draft_cache and draft_cache.length))
         for i, token in enumerate(accepted):
             t0 = stats.clock(done, t0)

@@ -24,10 +24,10 @@ import kvcache
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class FixedTree:
+class FixedTree(S.Proposer):
     """A proposer that knows the answer and offers it last, behind wrong branches,
     one of which shares its first token: [wrong], [right₀, wrong...], [right]."""
-    needs_dynamic_cache, needs_features, k = True, False, 4
+    needs_dynamic_cache, k = True, 4
 
     def __init__(self, prompt, want, vocab):
         self.n, self.want, self.vocab = len(prompt), want, vocab
@@ -36,9 +36,6 @@ class FixedTree:
         right = self.want[len(context) - self.n:][:k]
         wrong = [(t + 1) % self.vocab for t in right]
         return S.Proposal([wrong, right[:1] + wrong[1:], right])
-
-    def update(self, context, n, k, branch_logits):
-        pass
 
 
 def test_token_tree():
