@@ -123,7 +123,8 @@ def test_paged_stats_agree_with_the_contiguous_cache(bundled_dir):
             chat = (serve_local.PagedChat if kind == "paged" else serve_local.Chat)(m, tok, params, ctx=512)
             s = chat.turn("Name three colours.", out=io.StringIO())
             runs[kind].append((s.prefill_s, (s.new_tokens - 1) / s.decode_s))
-    (ttft_c, rate_c), (ttft_p, rate_p) = [[sorted(x)[1] for x in zip(*r)] for r in runs.values()]
+    # each kind's best: a neighbour's time slice only ever makes a run slower, never faster
+    (ttft_c, rate_c), (ttft_p, rate_p) = [(min(t for t, _ in r), max(v for _, v in r)) for r in runs.values()]
     assert 0.5 < ttft_p / ttft_c < 2 and 0.5 < rate_p / rate_c < 2, runs
 
 
