@@ -554,15 +554,14 @@ class AheadOfTime:
         self.built: list[Path] = []  # the packages this object compiled (the others were loaded)
         self.missing = {}           # build=False: variant -> the package not on disk; those calls run eagerly
         self.announce = None        # called with the package's path before a build (minutes): the runner says so
-        self.cache_type = None      # the class of the cache the step writes (its code is in the step too)
 
     def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
         live = live_rows(mask, cache)             # a static cache's live rows: one package for every length
         keys = None if mask is None else (*mask.shape[:-1], mask.shape[-1] if live is None else "live")
+        # the cache's class last: its code is traced into the step too (path reads it)
         variant = (tuple(tokens.shape), keys, cache.k[0].shape,
                    cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
-                   None if features is None else (features.shape, features.dtype))
-        self.cache_type = type(cache)
+                   None if features is None else (features.shape, features.dtype), type(cache))
         runner = self.runners.get(variant)
         if runner is None and variant not in self.missing:   # built (or loaded) even by a call that then
             call = (tokens, positions, mask, cache, last_only, features, hidden)   # runs eagerly: a warm-up's
@@ -586,7 +585,7 @@ class AheadOfTime:
         m = self.model
         home = Path(sys.modules[type(m).__module__].__file__).parent
         config = {k: v for k, v in vars(m.config).items() if k not in ("eos_ids", "bos_id")}  # ids: not in the step
-        code = step_code(m, self.cache_type)
+        code = step_code(m, variant[-1])
         key = [repr(variant), repr(config), str(m), torch.__version__, platform.machine(),
                torch.backends.cpu.get_cpu_capability()]
         key += [f"{f.__module__}.{f.__qualname__}" for f in code]
