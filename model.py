@@ -376,15 +376,7 @@ class Llama(nn.Module):
         device, dtype = torch.device(device or "cpu"), as_dtype(dtype)
         with torch.device("meta"):
             model = cls(cfg, attend)
-        state = read_state(model_dir, model)
-        # floats in ``dtype``; integer tensors (a draft's head_ids) as stored
-        state = checkpoint.cast(state, device, lambda k, v: dtype if v.is_floating_point() else None)
-        checkpoint.check_finite({k: v for k, v in state.items() if v.is_floating_point()}, model_dir)
-        model.load_state_dict(checkpoint.fuse(state, FUSED, cfg.n_layers), strict=False, assign=True)
-        if cfg.tie_embeddings and "lm_head.weight" not in model.borrowed:
-            model.tie_head()
-        model.inv_freq = rope_frequencies(cfg).to(device)
-        return model.eval()
+        return adopt_checkpoint(model, model_dir, device, dtype)
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -401,15 +393,27 @@ def as_dtype(name) -> torch.dtype:
     return DTYPES[name]
 
 
-def read_state(model_dir, model: "Llama") -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors by the model's names (no "model." prefix, no rotary buffers), checked
-    against the tensors ``model`` (on the meta device) needs; a tied head's copy is dropped."""
+def adopt_checkpoint(model: "Llama", model_dir, device: torch.device, dtype: torch.dtype,
+                     plain=lambda name, t: t.is_floating_point()) -> "Llama":
+    """Give ``model`` (built on the meta device) a checkpoint's tensors, by the model's names (no
+    "model." prefix, no rotary buffers), checked against the tensors it needs: those ``plain``
+    picks in ``dtype`` (floats; integer tensors such as a draft's head_ids stay as stored),
+    fused, the head tied where the checkpoint stores none."""
+    cfg = model.config
     state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(model_dir).items()
              if not k.endswith("rotary_emb.inv_freq")}
-    if model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
+    tied = (cfg.tie_embeddings and isinstance(model.lm_head, nn.Linear)
+            and "lm_head.weight" not in model.borrowed)
+    if tied:
         state.pop("lm_head.weight", None)
     checkpoint.check_tensors(state, checkpoint_shapes(model), model_dir)
-    return state
+    state = checkpoint.cast(state, device, lambda k, v: dtype if plain(k, v) else None)
+    checkpoint.check_finite({k: v for k, v in state.items() if plain(k, v)}, model_dir)
+    model.load_state_dict(checkpoint.fuse(state, FUSED, cfg.n_layers), strict=False, assign=True)
+    if tied:
+        model.tie_head()
+    model.inv_freq = rope_frequencies(cfg).to(device)
+    return model.eval()
 
 
 def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed: int = 0, cls=None):

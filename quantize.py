@@ -57,8 +57,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import kernels
-from model import (FUSED, QUANTIZATION_KEY, Llama, LlamaConfig, as_dtype, attend, read_state,
-                   rope_frequencies)
+from model import QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype, attend
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                   # the largest finite e4m3 number
@@ -449,26 +448,19 @@ CONFIG_KEY = QUANTIZATION_KEY
 
 def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, attend=attend):
     """A checkpoint quantize.py wrote (config.json names its scheme under CONFIG_KEY), loaded as it
-    is stored: model.Llama.from_pretrained's steps with empty quantized layers swapped in on the
-    meta device; the scales keep their dtypes and each layer prepares its kernel's layout."""
+    is stored: model.adopt_checkpoint, with empty quantized layers swapped in on the meta
+    device; the scales keep their dtypes and each layer prepares its kernel's layout."""
     cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
     device, dtype = torch.device(device or "cpu"), as_dtype(dtype)
     with torch.device("meta"):
         model = Llama(cfg, attend)
         empty_quantized(model, cfg.quantization)
-    state = read_state(model_dir, model)
-    state = checkpoint.cast(state, device, lambda k, v: dtype if is_plain(k, v) else None)
-    checkpoint.check_finite({k: v for k, v in state.items() if is_plain(k, v)}, model_dir)
-    state = checkpoint.fuse(state, FUSED, cfg.n_layers)
-    check_quantized_tensors(state)
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_embeddings and isinstance(model.lm_head, nn.Linear):     # a head kept as loaded
-        model.tie_head()
+    adopt_checkpoint(model, model_dir, device, dtype, is_plain)
+    check_quantized_tensors(dict(model.named_buffers()))
     for layer in model.modules():
         if hasattr(layer, "prepare"):
             layer.prepare(dtype)
-    model.inv_freq = rope_frequencies(cfg).to(device)
-    return model.eval()
+    return model
 
 
 def is_plain(name: str, t: torch.Tensor) -> bool:
