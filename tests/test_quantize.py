@@ -161,6 +161,10 @@ def test_saved_checkpoint_matches_on_the_fly(tmp_path, scheme):
     assert torch.equal(loaded(ids, torch.arange(len(PROMPT))), fly(ids, torch.arange(len(PROMPT))))
     assert decode(loaded, PROMPT, None, 40) == decode(fly, PROMPT, None, 40)
     assert Q.weight_bytes(loaded) < Q.weight_bytes(nl.load(str(src), "cpu", "float32")[0]) / 2
+    # the plain lesson loader names the one that reads it
+    with pytest.raises(ValueError, match=f"holds {scheme} weights written by quantize.py: load it with "
+                                         f"quantize.from_pretrained"):
+        M.Llama.from_pretrained(tmp_path / "q", "cpu", "float32")
 
 
 # --- bad input ------------------------------------------------------------------
