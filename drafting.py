@@ -31,9 +31,9 @@ Cost model per speculative step with k guesses:
     tokens ≈ (1 − α^(k+1)) / (1 − α)
 
 so a draft pays when α is high and its step is a small fraction of the
-target's. Both drafts here run their one-token step compiled on a static cache
-(kernels.compile_step), since a tiny model's eager step is mostly per-op
-overhead (the runner does so with --compile). train.py trains the bundled
+target's. A draft whose one-token step was compiled (kernels.compile_decode, the
+runner's --compile) drafts on a static cache, since a tiny model's eager step is
+mostly per-op overhead. train.py trains the bundled
 EAGLE head (`--draft bundled`) and Medusa heads (`--draft medusa`);
 `python bench.py speculative` measures every proposer against plain decoding.
 """
@@ -46,7 +46,6 @@ import torch
 from torch import nn
 
 import checkpoint
-import kernels
 import kvcache
 import quantize
 from kvcache import common_prefix
@@ -65,24 +64,23 @@ class DraftModel(Proposer):
     """A small model with the same tokenizer drafts k tokens autoregressively.
 
     A drafted token must cost a small fraction of a target step. Run eagerly, a
-    tiny draft's step is mostly per-op overhead, so with ``compile=True`` its
-    one-token step is compiled (kernels.compile_decode) on a static cache, sized
-    in powers of two (≥ 512) so the compiled step sees few shapes (attention
-    reads the whole static cache, so it is not made larger than needed).
+    tiny draft's step is mostly per-op overhead, so a draft whose one-token step
+    was compiled (kernels.compile_decode; ``static`` defaults to whether it was)
+    runs it on a static cache, sized in powers of two (≥ 512) so the compiled step
+    sees few shapes (attention reads the whole static cache, so it is not made
+    larger than needed).
     Greedy drafting takes the argmax of the logits and hands verify no
     distributions."""
 
     def __init__(self, draft: Llama, target: Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
-                 compile: bool = False):
+                 static: bool | None = None):
         check_k(k)
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
                              f"{target.config.vocab_size}: a draft must use the target's tokenizer")
         self.model, self.k, self.adaptive, self.k_max = draft, k, adaptive, max(k, k_max)
-        if compile and draft.compiled_step is None:
-            kernels.compile_decode(draft)
-        self.static = compile
-        self.cache = None if compile else kvcache.new_cache(draft)
+        self.static = draft.compiled_step is not None if static is None else static
+        self.cache = None if self.static else kvcache.new_cache(draft)
         self.ids: list[int] = []        # the tokens in self.cache
 
     def reserve(self, n: int):
@@ -168,7 +166,7 @@ class EagleDraft(DraftModel):
     needs_features = True
 
     def __init__(self, head: Llama, target: Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
-                 compile: bool = False, tree: tuple[int, int] | None = None):
+                 tree: tuple[int, int] | None = None):
         if not head.config.eagle:
             raise ValueError("EagleDraft needs an EAGLE head (config.json \"eagle\": true); use DraftModel")
         if head.config.hidden_size != target.config.hidden_size:
@@ -178,7 +176,7 @@ class EagleDraft(DraftModel):
         if tree is not None:
             check_tree(*tree)
         # a tree grows level by level with several tokens per head pass: the eager step, a dynamic cache
-        super().__init__(head, target, k, adaptive, k_max, compile and tree is None)
+        super().__init__(head, target, k, adaptive, k_max, head.compiled_step is not None and tree is None)
         self.tree = tree
         self.needs_dynamic_cache = tree is not None      # the target's rows too: tree tokens share positions
         w = target.embed_tokens.weight
@@ -483,11 +481,12 @@ def share_target(head: Llama, target: Llama) -> Llama:
 
 
 def draft_proposer(draft: Llama | MedusaHeads, target: Llama, k: int = 4, adaptive: bool = False,
-                   compile: bool = False, tree: tuple[int, int] | None = None):
+                   tree: tuple[int, int] | None = None):
     """The proposer for a loaded draft: an EAGLE head or Medusa heads draft from the
-    target's features (Medusa: up to one token per head, eager, k fixed)."""
+    target's features (Medusa: up to one token per head, eager, k fixed). A draft whose
+    step was compiled (kernels.compile_decode) drafts on a static cache."""
     if isinstance(draft, MedusaHeads):
         return MedusaDraft(draft, target, k, tree)
     if draft.config.eagle:
-        return EagleDraft(draft, target, k, adaptive, compile=compile, tree=tree)
-    return DraftModel(draft, target, k, adaptive, compile=compile)
+        return EagleDraft(draft, target, k, adaptive, tree=tree)
+    return DraftModel(draft, target, k, adaptive)

@@ -100,11 +100,10 @@ from typing import Iterator
 
 import torch
 
-import quantize
 from kvcache import PagedKVCache, kv_bytes_per_token
 from model import Llama, LlamaConfig, load
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable
-from sampling import SamplingParams, finish_reason, sample, seeded_generator, visible
+from sampling import Finish, SamplingParams, finish_reason, sample, seeded_generator, visible
 
 
 class Status(enum.Enum):
@@ -149,7 +148,7 @@ class Request:
         return all(s.status is Status.FINISHED for s in self.sequences)
 
     @property
-    def finish_reasons(self) -> list[str | None]:
+    def finish_reasons(self) -> list[Finish | None]:
         """Each branch's finish reason, in branch order (None while it runs)."""
         return [s.finish_reason for s in sorted(self.sequences, key=lambda s: s.branch)]
 
@@ -162,7 +161,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     table: BlockTable | None = None   # while running: holds prompt + output except the last token
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # stop (EOS), length (max_new_tokens or context), cancelled
+    finish_reason: Finish | None = None
     forks: int = 0                    # branches to fork from this one right after its first prefill
     n_cached: int = 0                 # tokens of the table already computed when admitted
     n_computed: int = 0               # while prefilling: tokens of the table computed before this step's chunk
@@ -184,7 +183,7 @@ class Event:
     branch: int
     token: int
     visible: bool                     # False for a stop token (EOS): not shown, not counted
-    finish_reason: str | None = None  # set on the branch's last token: stop or length
+    finish_reason: Finish | None = None  # set on the branch's last token
     logprob: float | None = None      # with params.logprobs: the token's log-probability,
     top: list[tuple[int, float]] | None = None   # and (id, log-probability) of the likeliest
 
@@ -336,7 +335,7 @@ class Scheduler:
         seq.request.sequences.append(twin)
         return twin
 
-    def finish(self, seq: Sequence, reason: str):
+    def finish(self, seq: Sequence, reason: Finish):
         """Retire a sequence: its blocks go back at once (full ones stay in the prefix
         cache until evicted), or are parked for the session's next turn."""
         if seq.status is Status.WAITING:
@@ -344,7 +343,7 @@ class Scheduler:
         elif seq.status is Status.RUNNING:
             self.running.remove(seq)
             session = seq.request.session
-            if session is not None and reason != "cancelled" and seq.request.n == 1:
+            if session is not None and reason != Finish.CANCELLED and seq.request.n == 1:
                 self.end_session(session)     # an older table of this conversation, if any
                 self.parked[session] = seq.table
             else:
@@ -398,18 +397,18 @@ class Engine:
     ``num_blocks`` defaults to what ``kv_bytes`` of memory holds (1 GiB), but no
     more than ``max_batch`` sequences of the model's full context need.
     ``max_len`` caps a sequence (prompt + output): the model's context, or the
-    pool if that is smaller. ``kv_dtype`` is the pool's storage type: a torch dtype, or
-    "int8"/"fp8"/"fp8-plain" for quantized rows (quantize.py). ``chunk_tokens``: the
-    most prompt tokens a step computes (None: every admitted prompt whole)."""
+    pool if that is smaller. ``kv_dtype`` is the pool's storage type (default: the
+    model's); a ``codec`` (quantize.kv_codec: int8/fp8 rows and their scales) stores
+    quantized rows instead. ``in_place``: how a one-token pass reads the pool where it
+    lies (kvcache.PagedKVCache's; None: gather). ``chunk_tokens``: the most prompt
+    tokens a step computes (None: every admitted prompt whole)."""
 
     def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES, prefix_caching: bool = True,
-                 max_len: int | None = None, kv_dtype: torch.dtype | str | None = None, watermark: float = 0.01,
-                 chunk_tokens: int | None = 256):
+                 max_len: int | None = None, kv_dtype: torch.dtype | None = None, watermark: float = 0.01,
+                 chunk_tokens: int | None = 256, codec=None, in_place=None):
         c, w = model.config, model.embed_tokens.weight
-        codec = quantize.kv_codec(kv_dtype) if isinstance(kv_dtype, str) else None   # "auto" → None
-        if kv_dtype is None or isinstance(kv_dtype, str):
-            kv_dtype = w.dtype
+        kv_dtype = kv_dtype or w.dtype
         if num_blocks is None:
             # A quantized row is d_head one-byte values plus its scale's bytes.
             row, size = (codec.row_bytes(c.head_dim), 1) if codec else (c.head_dim, kv_dtype.itemsize)
@@ -421,7 +420,7 @@ class Engine:
         self.model, self.device = model, w.device
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, kv_dtype,
-                                  w.device, c.sliding_window, codec)
+                                  w.device, c.sliding_window, codec, in_place)
         self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit)
         self.watermark, self.chunk_tokens = watermark, chunk_tokens
         self.scheduler = Scheduler(self.allocator, max_batch, watermark)
@@ -445,10 +444,9 @@ class Engine:
                      preemptions=s.preemptions)
 
     def describe(self) -> str:
-        """One line for a log: the model's size and storage, the pool, the batch."""
+        """One line for a log: the model's storage, the pool, the batch."""
         w, a = self.model.embed_tokens.weight, self.allocator
-        return (f"{quantize.count_parameters(self.model) / 1e6:.0f}M parameters, "
-                f"{str(w.dtype).removeprefix('torch.')}, {w.device}; KV pool {a.num_blocks} "
+        return (f"{str(w.dtype).removeprefix('torch.')}, {w.device}; KV pool {a.num_blocks} "
                 f"blocks of {a.block_size} tokens, batches of up to {self.max_batch}")
 
     def has_work(self) -> bool:
@@ -510,7 +508,7 @@ class Engine:
             return False
         for seq in req.sequences:
             if seq.status is not Status.FINISHED and branch in (None, seq.branch):
-                self.scheduler.finish(seq, "cancelled" if branch is None else "stop")
+                self.scheduler.finish(seq, Finish.CANCELLED if branch is None else Finish.STOP)
         if req.finished:
             del self.requests[request_id]
             req.finish = time.perf_counter()
@@ -604,7 +602,7 @@ class Engine:
     def _reset(self):
         for req in list(self.requests.values()):
             for seq in req.sequences:
-                seq.status, seq.table, seq.finish_reason = Status.FINISHED, None, "cancelled"
+                seq.status, seq.table, seq.finish_reason = Status.FINISHED, None, Finish.CANCELLED
         self.requests.clear()
         a = self.allocator
         self.allocator = BlockAllocator(a.num_blocks, a.block_size, a.prefix_caching, a.events)
@@ -641,7 +639,7 @@ class Engine:
 class Completion:
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None
+    finish_reason: Finish | None
     logprobs: tuple[torch.Tensor, torch.Tensor] | None = None   # (values, ids), each (tokens, N)
 
 

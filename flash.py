@@ -73,7 +73,8 @@ L2; 256×256 it is. The decode chunk (256 keys) is the same size.
 
 `python flash.py` shows the idea with numbers; `python bench.py attention`
 measures time and peak memory of naive, tiled (eager and compiled) and SDPA
-(`--device cuda`: and the Triton kernel of section 5, the GPU version).
+(`--device cuda`: and the same algorithm as a GPU kernel in Triton, kernels.py's
+`triton_attention`).
 """
 
 from __future__ import annotations
@@ -84,8 +85,6 @@ import math
 
 import torch
 
-import kernels
-from kernels import jit, tl      # Triton's decorator and language, when it is installed (section 5)
 import model
 from model import attention_mask
 
@@ -210,7 +209,7 @@ def _rows(x, start: int, size: int):
     return torch.nn.functional.pad(part, (0, 0, 0, short)) if short else part.contiguous()
 
 
-def _as_4d(mask):
+def as_4d(mask):
     """A (T, L) mask, or a per-sequence (B, 1, T, L) one (a paged cache's), as (B or 1, 1, T, L)."""
     return mask if mask.dim() == 4 else mask[None, None]
 
@@ -273,7 +272,7 @@ def attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start:
     rows = torch.arange(tq, device=q.device)
     cols = torch.arange(tk, device=q.device)
     if mask is not None:   # padded with False to whole tiles: (B or 1, 1, T', L')
-        mask4, n_q, n_k = _as_4d(mask), -(-T // tq), -(-L // tk)
+        mask4, n_q, n_k = as_4d(mask), -(-T // tq), -(-L // tk)
         mask = torch.zeros(mask4.shape[0], 1, n_q * tq, n_k * tk, dtype=torch.bool, device=q.device)
         mask[..., :T, :L] = mask4
     for qa, visits in _tile_plan(T, L, tq, tk, causal, q_start, k_start, window, mask):
@@ -308,7 +307,7 @@ def naive(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int
     allowed = visible(torch.arange(T, device=q.device) + q_start, torch.arange(L, device=q.device) + k_start,
                       causal, window)
     if mask is not None:
-        allowed = _as_4d(mask) if allowed is None else allowed & _as_4d(mask)
+        allowed = as_4d(mask) if allowed is None else allowed & as_4d(mask)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)
@@ -345,9 +344,9 @@ def decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_sta
         allowed = visible(torch.arange(T, device=q.device) + q_start,
                           torch.arange(L, device=q.device) + k_start, causal, window)
     if mask is not None:
-        allowed = _as_4d(mask) if allowed is None else allowed & _as_4d(mask)
+        allowed = as_4d(mask) if allowed is None else allowed & as_4d(mask)
     if allowed is not None:
-        allowed = _as_4d(allowed)                    # (B or 1, 1, T, L)
+        allowed = as_4d(allowed)                    # (B or 1, 1, T, L)
     qg = q.reshape(B, Hkv, 1, G * T, d)             # the group's query rows stacked, as in the prefill
     n = L // chunk
     outs, lses = [], []
@@ -396,123 +395,7 @@ def attend_naive(q, k, v, mask, window=None):
     return naive(q, k, v, causal=mask is None, mask=mask, window=window)[0]
 
 
-def attend_triton(q, k, v, mask, window=None):
-    """The same two as Triton kernels (section 5; a CUDA GPU)."""
-    if q.shape[2] == 1:
-        return triton_decode(q, k, v, mask, causal=mask is None)[0]
-    return triton_attention(q, k, v, causal=mask is None, mask=mask, window=window)[0]
-
-
-ATTENTION = {"sdpa": attend_sdpa, "flash": attend_flash, "naive": attend_naive, "triton": attend_triton}
-
-
-def attention_named(name: str):
-    """--attn NAME -> the function a Llama attends with."""
-    if name not in ATTENTION:
-        raise ValueError(f"unknown attention '{name}': use {', '.join(ATTENTION)}")
-    return ATTENTION[name]
-
-
-# ----------------------------------------------------------------------------
-# 5. The same algorithm as a GPU kernel, in Triton (optional: kernels.py imports it if installed). Read it
-# beside tile_step: one program (a thread block) owns one Q tile of one KV head's group, holds m, s and
-# acc in registers, and streams K/V tiles through SRAM. Causal tiles above the diagonal are never
-# visited (the loop's upper bound), the window's older tiles neither (its lower bound); masks are
-# computed from positions in registers. A third grid axis splits the keys into chunks: flash-decoding.
-# Each chunk's program writes its partial (out, lse), and merge_many, in torch, combines them: the
-# partials are S·B·H·T·d floats (a few KB for a decode step), so a merge kernel would save one tiny
-# launch and add a second kernel to read.
-#
-# What changes on a GPU. HBM (3-5 TB/s on a data-centre GPU, ~1 TB/s on a consumer one) holds Q, K, V;
-# each SM has ~100-228 KB of SRAM (shared memory and registers) at ~10× that. A program reads its Q tile
-# once and each K/V tile once, so for causal prefill HBM traffic is ~N²·d/BLOCK_M elements of K/V
-# instead of the N² scores a materialised S writes and reads back. The tile sizes trade: a larger
-# BLOCK_M reads K/V fewer times but needs more registers (fewer programs resident per SM to hide
-# latency); BLOCK_N sets the size of each tl.dot (tensor cores want multiples of 16) and of the score
-# tile in registers. Decode has one query row per head: BLOCK_M is padded to 16 (the smallest tl.dot)
-# and holds the group's G heads, and with B·H_kv programs a GPU of 100+ SMs would sit idle; split-K puts
-# L/chunk programs on every head. With TRITON_INTERPRET=1 they run on CPU tensors (numpy): the tests.
-
-@jit
-def flash_kernel(Q, K, V, Out, Lse, Mask, sq_b, sq_h, sq_t, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                 so_s, so_b, so_h, so_t, sl_s, sl_b, sl_h, sm_b, sm_t, Hkv, G, T, L, q_start, k_start,
-                 window, scale, chunk, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
-    tile, bk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, kv = bk // Hkv, bk % Hkv
-    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)        # rows = (group member g, query t), g-major
-    real = r < G * T
-    t, h = r % T, kv * G + r // T                      # GQA by index: query head h reads KV head h // G
-    dims = tl.arange(0, D)
-    q = tl.load(Q + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + dims[None, :], mask=real[:, None], other=0.)
-    q_pos = q_start + t
-    lo, hi = split * chunk, tl.minimum(L, split * chunk + chunk)
-    if CAUSAL:      # keys after the tile's last query position: never read
-        hi = tl.minimum(hi, tl.max(tl.where(real, q_pos, 0), 0) + 1 - k_start)
-    if WINDOW:      # keys older than the window of the tile's first query: never read
-        lo = tl.maximum(lo, tl.min(tl.where(real, q_pos, q_start + T), 0) - window + 1 - k_start)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        k = tl.load(K + b * sk_b + kv * sk_h + cols[:, None] * sk_l + dims[None, :], mask=cols[:, None] < hi, other=0.)
-        v = tl.load(V + b * sv_b + kv * sv_h + cols[:, None] * sv_l + dims[None, :], mask=cols[:, None] < hi, other=0.)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
-        ok = cols[None, :] < hi
-        if CAUSAL:
-            ok &= k_start + cols[None, :] <= q_pos[:, None]
-        if WINDOW:
-            ok &= k_start + cols[None, :] > q_pos[:, None] - window
-        if HAS_MASK:
-            ok &= tl.load(Mask + b * sm_b + t[:, None] * sm_t + cols[None, :], mask=ok, other=0) != 0
-        scores = tl.where(ok, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))                  # from here on, tile_step line by line
-        base = tl.where(m_new == float("-inf"), 0., m_new)
-        p = tl.exp(scores - base[:, None])
-        shrink = tl.exp(m - base)
-        s = s * shrink + tl.sum(p, 1)
-        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
-        m = m_new
-    out = acc / tl.where(s > 0, s, 1.)[:, None]
-    tl.store(Out + split * so_s + b * so_b + h[:, None] * so_h + t[:, None] * so_t + dims[None, :],
-             out.to(Out.dtype.element_ty), mask=real[:, None])
-    tl.store(Lse + split * sl_s + b * sl_b + h * sl_h + t, m + tl.log(s), mask=real)   # s = 0: -inf
-
-
-def triton_attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int = 0,
-                     window: int | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
-                     block_m: int = 64, block_n: int = 64, chunk: int | None = None):
-    """``attention``'s arguments and results, computed by flash_kernel (CUDA tensors, or CPU ones
-    under TRITON_INTERPRET=1). ``chunk``: split the keys into chunks of that many, one program
-    each, and merge the partial results (flash-decoding; ``triton_decode``)."""
-    kernels.check_triton(q.device)
-    (B, H, T, d), Hkv, L = q.shape, k.shape[1], k.shape[2]
-    G, S = H // Hkv, max(1, -(-L // chunk)) if chunk else 1
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"the Triton kernel needs a head_dim that is a power of two >= 16, got {d}")
-    q_start = k_start + L - T if q_start is None else q_start
-    block_m = max(16, min(block_m, 1 << (G * T - 1).bit_length()))     # decode: G rows, padded to 16
-    out = torch.empty(S, B, H, T, d, dtype=q.dtype if S == 1 else torch.float32, device=q.device)
-    lse = torch.empty(S, B, H, T, dtype=torch.float32, device=q.device)
-    if mask is not None:        # (T, L) or (B, 1, T, L) bool -> bytes, batch stride 0 when shared
-        mask = _as_4d(mask).expand(-1, 1, T, L).to(torch.uint8).contiguous()
-    m_args = (mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2)) if mask is not None else (q, 0, 0)
-    flash_kernel[(-(-G * T // block_m), B * Hkv, S)](
-        q, k, v, out, lse, m_args[0], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:4],
-        *lse.stride()[:3], *m_args[1:], Hkv, G, T, L, q_start, k_start, window or 0,
-        d ** -0.5 if scale is None else scale, chunk or max(L, 1), D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, WINDOW=window is not None, HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32)
-    if S == 1:
-        return out[0], lse[0]
-    out, lse = merge_many(out, lse, dim=0)
-    return out.to(q.dtype), lse
-
-
-def triton_decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_start: int | None = None,
-                  k_start: int = 0, window: int | None = None, scale: float | None = None, chunk: int = CHUNK):
-    """``decode``'s arguments and results: flash_kernel with the keys split into chunks."""
-    return triton_attention(q, k, v, causal, q_start, k_start, window, mask, scale, chunk=chunk)
+ATTENTION = {"sdpa": attend_sdpa, "flash": attend_flash, "naive": attend_naive}
 
 
 # ----------------------------------------------------------------------------

@@ -6,7 +6,8 @@ is a function that `torch.compile` may fuse. This file is the one place that
 says *how* those run fast on a given device: which library kernel a matrix
 product goes to, in which weight layout, and with which compiler settings.
 Porting to another device, or tuning another CPU, touches this file alone
-(flash.py keeps its own attention kernels, quantize.py its int8/int4 ones).
+(flash.py and quantize.py teach the algorithms in plain PyTorch; their GPU and C++
+kernels live here).
 
 The cost model behind every choice. Batch-1 decoding is a chain of
 matrix-vector products that read every weight once per token and do two
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -41,9 +43,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
+import flash
 import model
+import quantize
 
-# Triton (GPU kernels written in Python): optional, used by flash.py's kernels and paged_decode below. They run on a
+# Triton (GPU kernels written in Python): optional, used by flash_kernel and paged_decode below. They run on a
 # CUDA GPU or in Triton's CPU interpreter; elsewhere its import (79 modules) is skipped.
 triton = tl = None
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
@@ -69,6 +73,125 @@ def check_triton(device: torch.device):
     if triton is None:
         raise ValueError("the Triton kernels need triton: pip install triton==3.9.0 (CUDA builds of torch "
                          "ship with it)")
+
+
+# ----------------------------------------------------------------------------
+# Flash attention on a GPU: flash.py's algorithm as a Triton kernel (Triton is optional). Read it
+# beside flash.tile_step: one program (a thread block) owns one Q tile of one KV head's group, holds m, s and
+# acc in registers, and streams K/V tiles through SRAM. Causal tiles above the diagonal are never
+# visited (the loop's upper bound), the window's older tiles neither (its lower bound); masks are
+# computed from positions in registers. A third grid axis splits the keys into chunks: flash-decoding.
+# Each chunk's program writes its partial (out, lse), and merge_many, in torch, combines them: the
+# partials are S·B·H·T·d floats (a few KB for a decode step), so a merge kernel would save one tiny
+# launch and add a second kernel to read.
+#
+# What changes on a GPU. HBM (3-5 TB/s on a data-centre GPU, ~1 TB/s on a consumer one) holds Q, K, V;
+# each SM has ~100-228 KB of SRAM (shared memory and registers) at ~10× that. A program reads its Q tile
+# once and each K/V tile once, so for causal prefill HBM traffic is ~N²·d/BLOCK_M elements of K/V
+# instead of the N² scores a materialised S writes and reads back. The tile sizes trade: a larger
+# BLOCK_M reads K/V fewer times but needs more registers (fewer programs resident per SM to hide
+# latency); BLOCK_N sets the size of each tl.dot (tensor cores want multiples of 16) and of the score
+# tile in registers. Decode has one query row per head: BLOCK_M is padded to 16 (the smallest tl.dot)
+# and holds the group's G heads, and with B·H_kv programs a GPU of 100+ SMs would sit idle; split-K puts
+# L/chunk programs on every head. With TRITON_INTERPRET=1 they run on CPU tensors (numpy): the tests.
+
+@jit
+def flash_kernel(Q, K, V, Out, Lse, Mask, sq_b, sq_h, sq_t, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
+                 so_s, so_b, so_h, so_t, sl_s, sl_b, sl_h, sm_b, sm_t, Hkv, G, T, L, q_start, k_start,
+                 window, scale, chunk, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    tile, bk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, kv = bk // Hkv, bk % Hkv
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)        # rows = (group member g, query t), g-major
+    real = r < G * T
+    t, h = r % T, kv * G + r // T                      # GQA by index: query head h reads KV head h // G
+    dims = tl.arange(0, D)
+    q = tl.load(Q + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + dims[None, :], mask=real[:, None], other=0.)
+    q_pos = q_start + t
+    lo, hi = split * chunk, tl.minimum(L, split * chunk + chunk)
+    if CAUSAL:      # keys after the tile's last query position: never read
+        hi = tl.minimum(hi, tl.max(tl.where(real, q_pos, 0), 0) + 1 - k_start)
+    if WINDOW:      # keys older than the window of the tile's first query: never read
+        lo = tl.maximum(lo, tl.min(tl.where(real, q_pos, q_start + T), 0) - window + 1 - k_start)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = tl.load(K + b * sk_b + kv * sk_h + cols[:, None] * sk_l + dims[None, :], mask=cols[:, None] < hi, other=0.)
+        v = tl.load(V + b * sv_b + kv * sv_h + cols[:, None] * sv_l + dims[None, :], mask=cols[:, None] < hi, other=0.)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
+        ok = cols[None, :] < hi
+        if CAUSAL:
+            ok &= k_start + cols[None, :] <= q_pos[:, None]
+        if WINDOW:
+            ok &= k_start + cols[None, :] > q_pos[:, None] - window
+        if HAS_MASK:
+            ok &= tl.load(Mask + b * sm_b + t[:, None] * sm_t + cols[None, :], mask=ok, other=0) != 0
+        scores = tl.where(ok, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))                  # from here on, tile_step line by line
+        base = tl.where(m_new == float("-inf"), 0., m_new)
+        p = tl.exp(scores - base[:, None])
+        shrink = tl.exp(m - base)
+        s = s * shrink + tl.sum(p, 1)
+        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
+        m = m_new
+    out = acc / tl.where(s > 0, s, 1.)[:, None]
+    tl.store(Out + split * so_s + b * so_b + h[:, None] * so_h + t[:, None] * so_t + dims[None, :],
+             out.to(Out.dtype.element_ty), mask=real[:, None])
+    tl.store(Lse + split * sl_s + b * sl_b + h * sl_h + t, m + tl.log(s), mask=real)   # s = 0: -inf
+
+
+def triton_attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int = 0,
+                     window: int | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
+                     block_m: int = 64, block_n: int = 64, chunk: int | None = None):
+    """flash.attention's arguments and results, computed by flash_kernel (CUDA tensors, or CPU ones
+    under TRITON_INTERPRET=1). ``chunk``: split the keys into chunks of that many, one program
+    each, and merge the partial results (flash-decoding; ``triton_decode``)."""
+    check_triton(q.device)
+    (B, H, T, d), Hkv, L = q.shape, k.shape[1], k.shape[2]
+    G, S = H // Hkv, max(1, -(-L // chunk)) if chunk else 1
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"the Triton kernel needs a head_dim that is a power of two >= 16, got {d}")
+    q_start = k_start + L - T if q_start is None else q_start
+    block_m = max(16, min(block_m, 1 << (G * T - 1).bit_length()))     # decode: G rows, padded to 16
+    out = torch.empty(S, B, H, T, d, dtype=q.dtype if S == 1 else torch.float32, device=q.device)
+    lse = torch.empty(S, B, H, T, dtype=torch.float32, device=q.device)
+    if mask is not None:        # (T, L) or (B, 1, T, L) bool -> bytes, batch stride 0 when shared
+        mask = flash.as_4d(mask).expand(-1, 1, T, L).to(torch.uint8).contiguous()
+    m_args = (mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2)) if mask is not None else (q, 0, 0)
+    flash_kernel[(-(-G * T // block_m), B * Hkv, S)](
+        q, k, v, out, lse, m_args[0], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:4],
+        *lse.stride()[:3], *m_args[1:], Hkv, G, T, L, q_start, k_start, window or 0,
+        d ** -0.5 if scale is None else scale, chunk or max(L, 1), D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, WINDOW=window is not None, HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32)
+    if S == 1:
+        return out[0], lse[0]
+    out, lse = flash.merge_many(out, lse, dim=0)
+    return out.to(q.dtype), lse
+
+
+def triton_decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_start: int | None = None,
+                  k_start: int = 0, window: int | None = None, scale: float | None = None, chunk: int = flash.CHUNK):
+    """flash.decode's arguments and results: flash_kernel with the keys split into chunks."""
+    return triton_attention(q, k, v, causal, q_start, k_start, window, mask, scale, chunk=chunk)
+
+
+def attend_triton(q, k, v, mask, window=None):
+    """flash.attend_flash as Triton kernels (a CUDA GPU)."""
+    if q.shape[2] == 1:
+        return triton_decode(q, k, v, mask, causal=mask is None)[0]
+    return triton_attention(q, k, v, causal=mask is None, mask=mask, window=window)[0]
+
+
+ATTENTION = {**flash.ATTENTION, "triton": attend_triton}    # --attn NAME
+
+
+def attention_named(name: str):
+    """--attn NAME -> the function a Llama attends with."""
+    if name not in ATTENTION:
+        raise ValueError(f"unknown attention '{name}': use {', '.join(ATTENTION)}")
+    return ATTENTION[name]
 
 
 # ----------------------------------------------------------------------------
@@ -336,6 +459,101 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 # ----------------------------------------------------------------------------
+# Quantized layers on the C++ kernels. quantize.py's layers run aten's kernels; these subclasses
+# hold the same tensors and run the loops above where they apply: fp32 activations on a CPU, rows a
+# multiple of 32 long. From DRAM on 2 cores int8_mm streams at the memory's speed (0.045 ns/weight)
+# and int4_mm at 0.048, against 0.55 and 1.16 for aten's kernels and 0.19 for fp32; and each sums
+# every row in the same order however many positions a pass holds, so speculative decoding stays exact.
+
+def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bool:
+    """Whether a quantized layer runs the C++ kernels: fp32 activations on a CPU, rows a
+    multiple of 32 long, and the kernels built (``native`` None: build them if they can be)."""
+    fits = layer.weight.device.type == "cpu" and dtype == torch.float32 and layer.in_features % 32 == 0
+    return fits and (native_kernels() if native is None else native)
+
+
+def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A many-row pass of a quantized layer: compute-bound, so oneDNN's matrix-matrix kernel on
+    prepack's fp32 copy of the dequantized weights where the model keeps one (a 39-token prefill of
+    SmolLM2 in 105 ms, as fp32's, against 290 ms widening every matrix at every call), else the
+    weights widened for this call."""
+    packed = packed_weight(layer)
+    if packed is not None and not torch.is_grad_enabled():
+        return prepacked_linear(x, packed)
+    return F.linear(x, layer.dequantized().to(x.dtype))
+
+
+class Int8Linear(quantize.Int8Linear):
+    """quantize.Int8Linear on int8_mm (``native``), and inside a compiled one-token step on
+    `matvec_sum`, which inductor fuses into one loop that widens each int8 weight as it reads it.
+    ``onednn``: prepack's fp32 copy for prefills."""
+    native: bool = False
+    onednn: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, dtype: torch.dtype, native: bool | None = None):
+        super().prepare(dtype)
+        self.native = uses_native(self, dtype, native)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.native and x.dtype == torch.float32:
+            if rows >= quantize.PREFILL_ROWS:
+                return wide_linear(self, x)
+            return int8_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale) \
+                .reshape(*x.shape[:-1], -1)
+        if rows == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+            return matvec_sum(x, self.weight, self.weight_scale)
+        return super().forward(x)
+
+
+class Int4Linear(quantize.Int4Linear):
+    """quantize.Int4Linear on int4_mm (``native``), which reads the portable layout itself: no
+    tiled copy. ``onednn``: prepack's fp32 copy for prefills."""
+    native: bool = False
+    onednn: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, dtype: torch.dtype, native: bool | None = None):
+        self.native = uses_native(self, dtype, native)
+        if not self.native:
+            return super().prepare(dtype)
+        self.dtype = dtype
+        self.weight = self.weight.contiguous()
+        self.weight_scale = self.weight_scale.float().contiguous()
+        self.weight_min = self.weight_min.float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.native and x.dtype == torch.float32:
+            if rows >= quantize.PREFILL_ROWS:
+                return wide_linear(self, x)
+            return int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
+                           self.weight_min, self.group).reshape(*x.shape[:-1], -1)
+        return super().forward(x)
+
+
+FAST = {quantize.Int8Linear: Int8Linear, quantize.Int4Linear: Int4Linear}
+
+
+def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = None) -> nn.Module:
+    """Give every quantized layer (still in quantize.py's portable layout: prepare not called)
+    its fast form, holding the same tensors, prepared for ``dtype`` activations (``native``:
+    uses_native's). Idempotent."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) in FAST:
+                if getattr(child, "tiled", None) is not None:
+                    raise ValueError("swap_quantized needs unprepared layers: quantize with prepare=False")
+                with torch.device("meta"):
+                    fast = FAST[type(child)](child.in_features, child.out_features,
+                                             *([child.group] if hasattr(child, "group") else []))
+                for key, buffer in child.named_buffers(recurse=False):
+                    setattr(fast, key, buffer)
+                fast.prepare(dtype, native)
+                setattr(parent, name, fast)
+    return model
+
+
+# ----------------------------------------------------------------------------
 # Prepacked weights: the layout oneDNN wants, made once.
 
 def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
@@ -423,7 +641,7 @@ def prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 # This kernel reads them once: for key j of row b it reads slot j % block_size of block
 # tables[b, j // block_size], so rows of different lengths share one launch, no padding read.
 # One program per (row, KV head); the G query heads of the group are the rows of its tile
-# (padded to 16), with flash.flash_kernel's running (max, sum) loop. Keys 0 … p are visible
+# (padded to 16), with flash_kernel's running (max, sum) loop. Keys 0 … p are visible
 # to a query at position p (within the window, if any). Quantized pools keep the gather path.
 
 @jit
@@ -456,6 +674,14 @@ def paged_decode_kernel(Q, K, V, Out, Tables, Pos, sq_b, sq_h, sk_blk, sk_slot, 
         m = m_new
     tl.store(Out + b * so_b + h[:, None] * so_h + dims[None, :], (acc / s[:, None]).to(Out.dtype.element_ty),
              mask=g[:, None] < G)
+
+
+def paged_reader(device, codec=None):
+    """How an engine's pool on ``device`` serves a one-token pass (kvcache.PagedKVCache's ``in_place``):
+    paged_decode on CUDA for plain rows with Triton installed, else None (the gather)."""
+    if torch.device(device).type == "cuda" and codec is None and triton is not None:
+        return paged_decode
+    return None
 
 
 def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None, block_n: int = 64):
@@ -499,7 +725,15 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
     below): built once, loaded by every later start (``build=False``: loaded if built, else eager; another
     process builds it). Without one, torch.compile compiles it again at every start."""
     if torch.device(device).type == "cuda":
-        return torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True)
+        graphed, marked = torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True), weakref.WeakSet()
+
+        def replay(tokens, positions, mask, cache, *rest):
+            if cache not in marked:     # its K/V are written in place by the replayed graph
+                marked.add(cache)
+                for t in cache.k + cache.v:
+                    static_address(t)
+            return graphed(tokens, positions, mask, cache, *rest)
+        return replay
     if folder is not None and torch.device(device).type == "cpu":
         return AheadOfTime(step, folder, build)
     compiled = torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})

@@ -61,7 +61,6 @@ from pathlib import Path
 
 import torch
 
-import kernels
 from model import Llama, attention_mask     # the one mask rule
 
 
@@ -219,8 +218,6 @@ class StaticCache(KVCache):
                  window=None, codec=None):
         super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window, codec)
         self.slots, self.live = torch.arange(max_len, device=device), torch.device(device).type == "cpu"
-        for t in self.k + self.v:   # written in place by a compiled step replayed as a CUDA graph
-            kernels.static_address(t)
 
     @property
     def limit(self) -> int:
@@ -421,13 +418,12 @@ class PagedKVCache:
     ``dtype`` is the storage type; a ``codec`` (quantize.py's int8/fp8 KV rows, each
     with its scale) stores rows of bytes instead, encoded on the way in and decoded
     after the gather, so a block carries its scales wherever it is copied. ``in_place``:
-    one-token passes read the pool in place (default: on CUDA, plain rows, Triton installed)."""
+    a function that reads the pool where it lies for a one-token pass (kernels.paged_decode's
+    arguments: q, one layer's K and V pools, block tables, positions, window); None: the gather."""
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=None, device="cpu", window: int | None = None, codec=None, in_place: bool | None = None):
+                 dtype=None, device="cpu", window: int | None = None, codec=None, in_place=None):
         self.block_size, self.window, self.codec = block_size, window, codec
-        if in_place is None:
-            in_place = torch.device(device).type == "cuda" and codec is None and kernels.triton is not None
         self.in_place, self.reading_in_place = in_place, False
         if codec is not None:
             dtype, head_dim = torch.uint8, codec.row_bytes(head_dim)
@@ -474,8 +470,8 @@ class PagedKVCache:
                                    device=dev)
         # Short tables are padded with block 0: its keys sit past the row's last position, so masked.
         self._read = torch.tensor([t.block_ids + [0] * (n - len(t.block_ids)) for t in self.tables], device=dev)
-        self.reading_in_place = self.in_place and T == 1
-        if self.reading_in_place:     # each row's query position, for kernels.paged_decode
+        self.reading_in_place = self.in_place is not None and T == 1
+        if self.reading_in_place:     # each row's query position, for the in-place reader
             self._pos = torch.tensor([t.num_tokens - 1 for t in self.tables], device=dev)
         # key j of a row is its token at position j: the mask is the plain positional one
         return attention_mask(positions, torch.arange(n * self.block_size, device=dev), self.window)[:, None]
@@ -513,9 +509,10 @@ class _PagedLayer:
 
     def attend(self, q, k, v):
         """q (B, H, 1, d), this step's k, v (B, n_kv, 1, d) -> attention output (B, H, 1, d),
-        with K/V read from the pool where they lie (kernels.paged_decode)."""
-        pool = self.cache._scatter(self.index, k, v)
-        return kernels.paged_decode(q, pool[0], pool[1], self.cache._read, self.cache._pos, self.cache.window)
+        with K/V read from the pool where they lie (the cache's ``in_place`` reader)."""
+        c = self.cache
+        pool = c._scatter(self.index, k, v)
+        return c.in_place(q, pool[0], pool[1], c._read, c._pos, c.window)
 
 
 # ----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-from sampling import SamplingParams, finish_reason, sample, seeded_generator
+from sampling import Finish, SamplingParams, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
 
 # config.json's key for a checkpoint quantize.py wrote (our own: transformers' "quantization_config"
@@ -463,7 +463,7 @@ class GenerationStats:
     decode_s: float = 0.0       # wall time of the rest
     positions_computed: int = 0  # query positions pushed through the model, all steps
     scores_computed: int = 0    # query·key scores of one head in one layer, all steps (causal_scores)
-    finish_reason: str | None = None   # why the answer ended: "stop" (EOS) or "length" (sampling.finish_reason)
+    finish_reason: Finish | None = None   # why the answer ended (sampling.finish_reason)
 
     def clock(self, i: int, t0: float) -> float:
         """Token i is out: the first ends the prefill (TTFT), later ones extend the decode time."""

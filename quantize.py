@@ -25,22 +25,16 @@ row scales), 84 MB in int4 with groups of 32 (4 bits + two 16-bit numbers per
 32 weights: 5 bits a weight).
 
 Kernels. Weights are stored quantized and never expanded in memory: each
-quantized Linear calls the fastest matrix-vector kernel the device has. On a
-CPU with fp32 activations those are kernels.int4_mm and kernels.int8_mm, a
-small C++ loop built on first use: from DRAM on 2 cores int8 streams at the
-memory's speed (0.045 ns/weight) and int4 at 0.048, against 0.55 and 1.16 for
-aten's kernels and 0.19 for fp32 (kernels.py says why), and it sums every row
-in the same order however many positions a pass holds, so speculative
-decoding stays exact.
-Without a compiler, and for bf16 activations, PyTorch's own kernels run:
-``aten._weight_int8pack_mm`` (int8 weights, one scale per output row; inside a
-compiled one-token step kernels.matvec_sum, which inductor fuses into one loop
-that widens each int8 weight as it reads it) and
+quantized Linear calls PyTorch's own matrix-vector kernel for its format on a
+CPU: ``aten._weight_int8pack_mm`` (int8 weights, one scale per output row) and
 ``aten._weight_int4pack_mm_for_cpu`` (int4 in a CPU-specific tiled layout, a
 scale and a zero per group). Elsewhere, a GPU included, a layer dequantizes
-its weights for one matmul (correct, not fast). The KV cache dequantizes one
-layer's rows when attention reads them (kvcache.py), so only one layer's keys
-are ever held in full precision.
+its weights for one matmul (correct, not fast). kernels.py, the device layer,
+swaps in faster layers (kernels.Int8Linear, kernels.Int4Linear: a small C++
+loop that streams the bytes at the memory's speed and sums every row in the
+same order however many positions a pass holds, so speculative decoding stays
+exact). The KV cache dequantizes one layer's rows when attention reads them
+(kvcache.py), so only one layer's keys are ever held in full precision.
 
 `python quantize.py` shows each round trip's error and bytes on random
 tensors; `python bench.py quantize` measures what each format costs a real
@@ -56,7 +50,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-import kernels
 from model import QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype, attend
 
 FP8 = torch.float8_e4m3fn
@@ -198,7 +191,6 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features))
-        self.native = False                   # prepare() decides: kernels.int8_mm or aten's kernel
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Linear":
@@ -207,51 +199,25 @@ class Int8Linear(nn.Module):
         layer.weight, layer.weight_scale = q, s.squeeze(-1)
         return layer
 
-    def prepare(self, dtype: torch.dtype, native: bool | None = None):
-        """Ready the layer for ``dtype`` activations on its device. ``native`` (default: where it builds)
-        picks kernels.int8_mm for fp32 on a CPU; False keeps aten's kernel."""
+    def prepare(self, dtype: torch.dtype):
+        """Ready the layer for ``dtype`` activations on its device."""
         # The CPU kernel wants the scales in the activations' dtype, and its own
         # memory: it uses aligned vector loads, and a tensor mapped straight from a
         # safetensors file may start anywhere (a crash, not an error).
         self.weight_scale = self.weight_scale.to(dtype).contiguous()
         if self.weight.device.type == "cpu" and self.weight.data_ptr() % 64:
             self.weight = self.weight.clone()
-        self.native = uses_native(self, dtype, native)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_int8(self.weight, self.weight_scale[:, None], self.weight_scale.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.native and x.dtype == torch.float32:
-            if rows >= PREFILL_ROWS:
-                return wide_linear(self, x)
-            return kernels.int8_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale) \
-                .reshape(*x.shape[:-1], -1)
-        if rows == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-            return kernels.matvec_sum(x, self.weight, self.weight_scale)
         if x.device.type == "cpu" and rows < PREFILL_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.weight_scale)
             return y.reshape(*x.shape[:-1], -1)
         # Many rows (a prefill) are compute-bound: widen W once, then the fast matrix-matrix kernel.
         return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
-
-
-def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A many-row pass of a layer on the C++ kernels: oneDNN on kernels.prepack's fp32 copy of the
-    dequantized weights where the model keeps one (a 39-token prefill of SmolLM2 in 105 ms, as fp32's,
-    against 290 ms widening every matrix at every call), else widened for this call."""
-    packed = kernels.packed_weight(layer)
-    if packed is not None and not torch.is_grad_enabled():
-        return kernels.prepacked_linear(x, packed)
-    return F.linear(x, layer.dequantized().to(x.dtype))
-
-
-def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bool:
-    """Whether a quantized layer runs kernels.py's C++ kernels: fp32 activations on a CPU, rows a
-    multiple of 32 long, and the kernels built (``native`` None: build them if they can be)."""
-    fits = layer.weight.device.type == "cpu" and dtype == torch.float32 and layer.in_features % 32 == 0
-    return fits and (kernels.native_kernels() if native is None else native)
 
 
 class Int4Linear(nn.Module):
@@ -268,7 +234,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_min", torch.zeros(out_features, in_features // group))
         self.register_buffer("tiled", None, persistent=False)             # the CPU kernel's layout
         self.register_buffer("scales_and_zeros", None, persistent=False)
-        self.native = False                   # prepare() decides: kernels.int4_mm or aten's tiled kernel
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group: int) -> "Int4Linear":
@@ -277,19 +242,11 @@ class Int4Linear(nn.Module):
         layer.weight, layer.weight_scale, layer.weight_min = join_nibbles(q), s, lo
         return layer
 
-    def prepare(self, dtype: torch.dtype, native: bool | None = None):
-        """On a CPU with fp32 activations: kernels.int4_mm reads this very layout (``native``, default:
-        where it builds). Otherwise aten's kernel: convert to its tiled layout and drop the portable
-        copy (it would double the memory). aten computes W = (q - 8)·s + z per group, so
-        z = lo + 8·s gives our lo + q·s."""
+    def prepare(self, dtype: torch.dtype):
+        """On a CPU: convert to aten's tiled layout and drop the portable copy (it would double the
+        memory). aten computes W = (q - 8)·s + z per group, so z = lo + 8·s gives our lo + q·s."""
         self.dtype = dtype
         if self.weight.device.type != "cpu":
-            return
-        self.native = uses_native(self, dtype, native)
-        if self.native:
-            self.weight = self.weight.contiguous()
-            self.weight_scale = self.weight_scale.float().contiguous()
-            self.weight_min = self.weight_min.float().contiguous()
             return
         q = split_nibbles(self.weight).to(torch.int32)
         z = self.weight_min + 8 * self.weight_scale
@@ -301,12 +258,6 @@ class Int4Linear(nn.Module):
         return dequantize_int4(split_nibbles(self.weight), self.weight_scale, self.weight_min, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if self.native and x.dtype == torch.float32:
-            if rows >= PREFILL_ROWS:       # a prefill: compute-bound, so the matrix-matrix kernel on fp32 weights
-                return wide_linear(self, x)
-            return kernels.int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
-                                   self.weight_min, self.group).reshape(*x.shape[:-1], -1)
         if self.tiled is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.tiled,
                                                           self.group, self.scales_and_zeros)
@@ -446,10 +397,12 @@ def weight_bytes(model: nn.Module) -> int:
 CONFIG_KEY = QUANTIZATION_KEY
 
 
-def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, attend=attend):
+def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, attend=attend,
+                    prepare: bool = True):
     """A checkpoint quantize.py wrote (config.json names its scheme under CONFIG_KEY), loaded as it
     is stored: model.adopt_checkpoint, with empty quantized layers swapped in on the meta
-    device; the scales keep their dtypes and each layer prepares its kernel's layout."""
+    device; the scales keep their dtypes and each layer prepares its kernel's layout
+    (``prepare=False``: the portable layout, for another kernel to take over)."""
     cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
     device, dtype = torch.device(device or "cpu"), as_dtype(dtype)
     with torch.device("meta"):
@@ -458,7 +411,7 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     adopt_checkpoint(model, model_dir, device, dtype, is_plain)
     check_quantized_tensors(dict(model.named_buffers()))
     for layer in model.modules():
-        if hasattr(layer, "prepare"):
+        if prepare and isinstance(layer, (Int8Linear, Int4Linear)):
             layer.prepare(dtype)
     return model
 

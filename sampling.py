@@ -23,6 +23,7 @@ per token; only top-p's sort is noticeable, so it ranks the 256 likeliest first.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -108,15 +109,23 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
 # ----------------------------------------------------------------------------
 # When to stop, and the random state.
 
-def finish_reason(token: int, generated: int, length: int, p: SamplingParams, eos_ids, limit: int) -> str | None:
+class Finish(enum.StrEnum):
+    """Why an answer ended; the values are OpenAI's ``finish_reason`` strings."""
+    STOP = "stop"               # an EOS id (or, in a server, a stop string)
+    LENGTH = "length"           # max_new_tokens or the context limit
+    CANCELLED = "cancelled"     # the client left, or the request was cancelled
+
+
+def finish_reason(token: int, generated: int, length: int, p: SamplingParams, eos_ids,
+                  limit: int) -> Finish | None:
     """The stop rule, one for every decoder (model.py, speculative.py) and the
     engine: after ``token``, the ``generated``-th new token, the sequence holds
-    ``length`` tokens. "stop" on an EOS id (unless p.ignore_eos), "length" at
+    ``length`` tokens. STOP on an EOS id (unless p.ignore_eos), LENGTH at
     max_new_tokens or the context limit, None to go on."""
     if token in eos_ids and not p.ignore_eos:
-        return "stop"
+        return Finish.STOP
     if generated >= p.max_new_tokens or length >= limit:
-        return "length"
+        return Finish.LENGTH
     return None
 
 

@@ -48,7 +48,7 @@ import tp
 from kvcache import common_prefix
 from model import (DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
                    generate_cached, generate_naive)
-from sampling import SamplingParams, visible
+from sampling import Finish, SamplingParams, visible
 from tokenizer import Tokenizer
 
 
@@ -169,8 +169,10 @@ class PagedChat(Chat):
     def new_cache(self):
         ctx = self.ctx or self.model.config.max_seq_len
         # One conversation's context; blocks it no longer holds stay in the prefix cache.
+        codec = quantize.kv_codec(self.kv_dtype)
         self.engine = engine.Engine(self.model, num_blocks=-(-ctx // self.block_size), block_size=self.block_size,
-                                    max_batch=1, kv_dtype=self.kv_dtype)
+                                    max_batch=1, codec=codec,
+                                    in_place=kernels.paged_reader(self.model.norm.weight.device, codec))
         self.session_key = object()
         return self.engine.cache
 
@@ -250,11 +252,11 @@ def make_proposer(target: Llama, tok, draft: str | None = None, k: int = 4, adap
     speculative.check_k(k)
     shape = speculative.parse_tree(tree) if tree is not None else None
     if draft is not None:
-        model = nanoinfer.load.load_draft(draft, target, tok, device, dtype)
+        model = nanoinfer.load.load_draft(draft, target, tok, device, dtype, compile)
         if shape is not None and isinstance(model, Llama) and not model.config.eagle:
             raise ValueError(f"--spec-tree needs an EAGLE head or Medusa heads as the draft (train.py's `bundled` "
                              f"or `medusa`); {draft} is a standalone draft model")
-        proposer = drafting.draft_proposer(model, target, k, adaptive, compile, shape)
+        proposer = drafting.draft_proposer(model, target, k, adaptive, shape)
         return proposer if prompt_lookup is None else drafting.LookupThenDraft(proposer, prompt_lookup)
     if shape is not None:
         raise ValueError("--spec-tree needs --draft with an EAGLE head or Medusa heads (--draft bundled or medusa)")
@@ -327,7 +329,7 @@ def parse_args(argv=None):
                     help="paged: the continuous-batching engine's block pool (engine.py); the conversation "
                          "stays in its blocks between turns, and full blocks are shared by prefix caching")
     ap.add_argument("--block-size", type=int, default=None, help="--kv paged: tokens per block (default: 16)")
-    ap.add_argument("--attn", choices=list(flash.ATTENTION), default=None,
+    ap.add_argument("--attn", choices=list(kernels.ATTENTION), default=None,
                     help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, the naive "
                          "full score matrix, or flash.py's Triton kernels (a CUDA GPU); default: the plan's (sdpa)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -376,7 +378,7 @@ def report(chat: Chat, stats: GenerationStats, interactive: bool = True):
     print(stats_line(stats, len(chat.ids), limit, chat.cached_tokens), file=sys.stderr)
     if chat.spec is not None:
         print(spec_stats_line(chat.spec, stats, chat.plain_step_s), file=sys.stderr)
-    if stats.finish_reason == "length" and len(chat.ids) >= limit:
+    if stats.finish_reason == Finish.LENGTH and len(chat.ids) >= limit:
         room = ["/reset to start over"] if interactive else []
         room += ["a larger --ctx"] if chat.cache.limit is not None and limit < chat.model.config.max_seq_len else []
         print(f"[the answer was cut: the context is full ({limit} tokens)"

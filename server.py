@@ -72,7 +72,8 @@ import engine
 import kernels
 import nanoinfer.load
 import plan
-from sampling import SamplingParams
+import quantize
+from sampling import Finish, SamplingParams
 from tokenizer import Tokenizer
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
@@ -361,7 +362,7 @@ class Branch:
     decoder: object
     stop: StopText
     tokens: int = 0                     # generated, EOS not counted
-    finish_reason: str | None = None
+    finish_reason: Finish | None = None
 
 
 @dataclass
@@ -371,7 +372,7 @@ class Piece:
     text: str
     token: int
     logprob: tuple | None
-    finish_reason: str | None
+    finish_reason: Finish | None
 
 
 class Server:
@@ -464,7 +465,7 @@ class Server:
                 text, hit = b.stop.push(text, final=item.finish_reason is not None)
                 if hit:
                     self.loop.cancel(job, item.branch)
-                b.finish_reason = "stop" if hit else item.finish_reason
+                b.finish_reason = Finish.STOP if hit else item.finish_reason
                 lp = None if item.logprob is None else (item.logprob, item.top)
                 yield Piece(item.branch, text, item.token, lp, b.finish_reason)
         finally:
@@ -627,8 +628,9 @@ def build(args) -> Server:
     dtype = plan.plan_for(args.model, device).dtype if args.dtype == "auto" else args.dtype
     weights = None if args.weights == "auto" else args.weights
     model, tok = nanoinfer.load.load(args.model, args.device, dtype, weights)
-    kv = None if args.kv_dtype == "auto" else args.kv_dtype
-    eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), kv_dtype=kv)
+    codec = quantize.kv_codec(None if args.kv_dtype == "auto" else args.kv_dtype)
+    eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), codec=codec,
+                        in_place=kernels.paged_reader(model.norm.weight.device, codec))
     return Server(eng, tok, Path(str(args.model)).name, args.api_key, args.max_queue, args.max_body)
 
 

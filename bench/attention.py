@@ -13,7 +13,8 @@ import torch
 
 import kernels
 import results
-from flash import TILE_K, TILE_Q, attention, naive, triton_attention
+from flash import TILE_K, TILE_Q, attention, naive
+from kernels import triton_attention
 from bench.common import ROOT
 
 

@@ -146,18 +146,20 @@ def bench_speculative(args):
                 methods[f"medusa {name}, tree of {mtree[1]} (W={mtree[0]}, depth {mk})"] = \
                     lambda d=draft, mk=mk: drafting.draft_proposer(d, model, mk, tree=mtree)
             continue
-        k, c = args.spec_k, args.compile        # the same for every draft
-        methods[f"draft {name}, k={k}"] = lambda d=draft: drafting.draft_proposer(d, model, k, compile=c)
+        k = args.spec_k        # the same for every draft
+        if args.compile:       # a compiled draft drafts on a static cache (drafting.DraftModel)
+            kernels.compile_decode(draft)
+        methods[f"draft {name}, k={k}"] = lambda d=draft: drafting.draft_proposer(d, model, k)
         methods[f"draft {name}, adaptive k"] = \
-            lambda d=draft: drafting.draft_proposer(d, model, k, adaptive=True, compile=c)
+            lambda d=draft: drafting.draft_proposer(d, model, k, adaptive=True)
         if draft.config.eagle and tree:
             methods[f"draft {name}, tree of {tree[1]} (W={tree[0]}, depth {k})"] = \
                 lambda d=draft: drafting.draft_proposer(d, model, k, tree=tree)
         methods[f"draft {name}, k={k} + lookup N={args.prompt_lookup}"] = \
-            lambda d=draft: drafting.LookupThenDraft(drafting.draft_proposer(d, model, k, compile=c), args.prompt_lookup)
-        if c:
+            lambda d=draft: drafting.LookupThenDraft(drafting.draft_proposer(d, model, k), args.prompt_lookup)
+        if args.compile:
             t0 = time.perf_counter()        # for every static-cache size the prompts use
-            drafting.draft_proposer(draft, model, k, compile=True).warm_up(model)
+            drafting.draft_proposer(draft, model, k).warm_up(model)
             print(f"draft step compiled in {time.perf_counter() - t0:.0f} s (not timed below)", flush=True)
     methods[f"lookahead {args.lookahead}"] = lambda: speculative.Lookahead(*speculative.parse_lookahead(args.lookahead))
     methods[f"prompt lookup N={args.prompt_lookup}, k={args.lookup_k}"] = \

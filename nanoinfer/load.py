@@ -6,7 +6,7 @@ of swaps on that model, each a lesson's or the device layer's:
     checkpoint (model.py, or quantize.py for one it wrote)
       -> attention: flash.py's choice by name, kernels.cpp's one-token kernel under "sdpa"
       -> quantize every Linear (quantize.quantize_model; the LM head per ``head``)
-      -> the CPU's C++ kernels (kernels.native_kernels), prepacked weights (kernels.prepack)
+      -> the CPU's C++ kernels (kernels.swap_quantized), prepacked weights (kernels.prepack)
 
 The compiled step (kernels.compile_decode) and the drafts (load_draft) come on top of a built model.
 """
@@ -27,9 +27,9 @@ from tokenizer import Tokenizer
 
 
 def attention(name: str = "sdpa"):
-    """--attn NAME -> the function every layer attends with (flash.ATTENTION); under "sdpa" a
+    """--attn NAME -> the function every layer attends with (kernels.ATTENTION); under "sdpa" a
     one-token pass on a CPU runs kernels.cpp's decode_attention."""
-    attend = flash.attention_named(name)
+    attend = kernels.attention_named(name)
     return kernels.native_decode(attend) if name == "sdpa" else attend
 
 
@@ -47,12 +47,16 @@ def build(model_dir, device=None, dtype=None, weights: str | None = None, group_
                          f"drop --weights or load the full-precision checkpoint")
     device = kernels.pick_device(device)
     dtype = kernels.pick_dtype(dtype, device)
-    read = quantize.from_pretrained if cfg.quantization else \
-        (drafting.EagleHead if cfg.eagle else Llama).from_pretrained
-    model = read(model_dir, device, dtype, cfg, attention(attn))
+    if cfg.quantization:        # portable layers: swap_quantized prepares them for its kernels
+        model = quantize.from_pretrained(model_dir, device, dtype, cfg, attention(attn), prepare=False)
+    else:
+        model = (drafting.EagleHead if cfg.eagle else Llama).from_pretrained(model_dir, device, dtype,
+                                                                             cfg, attention(attn))
     if device.type == "cpu":
         kernels.native_kernels()
-    quantize.quantize_model(model, weights, group_size, prepare, head)
+    quantize.quantize_model(model, weights, group_size, prepare=False, head=head)
+    if prepare:
+        kernels.swap_quantized(model, dtype)
     kernels.prepack(model, copies=prepacked)    # a no-op off the CPU
     return model
 
@@ -76,9 +80,11 @@ def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -
     return stored == "bfloat16" and dtype == torch.float32 and device.type == "cpu" and kernels.bf16_supported(device)
 
 
-def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None) -> Llama | drafting.MedusaHeads:
+def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None,
+               compile: bool = False) -> Llama | drafting.MedusaHeads:
     """--draft MODEL: any model name `load` accepts, `bundled` (train.py's EAGLE
-    head) or `medusa` (train.py --medusa's heads, or any directory it writes).
+    head) or `medusa` (train.py --medusa's heads, or any directory it writes);
+    ``compile``: a draft model's one-token step compiled (it then drafts on a static cache).
     A model directory without tokenizer files (what train.py writes: its drafts use
     the target's tokenizer by construction) is checked against the target's."""
     if name in drafting.TRAIN:
@@ -103,4 +109,5 @@ def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None) ->
     drafting.check_same_vocab(target_tok, tok, target, draft)
     if draft.config.eagle:      # its width is checked by EagleDraft, the one way to use it
         drafting.share_target(draft, target)   # a new LM head weight: prepack it
-    return kernels.prepack(draft)
+    kernels.prepack(draft)
+    return kernels.compile_decode(draft) if compile else draft

@@ -15,6 +15,7 @@ import serve_local
 import speculative as S
 from conftest import make_checkpoint
 from spec_common import PROMPTS, SMALL, check_cache_lengths, check_greedy, check_sampling, head_subset, plain
+import kernels
 import kvcache
 
 
@@ -80,7 +81,7 @@ def test_head_subset_logits(models, subset_draft, tmp_path):
 
 @pytest.mark.parametrize("kind", ["draft", "eagle", "bf16 eagle"])
 def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
-    """A draft model (or an EAGLE head) with compile=True drafts on a static
+    """A draft model (or an EAGLE head) whose step is compiled drafts on a static
     cache through the compiled one-token step; the output is still the
     target's own, and the cache resets when it is too small. Both have subset
     heads, like the bundled one. A bf16 head under the fp32 target (what
@@ -92,7 +93,8 @@ def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
     if kind != "draft":
         D.share_target(draft.to(torch.bfloat16 if kind == "bf16 eagle" else torch.float32), target)
         assert draft.lm_head.weight.dtype == draft.fc.weight.dtype == kvcache.new_cache(draft).spec[3]
-    proposer = D.draft_proposer(draft, target, 4, compile=True)
+    kernels.compile_decode(draft)
+    proposer = D.draft_proposer(draft, target, 4)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     for prompt in PROMPTS[:2]:
         spec = S.SpecStats()
@@ -102,7 +104,7 @@ def test_compiled_draft_equals_plain(models, subset_draft, eagle_head, kind):
     if kind != "draft":
         return      # growing the cache is the same code for every draft: one kind builds the second size
     long = list(range(1, 300)) * 3
-    proposer = D.draft_proposer(draft, target, 4, compile=True)
+    proposer = D.draft_proposer(draft, target, 4)
     assert list(S.generate(target, long, greedy, proposer)) == plain(target, long, 64)
     assert proposer.cache.limit == 1024          # the next power of two: the model's whole context here
 

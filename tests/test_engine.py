@@ -79,7 +79,7 @@ def test_quantized_pages_equal_the_quantized_contiguous_cache(llama, kv):
     """The same rows, encoded the same way, whether they live in blocks or in one tensor."""
     want = [list(M.generate_cached(llama, p, GREEDY(max_new_tokens=30), cache=kvcache.new_cache(llama, codec=quantize.kv_codec(kv))))
             for p in PROMPTS]
-    engine = Engine(llama, block_size=16, max_batch=len(PROMPTS), kv_dtype=kv)
+    engine = Engine(llama, block_size=16, max_batch=len(PROMPTS), codec=quantize.kv_codec(kv))
     assert engine.cache.pool.dtype == torch.uint8
     assert engine.cache.pool.shape[-1] == llama.config.head_dim + 2         # the values, then the scale
     assert [o[0] for o in run_engine(engine, PROMPTS, GREEDY(max_new_tokens=30))] == want

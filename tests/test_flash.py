@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flash
+import kernels
 import kvcache as K
 import model as M
 import nanoinfer.load as nl
@@ -181,7 +182,7 @@ def test_model_attn_choices_agree(tiny):
                 for a, m in models.items()}
         assert runs["flash"] == runs["sdpa"] == runs["naive"]
     with pytest.raises(ValueError, match="unknown attention 'fast'"):
-        flash.attention_named("fast")
+        kernels.attention_named("fast")
 
 
 def test_sliding_window_model_with_flash(tmp_path):

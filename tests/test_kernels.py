@@ -66,9 +66,9 @@ def test_compiled_matvec_equals_linear(k):
         torch.testing.assert_close(step(x), torch.nn.functional.linear(x, layer.weight), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(kernels.matvec_sum(x, layer.weight), torch.nn.functional.linear(x, layer.weight),
                                    atol=1e-4, rtol=1e-4)
-        # int8 rows and their scales take the same path (quantize.Int8Linear)
-        q8 = quantize.Int8Linear.from_float(layer.weight)
-        q8.prepare(torch.float32)
+        # int8 rows and their scales take the same path (kernels.Int8Linear)
+        q8 = kernels.Int8Linear.from_float(layer.weight)
+        q8.prepare(torch.float32, native=False)
         step8 = torch.compile(lambda x: q8(x), dynamic=False, fullgraph=True)
         torch.testing.assert_close(step8(x), torch.nn.functional.linear(x, q8.dequantized()), atol=1e-4, rtol=1e-4)
 
@@ -81,14 +81,15 @@ def native_or_skip():
 
 
 def quantized_pair(scheme, w, group):
-    """The same quantized layer twice: on the C++ kernel and on aten's."""
+    """The same quantized layer twice: on the C++ kernel (kernels.swap_quantized's form) and on
+    aten's (quantize.py's own)."""
     make = (lambda: quantize.Int8Linear.from_float(w)) if scheme == "int8" else \
         (lambda: quantize.Int4Linear.from_float(w, group))
-    native, aten = make(), make()
-    reference = native.dequantized()
-    native.prepare(torch.float32)
-    aten.prepare(torch.float32, native=False)
-    assert native.native and not aten.native
+    native, aten = torch.nn.Sequential(make()), make()
+    reference = aten.dequantized()
+    native = kernels.swap_quantized(native, torch.float32)[0]
+    aten.prepare(torch.float32)
+    assert native.native and type(aten) in (quantize.Int8Linear, quantize.Int4Linear)
     return native, aten, reference
 
 

@@ -134,11 +134,13 @@ def test_quantized_linear_equals_its_dequantized_matrix(scheme, dtype):
 
 
 def test_compiled_int8_decode_equals_eager(tmp_path):
-    """Inside the compiled step Int8Linear is a multiply-and-sum loop, not the eager kernel: same tokens."""
+    """Inside the compiled step kernels.Int8Linear is a multiply-and-sum loop, not the eager kernel:
+    same tokens."""
     path = make_checkpoint(tmp_path / "m", num_hidden_layers=2)
     runs = []
     for compiled in (False, True):
-        model = Q.quantize_model(M.Llama.from_pretrained(path, "cpu", "float32"), "int8")
+        model = Q.quantize_model(M.Llama.from_pretrained(path, "cpu", "float32"), "int8", prepare=False)
+        kernels.swap_quantized(model, torch.float32, native=False)     # aten's kernel when eager
         model.config.eos_ids = []
         if compiled:
             kernels.compile_decode(model)

@@ -1,4 +1,4 @@
-"""The Triton kernels (flash.py section 5, kernels.paged_decode) against the references.
+"""The Triton kernels (kernels.triton_attention, kernels.paged_decode) against the references.
 
 Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest before
 the kernels are imported), one program after another on CPU tensors through numpy: the
@@ -47,7 +47,7 @@ FORWARD = [(1, 64, 1, True, None), (17, 128, 3, True, None), (17, 64, 1, False, 
 @pytest.mark.parametrize("n,d,group,causal,window", FORWARD)
 def test_forward_kernel_equals_naive(n, d, group, causal, window):
     q, k, v = qkv(1, 2 * group, 2, n, n, d)
-    close(flash.triton_attention(q, k, v, causal=causal, window=window),
+    close(kernels.triton_attention(q, k, v, causal=causal, window=window),
           flash.naive(q, k, v, causal=causal, window=window))
 
 
@@ -58,8 +58,8 @@ def test_forward_kernel_queries_after_a_cache_with_a_mask_per_row():
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
     mask = torch.rand(2, 1, 5, 40, generator=torch.Generator().manual_seed(2)).to(DEV) > 0.4
     mask[1, 0, 3] = False                             # a row that sees nothing: out 0, lse -inf
-    close(flash.triton_attention(q, k, v, causal=False, mask=mask), flash.naive(q, k, v, causal=False, mask=mask))
-    close(flash.triton_attention(q, k, v, k_start=7), flash.naive(q, k, v, k_start=7))
+    close(kernels.triton_attention(q, k, v, causal=False, mask=mask), flash.naive(q, k, v, causal=False, mask=mask))
+    close(kernels.triton_attention(q, k, v, k_start=7), flash.naive(q, k, v, k_start=7))
 
 
 @pytest.mark.parametrize("L,d,group,window", [(1, 64, 1, None), (300, 64, 3, None), (300, 128, 1, 77),
@@ -69,7 +69,7 @@ def test_decode_kernel_split_k_equals_naive(L, d, group, window):
     and a ragged last one), the partials merged by flash.merge_many."""
     q, k, v = qkv(2, 2 * group, 2, 1, L, d, seed=3)
     want = flash.naive(q, k, v, window=window)
-    close(flash.triton_decode(q, k, v, window=window, chunk=64), want)
+    close(kernels.triton_decode(q, k, v, window=window, chunk=64), want)
     close(flash.decode(q, k, v, window=window, chunk=64), want)      # the PyTorch version, same algebra
 
 
@@ -90,7 +90,8 @@ def test_paged_kernel_equals_the_gather_path(block_size):
     k, v = (torch.randn(len(tables), kv_heads, 1, d, generator=g).to(DEV) for _ in range(2))
     outs = []
     for in_place in (False, True):
-        cache = PagedKVCache(1, alloc.num_blocks, block_size, kv_heads, d, device=DEV, in_place=in_place)
+        cache = PagedKVCache(1, alloc.num_blocks, block_size, kv_heads, d, device=DEV,
+                             in_place=kernels.paged_decode if in_place else None)
         cache.pool.copy_(pool)
         mask = cache.bind(tables).begin(torch.tensor([[n] for n in lengths], device=DEV))
         assert cache.layers[0].in_place is in_place
@@ -114,12 +115,11 @@ def llama(ckpt):
     return m
 
 
-def greedy_engine(model, prompts, in_place, block_size=16, attn="sdpa"):
-    engine = Engine(model, block_size=block_size, max_batch=len(prompts))
-    engine.cache.in_place, model.attn = in_place, attn
+def greedy_engine(model, prompts, in_place, block_size=16):
+    engine = Engine(model, block_size=block_size, max_batch=len(prompts),
+                    in_place=kernels.paged_decode if in_place else None)
     reqs = [engine.add(p, M.SamplingParams(max_new_tokens=12)) for p in prompts]
     engine.run()
-    model.attn = "sdpa"
     return [r.sequences[0].output for r in reqs]
 
 
@@ -134,16 +134,13 @@ def test_engine_reading_the_pool_in_place_gives_the_same_greedy_tokens(llama):
     assert greedy_engine(llama, PROMPTS, True, block_size=1) == want
 
 
-def test_attn_triton_in_the_model_gives_the_same_greedy_tokens(llama):
-    """--attn triton: the model's prefill and decode attention through flash.py's Triton kernels."""
+def test_attn_triton_in_the_model_gives_the_same_greedy_tokens(ckpt, llama):
+    """--attn triton: the model's prefill and decode attention through kernels.py's Triton kernels."""
     p = M.SamplingParams(max_new_tokens=12)
     want = [list(M.generate_cached(llama, q, p)) for q in PROMPTS]
-    llama.attn = "triton"
-    try:
-        got = [list(M.generate_cached(llama, q, p)) for q in PROMPTS]
-    finally:
-        llama.attn = "sdpa"
-    assert got == want
+    fast = M.Llama.from_pretrained(ckpt, DEV, "float32", attend=kernels.attend_triton)
+    fast.config.eos_ids = []
+    assert [list(M.generate_cached(fast, q, p)) for q in PROMPTS] == want
 
 
 def test_attn_triton_without_cuda_is_one_line(monkeypatch):
@@ -165,7 +162,8 @@ def test_cuda_graph_step_equals_the_eager_step(ckpt):
 
 @pytest.mark.cuda
 def test_engine_on_cuda_reads_the_pool_in_place(llama):
-    """On CUDA the engine's cache reads in place by default; same greedy tokens as the gather."""
-    engine = Engine(llama, block_size=16, max_batch=2)
-    assert engine.cache.in_place
+    """On CUDA an engine's cache reads in place (kernels.paged_reader, what the product passes);
+    same greedy tokens as the gather."""
+    engine = Engine(llama, block_size=16, max_batch=2, in_place=kernels.paged_reader(llama.norm.weight.device))
+    assert engine.cache.in_place is kernels.paged_decode
     assert greedy_engine(llama, PROMPTS, True) == greedy_engine(llama, PROMPTS, False)
