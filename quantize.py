@@ -55,8 +55,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
 import kernels
+import safetensors_io
 from model import QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype, attend
 
 FP8 = torch.float8_e4m3fn
@@ -450,7 +450,7 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     """A checkpoint quantize.py wrote (config.json names its scheme under CONFIG_KEY), loaded as it
     is stored: model.adopt_checkpoint, with empty quantized layers swapped in on the meta
     device; the scales keep their dtypes and each layer prepares its kernel's layout."""
-    cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
+    cfg = cfg or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
     device, dtype = torch.device(device or "cpu"), as_dtype(dtype)
     with torch.device("meta"):
         model = Llama(cfg, attend)

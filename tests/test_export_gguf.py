@@ -4,14 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+import gguf_hf
+import safetensors_io
 import model as M
 from conftest import make_checkpoint
 from tokenizer import Tokenizer
 
 
 def config(path):
-    return M.LlamaConfig.from_hf(checkpoint.read_config(path))
+    return M.LlamaConfig.from_hf(safetensors_io.read_config(path))
 
 
 IDS = [5, 17, 42, 99, 3, 250, 7, 180, 64, 12, 301, 88]
@@ -25,18 +26,18 @@ def our_logits(model_dir) -> np.ndarray:
 
 def test_permute_rows_inverts_unpermute_rows():
     w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
-    assert not np.array_equal(checkpoint.permute_rows(w, 3), w)
-    assert np.array_equal(checkpoint.unpermute_rows(checkpoint.permute_rows(w, 3), 3), w)
-    assert np.array_equal(checkpoint.permute_rows(checkpoint.unpermute_rows(w, 3), 3), w)
+    assert not np.array_equal(gguf_hf.permute_rows(w, 3), w)
+    assert np.array_equal(gguf_hf.unpermute_rows(gguf_hf.permute_rows(w, 3), 3), w)
+    assert np.array_equal(gguf_hf.permute_rows(gguf_hf.unpermute_rows(w, 3), 3), w)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_round_trip_is_exact(tmp_path, tied):
     src = make_checkpoint(tmp_path / "hf", tie_word_embeddings=tied)
-    path = checkpoint.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f32")
-    back = checkpoint.convert_gguf(path, tmp_path / "cache")
+    path = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f32")
+    back = gguf_hf.convert_gguf(path, tmp_path / "cache")
 
-    want, got = checkpoint.read_weights(src), checkpoint.read_weights(back)
+    want, got = safetensors_io.read_weights(src), safetensors_io.read_weights(back)
     if tied:
         want.pop("lm_head.weight", None)   # llama.cpp reads the output projection from token_embd
     assert sorted(got) == sorted(want)
@@ -50,9 +51,9 @@ def test_round_trip_is_exact(tmp_path, tied):
 
 def test_f16_export_rounds_only(tmp_path):
     src = make_checkpoint(tmp_path / "hf")
-    exported = checkpoint.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f16")
-    back = checkpoint.convert_gguf(exported, tmp_path / "cache")
-    want, got = checkpoint.read_weights(src), checkpoint.read_weights(back)
+    exported = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f16")
+    back = gguf_hf.convert_gguf(exported, tmp_path / "cache")
+    want, got = safetensors_io.read_weights(src), safetensors_io.read_weights(back)
     for name, t in want.items():
         assert torch.equal(got[name], t.half().float()), name
 
@@ -60,7 +61,7 @@ def test_f16_export_rounds_only(tmp_path):
 def test_without_tokenizer_a_synthetic_vocabulary_is_written(tmp_path):
     import gguf
     src = make_checkpoint(tmp_path / "hf", tokenizer=False)
-    reader = gguf.GGUFReader(checkpoint.export_gguf(src, tmp_path / "tiny.gguf", config(src)))
+    reader = gguf.GGUFReader(gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src)))
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     assert reader.fields["tokenizer.ggml.model"].contents() == "llama"
     assert len(tokens) == 320 and tokens[:3] == ["<unk>", "<s>", "</s>"] and tokens[3 + 0x0A] == "<0x0A>"
@@ -70,7 +71,7 @@ def test_without_tokenizer_a_synthetic_vocabulary_is_written(tmp_path):
 def test_llama_cpp_runs_the_export_like_we_do(tmp_path, tokenizer, tied):
     llama_cpp = pytest.importorskip("llama_cpp")
     src = make_checkpoint(tmp_path / "hf", tokenizer=tokenizer, tie_word_embeddings=tied)
-    path = checkpoint.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f32")
+    path = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f32")
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, n_batch=64, logits_all=True, verbose=False)
     llm.eval(IDS)
     got = np.array(llm.scores[:len(IDS)])
@@ -89,18 +90,18 @@ def test_conversion_records_what_the_load_need_not_check(tmp_path, bad):
     only where its dtype holds that value. A NaN records nothing, and is refused by name at load;
     1e5 is finite in fp32 but inf in fp16, and is refused there."""
     src = make_checkpoint(tmp_path / "hf")
-    state = {k.removeprefix("model."): v.clone() for k, v in checkpoint.read_weights(src).items()}
+    state = {k.removeprefix("model."): v.clone() for k, v in safetensors_io.read_weights(src).items()}
     state["layers.1.mlp.down_proj.weight"][3, 5] = bad
-    checkpoint.save(tmp_path / "bad", state, checkpoint.read_config(src), copy_files_from=src)
-    back = checkpoint.convert_gguf(checkpoint.export_gguf(tmp_path / "bad", tmp_path / "bad.gguf", config(src), "f32"),
+    safetensors_io.save(tmp_path / "bad", state, safetensors_io.read_config(src), copy_files_from=src)
+    back = gguf_hf.convert_gguf(gguf_hf.export_gguf(tmp_path / "bad", tmp_path / "bad.gguf", config(src), "f32"),
                                    tmp_path / "cache")
     refused = "tensor layers.1.mlp.down_proj.weight in .* holds 1 non-finite values"
     if bad != bad:
-        assert checkpoint.recorded_max_abs(back) is None
-        with pytest.raises(checkpoint.CheckpointError, match=refused):
+        assert safetensors_io.recorded_max_abs(back) is None
+        with pytest.raises(safetensors_io.CheckpointError, match=refused):
             M.Llama.from_pretrained(back, "cpu", "float32")
     else:
-        assert checkpoint.recorded_max_abs(back) == bad
+        assert safetensors_io.recorded_max_abs(back) == bad
         assert M.Llama.from_pretrained(back, "cpu", "float32").layers[1].mlp.down_proj.weight[3, 5] == bad
-        with pytest.raises(checkpoint.CheckpointError, match=refused):
+        with pytest.raises(safetensors_io.CheckpointError, match=refused):
             M.Llama.from_pretrained(back, "cpu", "float16")

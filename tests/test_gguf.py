@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+import gguf_hf
+import safetensors_io
 import model as M
 from conftest import ROOT, bundled_gguf, run_cli
 
@@ -45,13 +46,13 @@ def test_unpermute_inverts_llama_cpp_permutation():
     w = rng.standard_normal((3 * 8, 5)).astype(np.float32)
     permuted = w.reshape(3, 2, 4, 5).swapaxes(1, 2).reshape(w.shape)
     assert not np.array_equal(permuted, w)
-    assert np.array_equal(checkpoint.unpermute_rows(permuted, 3), w)
+    assert np.array_equal(gguf_hf.unpermute_rows(permuted, 3), w)
 
 
 def test_conversion_is_cached(cache_home):
-    again = checkpoint.convert_gguf(bundled_gguf(), cache_home / "nanoinfer")
+    again = gguf_hf.convert_gguf(bundled_gguf(), cache_home / "nanoinfer")
     stamp = (again / "model.safetensors").stat().st_mtime_ns
-    assert checkpoint.convert_gguf(bundled_gguf(), cache_home / "nanoinfer") == again
+    assert gguf_hf.convert_gguf(bundled_gguf(), cache_home / "nanoinfer") == again
     assert (again / "model.safetensors").stat().st_mtime_ns == stamp
     assert not list(again.parent.glob(".converting-*"))   # no half-written leftovers
 
@@ -65,15 +66,15 @@ def test_non_llama_gguf_is_refused(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(checkpoint.CheckpointError, match="unsupported GGUF architecture 'gpt2' \\(general.architecture\\)"):
-        checkpoint.convert_gguf(path, tmp_path / "cache")
+    with pytest.raises(safetensors_io.CheckpointError, match="unsupported GGUF architecture 'gpt2' \\(general.architecture\\)"):
+        gguf_hf.convert_gguf(path, tmp_path / "cache")
 
 
 def test_truncated_gguf_is_refused(tmp_path):
     path = tmp_path / "cut.gguf"
     path.write_bytes(bundled_gguf().read_bytes()[:5_000_000])
-    with pytest.raises(checkpoint.CheckpointError, match="cannot read GGUF file"):
-        checkpoint.convert_gguf(path, tmp_path / "cache")
+    with pytest.raises(safetensors_io.CheckpointError, match="cannot read GGUF file"):
+        gguf_hf.convert_gguf(path, tmp_path / "cache")
 
 
 def test_runner_answers_paris(cache_home):
@@ -112,16 +113,16 @@ def test_a_second_start_converts_copies_and_rereads_nothing(cache_home):
 
 
 def test_converted_groups_are_stored_stacked_and_read_as_views(bundled_dir):
-    state = checkpoint.read_weights(bundled_dir)        # Hugging Face names, as every reader expects
+    state = safetensors_io.read_weights(bundled_dir)        # Hugging Face names, as every reader expects
     q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     assert q.shape == (576, 576) and k.shape == v.shape == (192, 576)
-    fused = checkpoint.joined([q, k, v])                # back to back in one storage: a view
+    fused = safetensors_io.joined([q, k, v])                # back to back in one storage: a view
     assert fused.data_ptr() == q.data_ptr() and torch.equal(fused, torch.cat([q, k, v]))
-    assert checkpoint.recorded_max_abs(bundled_dir) == max(t.abs().max().item() for t in state.values())
-    apart = checkpoint.joined([k, q])                   # not in storage order: a copy
+    assert safetensors_io.recorded_max_abs(bundled_dir) == max(t.abs().max().item() for t in state.values())
+    apart = safetensors_io.joined([k, q])                   # not in storage order: a copy
     assert apart.data_ptr() not in (q.data_ptr(), k.data_ptr()) and torch.equal(apart, torch.cat([k, q]))
     # cast converts a group as one tensor: its parts stay back to back, so joining them copies nothing either
-    small = checkpoint.cast(state, "cpu", lambda name, t: torch.bfloat16)
+    small = safetensors_io.cast(state, "cpu", lambda name, t: torch.bfloat16)
     q16, k16, v16 = (small[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     assert list(small) == list(state) and q16.dtype == torch.bfloat16 and torch.equal(q16, q.bfloat16())
-    assert checkpoint.joined([q16, k16, v16]).data_ptr() == q16.data_ptr()
+    assert safetensors_io.joined([q16, k16, v16]).data_ptr() == q16.data_ptr()
