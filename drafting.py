@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import checkpoint
 import kvcache
 import quantize
+import safetensors_io
 from kvcache import common_prefix
 from model import Llama, attend
 from sampling import SamplingParams, sampling_probs
@@ -322,8 +322,8 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_dir(cls, path: Path, dtype: torch.dtype, device) -> "MedusaHeads":
-        c = checkpoint.read_config(path)
-        state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(path).items()}
+        c = safetensors_io.read_config(path)
+        state = {k.removeprefix("model."): v for k, v in safetensors_io.read_weights(path).items()}
         heads = cls(c["hidden_size"], c["medusa_heads"], state["head_ids"])
         heads.load_state_dict(state)
         return heads.to(device=device, dtype=dtype)

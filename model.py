@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
+import safetensors_io
 from sampling import Finish, SamplingParams, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
 
@@ -82,7 +83,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
-        theta, rope, kind = checkpoint.check_llama_config(c)
+        theta, rope, kind = safetensors_io.check_llama_config(c)
         eos = c.get("eos_token_id")
         n_heads = c["num_attention_heads"]
         try:
@@ -262,8 +263,8 @@ class Block(nn.Module):
 # Checkpoints store W_q, W_k, W_v and W_gate, W_up as separate matrices; the model
 # keeps each group stacked ("fused"), so a decode step makes 4 matmul calls per layer,
 # not 7: batch-1 decode is a chain of small matrix-vector products whose fixed cost
-# per call counts (kernels.py's cost model). The groups: checkpoint.FUSED.
-FUSED = checkpoint.FUSED
+# per call counts (kernels.py's cost model). The groups: safetensors_io.FUSED.
+FUSED = safetensors_io.FUSED
 
 
 def unfuse(model: "Llama") -> dict:
@@ -271,7 +272,7 @@ def unfuse(model: "Llama") -> dict:
     split back into its parts (a quantized layer's scales too)."""
     rows = [{"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
             for layer in model.layers]
-    return checkpoint.split_fused(dict(model.state_dict()), FUSED, rows)
+    return safetensors_io.split_fused(dict(model.state_dict()), FUSED, rows)
 
 
 def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
@@ -369,7 +370,7 @@ class Llama(nn.Module):
                         attend=attend) -> "Llama":
         """Build on the meta device (no memory), then adopt the checkpoint's mmap-backed tensors with
         assign=True: no random init, no second copy. ``dtype`` a torch.dtype or a name (DTYPES)."""
-        cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
+        cfg = cfg or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
         if cfg.quantization:
             raise ValueError(f"{model_dir} holds {cfg.quantization['weights']} weights written by "
                              f"quantize.py: load it with quantize.from_pretrained")
@@ -400,16 +401,17 @@ def adopt_checkpoint(model: "Llama", model_dir, device: torch.device, dtype: tor
     picks in ``dtype`` (floats; integer tensors such as a draft's head_ids stay as stored),
     fused, the head tied where the checkpoint stores none."""
     cfg = model.config
-    state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(model_dir).items()
+    state = {k.removeprefix("model."): v for k, v in safetensors_io.read_weights(model_dir).items()
              if not k.endswith("rotary_emb.inv_freq")}
     tied = (cfg.tie_embeddings and isinstance(model.lm_head, nn.Linear)
             and "lm_head.weight" not in model.borrowed)
     if tied:
         state.pop("lm_head.weight", None)
-    checkpoint.check_tensors(state, checkpoint_shapes(model), model_dir)
-    state = checkpoint.cast(state, device, lambda k, v: dtype if plain(k, v) else None)
-    checkpoint.check_finite({k: v for k, v in state.items() if plain(k, v)}, model_dir)
-    model.load_state_dict(checkpoint.fuse(state, FUSED, cfg.n_layers), strict=False, assign=True)
+    safetensors_io.check_tensors(state, checkpoint_shapes(model), model_dir)
+    state = safetensors_io.cast(state, device, lambda k, v: dtype if plain(k, v) else None)
+    safetensors_io.check_finite({k: v for k, v in state.items() if plain(k, v)}, model_dir)
+    state = safetensors_io.fuse(state, FUSED, cfg.n_layers)
+    model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.tie_head()
     model.inv_freq = rope_frequencies(cfg).to(device)
@@ -427,14 +429,14 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
     state = {name: torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else
              torch.randperm(cfg.vocab_size, generator=gen)[:shape[0]].sort().values if name == "head_ids" else
              torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=gen) for name, shape in shapes.items()}
-    return checkpoint.save(out_dir, state, hf_config)
+    return safetensors_io.save(out_dir, state, hf_config)
 
 
 def read_model_dir(name: str):
     """Alias, directory or .gguf -> (its directory, its config with every EOS id either file knows,
     its tokenizer): the cheap checks, before any gigabytes of weights are read."""
     model_dir = checkpoint.resolve(name)
-    cfg = LlamaConfig.from_hf(checkpoint.read_config(model_dir))
+    cfg = LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
     tok = Tokenizer.from_dir(model_dir)
     cfg.eos_ids = sorted(set(tok.eos_ids) | set(cfg.eos_ids))   # generation_config may add ids
     return model_dir, cfg, tok

@@ -56,6 +56,7 @@ import checkpoint
 import drafting
 import kernels
 import quantize
+import safetensors_io
 from kvcache import kv_bytes_per_token
 from model import LlamaConfig
 
@@ -232,13 +233,13 @@ def fitting_drafts(hf: dict) -> list[str]:
     """The bundled drafts (drafts/) whose target has this config's shape: train.py copies the
     target's config into the EAGLE head's (one layer); the Medusa heads record vocab and width."""
     try:
-        eagle = checkpoint.read_config(drafting.BUNDLED_DRAFT)   # the target's shape, for both
+        eagle = safetensors_io.read_config(drafting.BUNDLED_DRAFT)   # the target's shape, for both
     except ValueError:
         return []
     found = []
     for name, where in (("bundled", drafting.BUNDLED_DRAFT), ("medusa", drafting.BUNDLED_MEDUSA)):
         try:
-            d = checkpoint.read_config(where)
+            d = safetensors_io.read_config(where)
         except ValueError:
             continue
         keys = ("vocab_size", "hidden_size") if "medusa_heads" in d else DRAFT_KEYS
@@ -254,7 +255,7 @@ def model_info(name: str) -> ModelInfo:
     """--model -> ModelInfo without loading a weight: the alias's known config (TinyLlama, offline even when not
     downloaded), else checkpoint.resolve (the bundled GGUF converts once) and its config.json."""
     key = name.lower()
-    hf = KNOWN_CONFIGS.get(key) or checkpoint.read_config(checkpoint.resolve(name))
+    hf = KNOWN_CONFIGS.get(key) or safetensors_io.read_config(checkpoint.resolve(name))
     c = LlamaConfig.from_hf(hf)
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size

@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
+import safetensors_io
 from model import QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype, attend
 
 FP8 = torch.float8_e4m3fn
@@ -403,7 +403,7 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     is stored: model.adopt_checkpoint, with empty quantized layers swapped in on the meta
     device; the scales keep their dtypes and each layer prepares its kernel's layout
     (``prepare=False``: the portable layout, for another kernel to take over)."""
-    cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
+    cfg = cfg or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
     device, dtype = torch.device(device or "cpu"), as_dtype(dtype)
     with torch.device("meta"):
         model = Llama(cfg, attend)

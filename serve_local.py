@@ -37,7 +37,6 @@ import torch
 import checkpoint
 import drafting
 import engine
-import flash
 import kernels
 import kvcache
 import nanoinfer.load
@@ -331,7 +330,7 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=None, help="--kv paged: tokens per block (default: 16)")
     ap.add_argument("--attn", choices=list(kernels.ATTENTION), default=None,
                     help="attention kernel: PyTorch's fused SDPA, flash.py's tiled one, the naive "
-                         "full score matrix, or flash.py's Triton kernels (a CUDA GPU); default: the plan's (sdpa)")
+                         "full score matrix, or kernels.py's Triton kernels (a CUDA GPU); default: the plan's (sdpa)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decode step on a static cache (warm-up is printed); default: the "
                          "plan's (compiled where a C++ compiler is present, unless it speculates with the model's bundled draft)")

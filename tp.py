@@ -88,6 +88,7 @@ import kernels
 import kvcache
 import model
 import quantize
+import safetensors_io
 from sampling import SamplingParams
 
 TIMEOUT_S = 120     # the longest a rank waits for the others (loading included) before giving up
@@ -195,7 +196,7 @@ def shard(full: model.Llama, part: Part, group=None) -> model.Llama:
                          f"({quantize.scheme(full)['weights']}): load the full-precision checkpoint")
     local = replace(c, n_heads=len(part.heads), n_kv_heads=len(part.kv_heads), intermediate_size=len(part.units))
     state = {name: slice_tensor(name, t, part, c.head_dim) for name, t in model.unfuse(full).items()}
-    state = checkpoint.fuse(state, model.FUSED, c.n_layers)
+    state = safetensors_io.fuse(state, model.FUSED, c.n_layers)
     with torch.device("meta"):
         mine = model.Llama(local, full.attend)
     mine.load_state_dict(state, assign=True)

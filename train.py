@@ -71,6 +71,7 @@ import torch
 
 import checkpoint
 import kernels
+import safetensors_io
 from engine import LLM
 from model import Llama, LlamaConfig, unfuse
 from nanoinfer.load import load
@@ -190,7 +191,7 @@ def target_features(target, data, batch=8):
 
 
 def make_head(target: Llama, target_dir: Path, ids: torch.Tensor) -> tuple[Llama, dict]:
-    hf = checkpoint.read_config(target_dir)
+    hf = safetensors_io.read_config(target_dir)
     hf.update(HEAD, eagle=True, torch_dtype="bfloat16", draft_vocab_size=len(ids))
     torch.manual_seed(0)
     head = EagleHead(LlamaConfig.from_hf(hf))
@@ -332,7 +333,7 @@ def save(head: Llama | MedusaHeads, hf: dict, out: Path):
     state = head.state_dict() if isinstance(head, MedusaHeads) else unfuse(head)
     state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v)
              for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
-    checkpoint.save(out, state, hf)
+    safetensors_io.save(out, state, hf)
     mb = (out / "model.safetensors").stat().st_size / 1e6
     print(f"wrote {out} ({mb:.1f} MB)", flush=True)
 

@@ -12,7 +12,7 @@ they are installed. llama.cpp runs GGUF files of the same weights, each timed
 in turn with our rows of equal bits (F16 in the bfloat16 group; Q8_0 and Q4_1
 in the float32 group, beside our int8/int4 weights): the bundled model's
 original Q4_1 file, and exports of our checkpoint (F16; Q8_0 too for
-tinyllama-random) that `checkpoint.export_gguf` writes once into the cache.
+tinyllama-random) that `gguf_hf.export_gguf` writes once into the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import kernels
 import plan
 import quantize
 import results
+import safetensors_io
 from kvcache import kv_bytes_per_token
 from model import GenerationStats, Llama, LlamaConfig, generate_cached
 from nanoinfer.load import build
@@ -139,7 +140,7 @@ def bench_decode(args):
                     from transformers import AutoConfig, LlamaForCausalLM
                     # the tensors through read_weights: a converted GGUF stores q/k/v and gate/up stacked
                     hf = LlamaForCausalLM.from_pretrained(None, config=AutoConfig.from_pretrained(path),
-                                                          state_dict=checkpoint.read_weights(path),
+                                                          state_dict=safetensors_io.read_weights(path),
                                                           dtype=kernels.DTYPES[dtype]).to(args.device).eval()
                 except ImportError:
                     print("transformers not installed: skipping it (pip install -r requirements-bench.txt)")

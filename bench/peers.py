@@ -12,7 +12,9 @@ import numpy as np
 import torch
 
 import checkpoint
+import gguf_hf
 import kernels
+import safetensors_io
 from model import LlamaConfig
 from bench.common import RANDOM_TINYLLAMA, free_port, start_server
 
@@ -26,7 +28,7 @@ def llama_cpp_files(name: str, path) -> dict[str, Path]:
         out = checkpoint.cache_root() / "bench" / f"{path.name}-{fmt}.gguf"
         if not out.is_file():
             print(f"writing {out} (once)", flush=True)
-            checkpoint.export_gguf(path, out, LlamaConfig.from_hf(checkpoint.read_config(path)), fmt)
+            gguf_hf.export_gguf(path, out, LlamaConfig.from_hf(safetensors_io.read_config(path)), fmt)
         files[fmt.upper()] = out
     return files
 

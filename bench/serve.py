@@ -11,8 +11,10 @@ import numpy as np
 import torch
 
 import checkpoint
+import gguf_hf
 import kernels
 import results
+import safetensors_io
 from model import LlamaConfig
 from bench.common import HANDBOOK, QUESTIONS, free_port, model_dir, start_server
 from bench.peers import llama_server_binary, llama_server_command
@@ -92,7 +94,7 @@ def bench_serve(args):
         gguf = log_dir / f"{path.name}-{dtype}.gguf"
         if not gguf.is_file():
             print(f"writing {gguf} (once)", flush=True)
-            checkpoint.export_gguf(path, gguf, LlamaConfig.from_hf(checkpoint.read_config(path)), dtype)
+            gguf_hf.export_gguf(path, gguf, LlamaConfig.from_hf(safetensors_io.read_config(path)), dtype)
         servers.append((f"llama-server {dtype.upper()}",
                         llama_server_command(binary, gguf, threads, slots, slots * 1024), log_dir / "llama-server.log"))
     rows = []

@@ -13,6 +13,7 @@ import engine
 import kernels
 import quantize
 import results
+import safetensors_io
 from model import unfuse
 from nanoinfer.load import build, load
 from sampling import SamplingParams
@@ -43,15 +44,15 @@ def engine_demo(model_name: str, n: int, max_batch: int):
 
 def quantize_write(name: str, weights: str, group_size: int, dtype: str, out_dir) -> Path:
     """A quantized checkpoint: the model read in full precision, every Linear
-    quantized in its portable layout, written by checkpoint.save with the scheme
+    quantized in its portable layout, written by safetensors_io.save with the scheme
     in config.json; `serve_local.py --model DIR` then loads it as stored."""
     quantize.check_scheme(weights, group_size)
     if weights in (None, "auto"):
         raise ValueError("--out needs --weights int8 or int4")
     source = checkpoint.resolve(name)
     model = build(source, "cpu", dtype, weights, group_size, prepacked=False, prepare=False)
-    config = checkpoint.read_config(source) | {quantize.CONFIG_KEY: quantize.scheme(model)}
-    out = checkpoint.save(out_dir, unfuse(model), config, copy_files_from=source)
+    config = safetensors_io.read_config(source) | {quantize.CONFIG_KEY: quantize.scheme(model)}
+    out = safetensors_io.save(out_dir, unfuse(model), config, copy_files_from=source)
     print(f"wrote {out}: {quantize.weight_bytes(model) / 1e6:.0f} MB of weights ({weights}); "
           f"run it with: python serve_local.py --model {out}")
     return out

@@ -19,9 +19,9 @@ import torch
 
 import checkpoint
 import drafting
-import flash
 import kernels
 import quantize
+import safetensors_io
 from model import Llama, LlamaConfig, read_model_dir
 from tokenizer import Tokenizer
 
@@ -41,7 +41,7 @@ def build(model_dir, device=None, dtype=None, weights: str | None = None, group_
     give eager passes their prepacked weights (``prepacked=False``: half the memory, slower
     several-position passes). ``prepare=False``: quantized layers stay portable (to save)."""
     quantize.check_scheme(weights, group_size)
-    cfg = cfg or LlamaConfig.from_hf(checkpoint.read_config(model_dir))
+    cfg = cfg or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
     if cfg.quantization and weights not in (None, "auto"):
         raise ValueError(f"{model_dir} is already quantized ({cfg.quantization['weights']}); "
                          f"drop --weights or load the full-precision checkpoint")
@@ -93,7 +93,7 @@ def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None,
             raise ValueError(f"no trained draft in {where}: run `{drafting.TRAIN[name]} or pass --draft MODEL")
         name = str(where)
     path = Path(name)
-    if path.is_dir() and "medusa_heads" in checkpoint.read_config(path):
+    if path.is_dir() and "medusa_heads" in safetensors_io.read_config(path):
         heads = drafting.MedusaHeads.from_dir(path, target.embed_tokens.weight.dtype, target.embed_tokens.weight.device)
         if len(heads.head_ids) and int(heads.head_ids.max()) >= target.config.vocab_size:
             raise ValueError(f"the Medusa heads in {path} score tokens beyond the target's vocabulary "
@@ -101,7 +101,7 @@ def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None,
         return heads.share_target(target)       # MedusaDraft checks their width
     if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         dev = kernels.pick_device(device)
-        if narrow_draft(checkpoint.read_config(path).get("torch_dtype"), dev, kernels.pick_dtype(dtype, dev)):
+        if narrow_draft(safetensors_io.read_config(path).get("torch_dtype"), dev, kernels.pick_dtype(dtype, dev)):
             dtype = torch.bfloat16
         draft, tok = build(path, dev, dtype), target_tok
     else:

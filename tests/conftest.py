@@ -100,16 +100,16 @@ def bundled_gguf() -> Path:
 @pytest.fixture(scope="session")
 def cache_home(tmp_path_factory):
     """An XDG cache dir holding the bundled model converted once for the whole session."""
-    import checkpoint
+    import gguf_hf
     home = tmp_path_factory.mktemp("xdg-cache")
-    checkpoint.convert_gguf(bundled_gguf(), home / "nanoinfer")
+    gguf_hf.convert_gguf(bundled_gguf(), home / "nanoinfer")
     return home
 
 
 @pytest.fixture(scope="session")
 def bundled_dir(cache_home):
-    import checkpoint
-    return checkpoint.convert_gguf(bundled_gguf(), cache_home / "nanoinfer")
+    import gguf_hf
+    return gguf_hf.convert_gguf(bundled_gguf(), cache_home / "nanoinfer")
 
 
 def run_cli(*args, env=None, timeout=300):

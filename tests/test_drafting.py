@@ -163,7 +163,7 @@ def test_medusa_reads_the_last_feature(models, medusa_heads, tmp_path):
     E_ids · (SiLU(W_k f + b_k) + f), each head on that one feature. A tree of W=2
     starts with head 1's top 2 tokens. Saved as train.py saves them and loaded
     through load_draft, the heads are the same (to bf16's precision)."""
-    import checkpoint
+    import safetensors_io
     target, _ = models
     h, silu = medusa_heads, torch.nn.functional.silu
     proposer = D.MedusaDraft(h, target)
@@ -183,7 +183,7 @@ def test_medusa_reads_the_last_feature(models, medusa_heads, tmp_path):
     assert len(S.token_tree(cands).tokens) == 5 and max(map(len, cands)) <= 3
     assert proposer.propose(context + [7], 4, 100, greedy, None).candidates == []   # no feature before x_t
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in h.state_dict().items()}
-    checkpoint.save(tmp_path / "m", state, dict(h.hf_config(), vocab_size=320))
+    safetensors_io.save(tmp_path / "m", state, dict(h.hf_config(), vocab_size=320))
     loaded = nl.load_draft(str(tmp_path / "m"), target, None)
     assert isinstance(loaded, D.MedusaHeads) and loaded.rows.dtype == torch.float32
     assert torch.equal(loaded.head_ids, h.head_ids) and torch.equal(loaded.rows, h.rows)

@@ -21,7 +21,6 @@ from kvcache import PagedKVCache
 from paged import BlockAllocator
 import kvcache
 import quantize
-from sampling import finish_reason, visible
 
 GREEDY = M.SamplingParams
 
@@ -301,15 +300,6 @@ def test_logprobs_are_the_models_own_distribution_at_each_output_token(llama):
         torch.testing.assert_close(values, want_values, atol=1e-4, rtol=0)
         if sp.temperature == 0:
             assert ids[:, 0].tolist() == out.token_ids
-
-
-def test_visible_is_the_one_stop_token_rule():
-    """sampling.visible: an EOS id ends an answer but is never part of its text or its count;
-    any other id is shown, whatever ignore_eos says about stopping."""
-    assert visible(5, [2, 7]) and not visible(2, [2, 7]) and not visible(7, {2, 7})
-    assert all(visible(t, []) for t in range(10))        # a model without EOS shows everything
-    assert finish_reason(2, 1, 10, GREEDY(), [2], 100) == "stop" and not visible(2, [2])
-    assert finish_reason(2, 1, 10, GREEDY(ignore_eos=True), [2], 100) is None
 
 
 def test_events_carry_logprobs_finish_reason_and_stop_tokens(llama, monkeypatch):

@@ -1,10 +1,14 @@
 """The project's layout: the lessons in course order, the product on top, imports one way only.
 
 A reader takes the lessons in the README's order, so a lesson may use only the ground files (what
-needs no model: sampling, the tokenizer, checkpoint storage, the results stamp) and the lessons
+needs no model: sampling, the tokenizer, storage, the results stamp) and the lessons
 before it. The programs (the runner, the server, bench.py, train.py) and the package that holds the
 product (nanoinfer/) may use anything; no lesson uses them, nor bench/. Imports inside functions
 count too: moving one into a function hides a circle, it does not remove it.
+
+Storage is three ground files, the formats below the names: safetensors_io (a Hugging Face
+directory read and written), gguf_hf (GGUF converted to and from one), checkpoint (a model name
+resolved to one).
 """
 
 import ast
@@ -13,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GROUND = ["sampling", "tokenizer", "checkpoint", "results"]
+GROUND = ["sampling", "tokenizer", "safetensors_io", "gguf_hf", "checkpoint", "results"]
 COURSE = ["model", "kvcache", "flash", "paged", "engine", "speculative", "quantize", "drafting", "tp",
           "plan", "kernels"]
 PROGRAMS = ["serve_local", "server", "bench", "train"]

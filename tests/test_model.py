@@ -8,7 +8,6 @@ import torch
 
 import model as M
 import results
-import sampling
 import kernels
 from conftest import make_checkpoint
 from model import causal_scores
@@ -151,67 +150,6 @@ def test_generation_stops_on_any_eos(tiny_ckpt):
     model.config.eos_ids = [999, free[4]]          # eos may be a list; any id ends generation
     stopped = list(M.generate_cached(model, [0, 1, 2], M.SamplingParams(max_new_tokens=30)))
     assert stopped == free[:free.index(free[4]) + 1]
-
-
-def test_sampling_controls():
-    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
-    greedy = M.SamplingParams()
-    assert sampling.sample(logits, greedy) == 0
-    # top-k 1 and a tiny top-p both collapse to the argmax whatever the temperature
-    assert all(sampling.sample(logits, M.SamplingParams(temperature=5.0, top_k=1)) == 0 for _ in range(20))
-    assert all(sampling.sample(logits, M.SamplingParams(temperature=5.0, top_p=0.01)) == 0 for _ in range(20))
-    # top-k 2 never emits a token outside the top two
-    gen = torch.Generator().manual_seed(0)
-    ks = {sampling.sample(logits, M.SamplingParams(temperature=2.0, top_k=2), gen) for _ in range(300)}
-    assert ks == {0, 1}
-    # plain temperature sampling follows softmax(logits / T): frequencies within 3 sigma
-    p = torch.softmax(logits / 1.5, -1)
-    n = 4000
-    counts = torch.bincount(torch.tensor([sampling.sample(logits, M.SamplingParams(temperature=1.5), gen)
-                                          for _ in range(n)]), minlength=5).float()
-    sigma = (n * p * (1 - p)).sqrt()
-    assert ((counts - n * p).abs() <= 3 * sigma + 1).all(), (counts, n * p)
-    # top-p 0.8 keeps the smallest prefix of the sorted distribution reaching 0.8
-    probs = torch.softmax(logits, -1)       # [0.61, 0.22, 0.14, 0.03, 0.004]
-    kept = {sampling.sample(logits, M.SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(300)}
-    assert kept == {0, 1} and probs[:2].sum() >= 0.8
-
-
-def test_top_p_equals_a_full_sort_of_the_vocabulary():
-    """sampling_probs ranks only the 256 likeliest tokens when they reach top_p,
-    and sorts everything when they fall short: both must equal the textbook rule."""
-    gen = torch.Generator().manual_seed(0)
-    for scale, nucleus_inside in ((8.0, True), (0.1, False)):   # peaked, then nearly flat over 2,000 tokens
-        logits = torch.randn(3, 2000, generator=gen) * scale
-        got = sampling.sampling_probs(logits, M.SamplingParams(temperature=1.0, top_p=0.9))
-        probs = torch.softmax(logits, -1)
-        sorted_p, order = probs.sort(-1, descending=True)
-        want = torch.zeros_like(probs).scatter_(-1, order, sorted_p * (sorted_p.cumsum(-1) - sorted_p < 0.9))
-        torch.testing.assert_close(got, want / want.sum(-1, keepdim=True))
-        kept = (got > 0).sum(-1)
-        assert bool((kept < 256).all()) if nucleus_inside else bool((kept > 256).all()), kept
-
-
-def test_seed_makes_sampling_reproducible(tiny_ckpt):
-    model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
-    model.config.eos_ids = []
-    p = M.SamplingParams(temperature=1.0, top_p=0.95, seed=123, max_new_tokens=30)
-    a = list(M.generate_cached(model, [0, 1], p))
-    b = list(M.generate_cached(model, [0, 1], p))
-    c = list(M.generate_cached(model, [0, 1], M.SamplingParams(temperature=1.0, seed=124, max_new_tokens=30)))
-    assert a == b and a != c
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(top_p=0.0), "top-p must be in (0, 1]"),
-    (dict(top_p=1.5), "top-p must be in (0, 1]"),
-    (dict(top_k=-1), "top-k must be >= 0"),
-    (dict(max_new_tokens=0), "max-new-tokens must be >= 1"),
-])
-def test_invalid_sampling_values(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        M.SamplingParams(**kwargs)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

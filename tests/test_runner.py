@@ -1,4 +1,5 @@
-"""serve_local.Chat: the conversation's KV cache survives between turns and changes no token."""
+"""serve_local.Chat: the conversation's KV cache survives between turns and changes no token;
+the runner, greedy on the bundled model, knows the capital of France."""
 
 import io
 
@@ -7,6 +8,7 @@ import pytest
 import model as M
 import nanoinfer.load as nl
 import serve_local
+from conftest import run_cli
 from kvcache import common_prefix
 
 
@@ -60,3 +62,14 @@ def test_stats_line_reports_rates():
     s = M.GenerationStats(prompt_tokens=40, new_tokens=11, prefill_s=0.5, decode_s=1.0)
     line = serve_local.stats_line(s, 51, 2048)
     assert line == "[prompt 40 tok, 80.0 tok/s | generated 11 tok, 10.0 tok/s | first token 500 ms | context 51/2048]"
+
+
+def test_runner_answers_paris(cache_home):
+    """Acceptance: the bundled model, greedy, knows the capital of France; stdout is only the answer."""
+    rc, out, err = run_cli("serve_local.py", "--prompt", "What is the capital of France?", "--temperature", "0",
+                           "--max-new-tokens", "40", env={"XDG_CACHE_HOME": str(cache_home)})
+    assert rc == 0, err
+    assert "Paris" in out
+    assert "tok/s" in err and "tok/s" not in out and "loaded" not in out
+    # the plan's weights (fp32, or the GGUF's int4 where its kernel is faster) + prepack's fp32 copy of every big matrix
+    assert "+ 538 MB of oneDNN-prepacked copies" in err

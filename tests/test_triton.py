@@ -14,7 +14,6 @@ pytest.importorskip("triton", reason="the Triton kernels need triton (pip instal
 import flash  # noqa: E402
 import kernels  # noqa: E402
 import model as M  # noqa: E402
-import kernels
 from conftest import make_checkpoint  # noqa: E402
 from engine import Engine  # noqa: E402
 from kvcache import PagedKVCache  # noqa: E402

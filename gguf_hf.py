@@ -1,0 +1,320 @@
+"""
+GGUF <-> a Hugging Face directory: llama.cpp's format, converted once each way.
+
+A GGUF file (llama.cpp's format) is one file holding metadata (architecture, vocabulary,
+chat template) and tensors, usually block-quantized (Q4_1 keeps 32 weights in 16 bytes of
+nibbles + an fp16 scale and minimum = 5 bits per weight). llama.cpp's converter also
+reorders the rows of W_q and W_k so its RoPE can rotate adjacent pairs instead of the two
+halves; we undo that.
+
+convert_gguf turns a GGUF file once into an HF directory (safetensors_io.py's layout) under
+a cache folder the caller names, so the rest of the project knows a single layout; a later
+start finds the directory by the file's fingerprint and reads nothing of the GGUF.
+Dequantized weights are stored as fp32: the values ``scale * q + min`` are exact there and
+would be rounded in fp16/bf16 (4 bytes a weight: 538 MB for SmolLM2-135M). The converted
+file is laid out for a fast start: each group the model multiplies as one (q/k/v, gate/up)
+is stored stacked, so a load stacks nothing, and the conversion checks once that every
+weight is finite and records the largest |w|, so a load need not read all of them again.
+
+export_gguf is the way back: an HF directory written as a GGUF file, so llama.cpp can run
+the very same weights we do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+import tokenizer
+from safetensors_io import CheckpointError, read_weights, stack
+
+
+# ----------------------------------------------------------------------------
+# GGUF -> HF directory, once.
+
+GGUF_NAMES = {  # llama.cpp tensor name -> Hugging Face name ("{i}" is the layer)
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        layer, key = parts[1], ".".join(["blk", "{i}"] + parts[2:])
+        if key in GGUF_NAMES:
+            return GGUF_NAMES[key].format(i=layer)
+    elif gguf_name in GGUF_NAMES:
+        return GGUF_NAMES[gguf_name]
+    raise CheckpointError(f"GGUF tensor '{gguf_name}' has no Llama counterpart; this file is not a plain Llama")
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order. Per head it stores rows as pairs
+    (x0, x_half, x1, x_half+1, ...) so RoPE rotates neighbours; HF rotates the
+    two halves (rotate_half). Reshape to (head, half, 2) and swap back."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of `unpermute_rows`: HF's (halves) row order -> llama.cpp's (pairs).
+    Per head the rows form a (2, half) grid that llama.cpp stores transposed."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(reader) -> dict:
+    """config.json from GGUF metadata keys (``{arch}.block_count`` etc.)."""
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"unsupported GGUF architecture '{arch}' (general.architecture): "
+                              f"nanoinfer runs the llama family")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise CheckpointError("this GGUF stores llama3 rope scaling as a rope_freqs tensor, which is not "
+                              "supported yet; use the model's Hugging Face directory instead")
+    n_heads = meta["llama.attention.head_count"]
+    hidden = meta["llama.embedding_length"]
+    n_vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": n_heads,
+        "num_key_value_heads": meta.get("llama.attention.head_count_kv", n_heads),
+        "head_dim": meta.get("llama.attention.key_length", hidden // n_heads),
+        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": meta.get("llama.context_length", 2048),
+        "vocab_size": n_vocab, "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": "float32",
+    }
+    scaling = meta.get("llama.rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
+    elif scaling not in (None, "none"):
+        raise CheckpointError(f"unsupported GGUF rope scaling '{scaling}' (llama.rope.scaling.type)")
+    ids = {key: int(reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
+           for key in ("bos", "eos", "eot", "eom") if f"tokenizer.ggml.{key}_token_id" in reader.fields}
+    if "bos" in ids:
+        cfg["bos_token_id"] = ids["bos"]
+    # llama.cpp also stops on end-of-turn / end-of-message tokens (Llama 3 chat's <|eot_id|>).
+    stops = list(dict.fromkeys(ids[k] for k in ("eos", "eot", "eom") if k in ids))
+    if stops:
+        cfg["eos_token_id"] = stops if len(stops) > 1 else stops[0]
+    return cfg
+
+
+# What convert_gguf writes, by version; a new one keys a new cache directory, so every
+# cache converts again, once. 2: groups stored stacked, the largest |w| recorded.
+CONVERTED_FORMAT = 2
+
+
+def gguf_fingerprint(path: Path) -> str:
+    # Size + the first MiB (header, metadata, start of the tensors) name a file
+    # well enough for a cache key without reading gigabytes.
+    h = hashlib.sha256(f"{CONVERTED_FORMAT}:{path.stat().st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def convert_gguf(path: Path, out_root: Path) -> Path:
+    """Convert a GGUF file into an HF directory under ``out_root`` (once) and return it."""
+    path = Path(path)
+    out = Path(out_root) / f"{path.stem}-{gguf_fingerprint(path)}"
+    if (out / "model.safetensors").is_file():
+        return out
+    import gguf     # here, not above: a start that finds the cache does not import its 38 modules
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises bare ValueError/struct errors on bad files
+        raise CheckpointError(f"cannot read GGUF file {path} ({e}); is it complete?") from None
+    cfg = gguf_config(reader)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling and rename: an interrupted conversion never looks finished.
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        state = {}
+        for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
+            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
+            if t.name.endswith("attn_q.weight"):
+                w = unpermute_rows(w, cfg["num_attention_heads"])
+            elif t.name.endswith("attn_k.weight"):
+                w = unpermute_rows(w, cfg["num_key_value_heads"])
+            state[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+        # Checked once here, so that loading need not read every weight (check_finite); a non-finite
+        # weight records nothing, and the load names it.
+        largest = torch.stack([t.abs().max() for t in state.values()]).max().item()   # NaN stays NaN
+        state, stacked = stack(state, cfg["num_hidden_layers"])
+        meta = {"format": "pt", "source": path.name, "stacked": stacked}
+        if math.isfinite(largest):
+            meta["max_abs"] = repr(largest)
+        save_file(state, tmp / "model.safetensors", metadata=meta)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tokenizer.write_tokenizer_from_gguf(reader, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# HF directory -> GGUF: the way back, so llama.cpp can run our weights.
+
+def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
+    """Write an HF Llama directory as a llama-architecture GGUF file: the inverse of `convert_gguf`.
+
+    Why: bench.py compares us with llama.cpp, and that comparison is only fair
+    on the very same weights, not on some other file's rounding or quantization.
+    So we write them ourselves: llama.* metadata from config.json, tensors
+    renamed by GGUF_NAMES, Q/K rows permuted to llama.cpp's order, matrices
+    stored as ``dtype`` ("f32", "f16", "bf16" or "q8_0"; norms stay f32, as
+    llama.cpp's own converter does). The vocabulary comes from the directory's
+    byte-level BPE tokenizer.json; a directory without one (a random benchmark
+    checkpoint) gets a synthetic vocabulary of the right size, enough for
+    llama.cpp to load the file and run token ids — but not to tokenize text.
+    ``c`` is the directory's parsed config (model.LlamaConfig): config.json is
+    parsed in one place, above this module, so the caller passes it down.
+    """
+    import warnings
+
+    import gguf
+    from gguf.quants import quantize
+
+    Q, T = gguf.GGMLQuantizationType, gguf.TokenType
+    formats = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+               "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16), "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+    if dtype not in formats:
+        raise ValueError(f"unknown GGUF dtype '{dtype}': use one of {', '.join(formats)}")
+    qtype, file_type = formats[dtype]
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    scaling = (c.rope_scaling or {}).get("rope_type")
+    if scaling not in (None, "linear"):
+        raise CheckpointError(f"exporting rope scaling '{scaling}' to GGUF is not supported")
+
+    w = gguf.GGUFWriter(None, "llama")
+    w.add_block_count(c.n_layers)
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    if c.head_dim != c.hidden_size // c.n_heads:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    if scaling == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_scaling["factor"])
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    # The vocabulary: llama.cpp needs exactly vocab_size tokens, one per embedding row.
+    spec = json.loads((model_dir / "tokenizer.json").read_text()) if (model_dir / "tokenizer.json").is_file() else {}
+    bpe, added = spec.get("model") or {}, spec.get("added_tokens", [])
+    if bpe.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
+        t = tokenizer.Tokenizer.from_dir(model_dir)
+        vocab = {**bpe["vocab"], **{a["content"]: a["id"] for a in added}}
+        if max(vocab.values()) >= c.vocab_size:
+            raise CheckpointError(f"{model_dir}/tokenizer.json has ids beyond vocab_size={c.vocab_size}")
+        tokens = [f"[PAD{i}]" for i in range(c.vocab_size)]        # rows the tokenizer never uses
+        types = [T.UNUSED] * c.vocab_size
+        for piece, i in vocab.items():
+            tokens[i], types[i] = piece, T.NORMAL
+        for a in added:
+            types[a["id"]] = T.CONTROL if a.get("special") else T.USER_DEFINED
+        # tokenizer.ggml.pre names the regex that splits text into words; unknown to us means GPT-2's.
+        pre = spec.get("pre_tokenizer") or {}
+        splits = [p["pattern"].get("Regex") for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(next((n for n, rx in tokenizer.PRE_TOKENIZER_SPLITS.items() if rx in splits), "gpt-2"))
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])])
+        if t.bos_id is not None:
+            w.add_bos_token_id(t.bos_id)
+        if t.eos_ids:
+            w.add_eos_token_id(t.eos_ids[0])
+        w.add_add_bos_token(t.add_bos)
+        if t.chat_template:
+            w.add_chat_template(t.chat_template)
+    else:
+        if list(model_dir.glob("tokenizer*")):
+            warnings.warn(f"{model_dir} has no byte-level BPE tokenizer.json; the GGUF gets a synthetic "
+                          f"vocabulary and llama.cpp will not tokenize text correctly with it")
+        # A sentencepiece-style vocabulary: <unk> <s> </s>, the 256 byte pieces llama.cpp looks up
+        # (e.g. <0x0A> for newline), then filler up to vocab_size.
+        tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+        if c.vocab_size < len(tokens):
+            raise CheckpointError(f"vocab_size={c.vocab_size} is too small for a synthetic GGUF vocabulary")
+        types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
+        types += [T.UNUSED] * (c.vocab_size - len(tokens))
+        tokens += [f"<unused{i}>" for i in range(len(tokens), c.vocab_size)]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_scores([0.0] * c.vocab_size)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+
+    to_gguf = {hf.format(i=i): name.format(i=i) for name, hf in GGUF_NAMES.items() for i in range(c.n_layers)}
+    for name, tensor in read_weights(model_dir).items():
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and c.tie_embeddings):
+            continue   # tied: llama.cpp reads the output projection from token_embd
+        if name not in to_gguf:
+            raise CheckpointError(f"tensor '{name}' in {model_dir} has no GGUF counterpart: not a plain Llama")
+        a = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            a = permute_rows(a, c.n_heads)
+        elif name.endswith("k_proj.weight"):
+            a = permute_rows(a, c.n_kv_heads)
+        if a.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(to_gguf[name], np.ascontiguousarray(a, dtype=np.float32))
+        elif qtype == Q.F16:
+            w.add_tensor(to_gguf[name], a.astype(np.float16))
+        else:   # bf16 and q8_0 come back from gguf.quants as raw bytes
+            w.add_tensor(to_gguf[name], quantize(a, qtype), raw_dtype=qtype)
+
+    # Write into a temporary sibling and rename: an interrupted export never looks finished.
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".exporting-", suffix=".gguf", dir=out_path.parent)
+    os.close(fd)
+    try:
+        w.write_header_to_file(Path(tmp))
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path

@@ -1,0 +1,267 @@
+"""
+A Hugging Face model directory: config.json and safetensors, read and written.
+
+The one layout the whole project knows: ``config.json`` (the architecture as numbers),
+``model.safetensors`` (or shards listed by ``model.safetensors.index.json``) and tokenizer
+files. safetensors is a JSON header followed by raw tensor bytes, so a reader can ``mmap``
+the file and hand out tensors that are views of the page cache: a 1.1B fp16 model (2.2 GB)
+costs no extra copy until a tensor is converted or written to.
+
+The model multiplies some groups of matrices as one (q/k/v, gate/up: FUSED). A file may
+store such a group stacked, its header naming the parts and their rows: read_weights hands
+the parts out as row views of the stack, and fuse (or cast, for another dtype) joins them
+back without a copy. A header may also record the largest |w| of its weights, checked when
+the file was written, so a load need not read every weight again to know they are finite
+(check_finite). save writes a directory back, the weights to a temporary file renamed into
+place.
+
+Everything that can go wrong on disk (a missing file, a truncated or corrupt weight, a config
+this project cannot run, a tensor of the wrong shape) ends in a one-line
+:class:`CheckpointError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be found or read; the message says what to do."""
+
+
+# ----------------------------------------------------------------------------
+# An HF directory -> config dict and a state dict (mmap-backed tensors).
+
+def read_config(model_dir: Path) -> dict:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory not found: {model_dir}")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {model_dir}: not a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); re-download it") from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is malformed ({e}); re-download it") from None
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"no weights in {model_dir}: expected model.safetensors or "
+                          f"model.safetensors.index.json (.bin/.pth checkpoints are not supported)")
+
+
+def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint by their Hugging Face names, memory-mapped (no copy until converted or
+    moved). A group convert_gguf stored stacked comes back as its parts: row views of the stacked matrix."""
+    state = {}
+    for f in weight_files(Path(model_dir)):
+        try:
+            with safe_open(f, framework="pt") as h:
+                stacked = json.loads((h.metadata() or {}).get("stacked", "{}"))
+                state.update((k, h.get_tensor(k)) for k in h.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"corrupt or truncated weights file {f} ({reason}); "
+                                  f"re-download or re-convert it") from None
+        for name, parts in stacked.items():
+            state.update(zip([p for p, _ in parts], state.pop(name).split([n for _, n in parts])))
+    return state
+
+
+def recorded_max_abs(model_dir: Path) -> float | None:
+    """The largest |w| a conversion recorded in its file's header (convert_gguf checks what it writes),
+    or None: a checkpoint from elsewhere, or several files. Reads the header only."""
+    files = weight_files(Path(model_dir))
+    if len(files) != 1:
+        return None
+    try:
+        with safe_open(files[0], framework="pt") as h:
+            largest = (h.metadata() or {}).get("max_abs")
+    except (SafetensorError, OSError):
+        return None
+    return float(largest) if largest is not None else None
+
+
+def check_llama_config(c: dict) -> tuple[float, dict, str]:
+    """Refuse, in one line, a config.json this project cannot run; returns RoPE's
+    (theta, scaling parameters, scaling kind) for model.LlamaConfig.from_hf."""
+    arch = c.get("model_type")
+    if arch not in ("llama", "mistral"):   # Mistral is a Llama with an optional sliding window
+        raise ValueError(f"unsupported architecture '{arch}' (config.json model_type): "
+                         f"nanoinfer runs Llama-family checkpoints (model_type \"llama\" or \"mistral\")")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise ValueError(f"unsupported config.json {key}=true: Llama projections here have no bias")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported config.json hidden_act '{c['hidden_act']}': expected silu")
+    # transformers ≥ 5 writes rope_parameters (theta inside); older files rope_theta + rope_scaling.
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope_scaling type '{kind}' (config.json rope_scaling.rope_type): "
+                         f"supported are linear and llama3")
+    return theta, rope, kind
+
+
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple], model_dir):
+    """The checkpoint's tensors (names without "model.") against the shapes the
+    config implies: each one present, known and of its shape, else a one-line
+    CheckpointError that says which."""
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensors "
+                              f"(first: {missing[0]}); it is incomplete or not a Llama")
+    for name, t in state.items():
+        if name not in expected:
+            raise CheckpointError(f"unexpected tensor '{name}' in {model_dir}: not a plain Llama")
+        if tuple(t.shape) != tuple(expected[name]):
+            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)} but config.json implies "
+                                  f"{tuple(expected[name])}: weights and config.json do not belong together")
+
+
+def check_finite(state: dict[str, torch.Tensor], model_dir):
+    """One NaN or inf in a weight turns every logit into garbage, silently. One
+    reduction per tensor (no copy) finds it: the sum of finite weights is finite.
+    That is still a read of every weight (538 MB for SmolLM2 in fp32) at each start,
+    so a checkpoint we converted ourselves is checked once, when written: its header
+    records the largest |w|, and a tensor whose dtype holds that value is finite."""
+    largest = recorded_max_abs(model_dir)
+    for name, t in state.items():
+        if largest is not None and t.is_floating_point() and largest <= torch.finfo(t.dtype).max:
+            continue
+        if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float32)):
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise CheckpointError(f"tensor {name} in {model_dir} holds {bad} non-finite values (NaN or inf): "
+                                      f"the checkpoint is corrupt; re-download or re-convert it")
+
+
+# ----------------------------------------------------------------------------
+# Fused projections. Checkpoints store W_q, W_k, W_v (and W_gate, W_up) apart; the
+# model keeps each group stacked by rows in one matrix (model.py says why). A layout
+# maps each fused name to its parts, in their row order.
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse(state: dict, layout: dict[str, tuple[str, ...]], n_layers: int) -> dict:
+    """Checkpoint tensors -> the model's: each group's parts stacked by rows, in every layer."""
+    for i in range(n_layers):
+        for fused, parts in layout.items():
+            first = f"layers.{i}.{parts[0]}."
+            for suffix in [k.removeprefix(first) for k in list(state) if k.startswith(first)]:
+                state[f"layers.{i}.{fused}.{suffix}"] = joined(
+                    [state.pop(f"layers.{i}.{p}.{suffix}") for p in parts])
+    return state
+
+
+def back_to_back(parts: list[torch.Tensor]) -> bool:
+    """Whether the tensors lie one after another in one storage, each contiguous, rows of
+    one width: then they already are the matrix that stacks them."""
+    first, offset = parts[0], parts[0].storage_offset()
+    for p in parts:
+        if not (p.dim() and p.is_contiguous() and p.dtype == first.dtype and p.device == first.device
+                and p.shape[1:] == first.shape[1:] and p.storage_offset() == offset
+                and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
+            return False
+        offset += p.numel()
+    return True
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) by rows. Parts back to back in one storage (the row views
+    read_weights makes of a stacked group) are already that matrix: a view over them,
+    no copy. Copying costs SmolLM2 278 MB of writes (q/k/v and gate/up of 30 layers)
+    at every start."""
+    if not back_to_back(parts):
+        return torch.cat(parts)
+    return parts[0].as_strided((sum(len(p) for p in parts), *parts[0].shape[1:]), parts[0].stride())
+
+
+def cast(state: dict, device, dtype_of) -> dict:
+    """Each tensor on ``device`` in dtype_of(name, tensor) (None: its own). The parts of a
+    stacked group are converted as one tensor and handed out as views of it again, so
+    fuse still joins them without a copy: casting each part and then concatenating
+    would write the group twice (a bf16 load of SmolLM2: 139 MB more)."""
+    groups = {}
+    for name, t in state.items():
+        groups.setdefault(t.untyped_storage().data_ptr() if t.numel() else name, []).append(name)
+    out = {}
+    for names in groups.values():
+        names.sort(key=lambda n: state[n].storage_offset())
+        parts, dtypes = [state[n] for n in names], {dtype_of(n, state[n]) for n in names}
+        if len(parts) > 1 and len(dtypes) == 1 and back_to_back(parts):
+            whole = joined(parts).to(device=device, dtype=dtypes.pop())
+            out.update(zip(names, whole.split([len(p) for p in parts])))
+        else:
+            out.update((n, state[n].to(device=device, dtype=dtype_of(n, state[n]))) for n in names)
+    return {name: out[name] for name in state}
+
+
+def stack(state: dict, n_layers: int) -> tuple[dict, str]:
+    """How convert_gguf stores an HF state dict ("model." names): each FUSED group stacked
+    into one tensor, and the header entry that names its parts and rows for read_weights."""
+    groups = {f"model.layers.{i}.{fused}.weight": [[f"model.layers.{i}.{p}.weight", 0] for p in parts]
+              for i in range(n_layers) for fused, parts in FUSED.items()}
+    for name, parts in groups.items():
+        for part in parts:
+            part[1] = len(state[part[0]])
+        state[name] = torch.cat([state.pop(p) for p, _ in parts])
+    return state, json.dumps(groups)
+
+
+def split_fused(state: dict, layout: dict[str, tuple[str, ...]], rows: list[dict[str, list[int]]]) -> dict:
+    """fuse's inverse: rows[i][fused] lists the row count of each part in layer i."""
+    for i, layer_rows in enumerate(rows):
+        for fused, parts in layout.items():
+            prefix = f"layers.{i}.{fused}."
+            for key in [k for k in state if k.startswith(prefix)]:
+                for part, t in zip(parts, state.pop(key).split(layer_rows[fused])):
+                    state[f"layers.{i}.{part}.{key.removeprefix(prefix)}"] = t.contiguous()
+    return state
+
+
+# ----------------------------------------------------------------------------
+# Tensors -> an HF directory: the one writer (random test models, quantized
+# checkpoints, trained drafts all go through it).
+
+def save(out_dir, tensors: dict[str, torch.Tensor], config: dict, copy_files_from=None) -> Path:
+    """Write an HF Llama directory: ``tensors`` by checkpoint name without the
+    "model." prefix (model.unfuse gives them so), ``config`` as config.json, and
+    every other file of ``copy_files_from`` that is not weights (tokenizer,
+    generation config). The weights are written to a temporary file and renamed,
+    so an interrupted save never looks finished."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    named = {(k if k.startswith("lm_head.") else "model." + k): t.contiguous() for k, t in tensors.items()}
+    save_file(named, out / "model.safetensors.tmp", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if copy_files_from is not None:
+        for f in Path(copy_files_from).iterdir():
+            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".gguf") and f.name != "config.json" \
+                    and not f.name.endswith(".index.json"):
+                shutil.copy2(f, out / f.name)
+    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+    return out

@@ -1,0 +1,290 @@
+"""Storage: a model name resolved to a Hugging Face directory (checkpoint.py), the directory's
+safetensors read as views (safetensors_io.py), and GGUF converted to and from one (gguf_hf.py).
+
+Names: `--model tinyllama` through a real Hugging Face cache layout, offline. GGUF import: the
+bundled SmolLM2-135M-Instruct (Q4_1) against transformers' own GGUF loader. GGUF export: an HF
+checkpoint -> GGUF -> back again, and llama.cpp running the exported file."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import gguf_hf
+import model as M
+import safetensors_io
+from conftest import ROOT, TEXT, bundled_gguf, make_checkpoint, run_cli
+from tokenizer import Tokenizer
+
+
+# ----------------------------------------------------------------------------
+# Names -> directories (checkpoint.py): an alias through a real Hugging Face cache, offline.
+
+REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] "
+          "+ eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + "
+          "eos_token }}\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + "
+          "eos_token }}\n{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n"
+          "{% endif %}\n{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory):
+    """HF_HOME/hub/models--TinyLlama--.../snapshots/<commit>/ with refs/main -> <commit>:
+    TinyLlama's config with 2 of its 22 layers (what is tested is the alias and the cache layout;
+    all 22 took 76 s of the suite), random bf16 weights, a sentencepiece tokenizer trained here."""
+    import sentencepiece as spm
+    home = tmp_path_factory.mktemp("hf-home")
+    repo = home / "hub" / ("models--" + REPO.replace("/", "--"))
+    commit = "fe8a4ea1ffedaf415f4da2f062534de366a451e6"
+    snap = repo / "snapshots" / commit
+    M.save_random_checkpoint(dict(checkpoint.TINYLLAMA_CONFIG, num_hidden_layers=2), snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    corpus = home / "corpus.txt"
+    corpus.write_text(TEXT.replace(". ", ".\n"))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(snap / "tokenizer"), vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, bos_id=1, eos_id=2, unk_id=0,
+                                   minloglevel=2)
+    (snap / "tokenizer.vocab").unlink()
+    (snap / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": ZEPHYR}))
+    return home
+
+
+def test_tinyllama_alias_offline_from_hf_cache(hf_home):
+    rc, out, err = run_cli("serve_local.py", "--model", "tinyllama", "--prompt", "Hello there",
+                           "--temperature", "0", "--max-new-tokens", "3", "--no-prepack",
+                           env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    assert rc == 0, err
+    assert "219M parameters" in err                  # 2 layers of TinyLlama
+    # the dtype is the plan's: bf16 where this CPU computes it natively and measured it faster, else fp32
+    planned = "bfloat16" if err.startswith("plan: bf16") else "float32"
+    assert f"MB, {planned}, cpu" in err
+    assert "prepacked" not in err
+    assert "[prompt " in err and "generated " in err
+
+
+def test_tinyllama_config_is_exact():
+    cfg = M.LlamaConfig.from_hf(checkpoint.TINYLLAMA_CONFIG)
+    assert (cfg.hidden_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate_size,
+            cfg.vocab_size) == (2048, 22, 32, 4, 5632, 32000)
+
+
+def test_tinyllama_offline_and_not_cached(tmp_path):
+    rc, out, err = run_cli("serve_local.py", "--model", "tinyllama", "--prompt", "hi",
+                           env={"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert rc == 1 and out == ""
+    last = err.strip().splitlines()[-1]
+    assert "not in the local Hugging Face cache and we are offline" in last
+    assert "--model PATH" in last and "--model smollm2-135m" in last
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------
+# GGUF -> HF directory, once (gguf_hf.convert_gguf), read back as views (safetensors_io).
+
+def test_config_from_gguf_metadata(bundled_dir):
+    cfg = json.loads((bundled_dir / "config.json").read_text())
+    assert cfg["hidden_size"] == 576 and cfg["num_hidden_layers"] == 30
+    assert cfg["num_attention_heads"] == 9 and cfg["num_key_value_heads"] == 3
+    assert cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == 100000.0
+    assert (bundled_dir / "tokenizer.json").is_file() and (bundled_dir / "tokenizer_config.json").is_file()
+
+
+def test_logits_match_transformers_gguf_loader(bundled_dir):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    gguf = bundled_gguf()
+    ref = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ours = M.Llama.from_pretrained(bundled_dir, "cpu", "float32")
+    hf_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ids = hf_tok("The capital of France is Paris, and the capital of Germany is Berlin. In Python, "
+                 "a list comprehension looks like [x * x for x in range(10)].")["input_ids"][:32]
+    assert len(ids) == 32
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours(ids, torch.arange(32))
+    assert (got - want).abs().max().item() < 1e-3
+    assert got[0, -1].argmax() == want[0, -1].argmax()
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    # llama.cpp's converter: reshape(n_head, 2, d/2, ...) then swap axes 1 and 2.
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3 * 8, 5)).astype(np.float32)
+    permuted = w.reshape(3, 2, 4, 5).swapaxes(1, 2).reshape(w.shape)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(gguf_hf.unpermute_rows(permuted, 3), w)
+
+
+def test_conversion_is_cached(cache_home):
+    again = gguf_hf.convert_gguf(bundled_gguf(), cache_home / "nanoinfer")
+    stamp = (again / "model.safetensors").stat().st_mtime_ns
+    assert gguf_hf.convert_gguf(bundled_gguf(), cache_home / "nanoinfer") == again
+    assert (again / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not list(again.parent.glob(".converting-*"))   # no half-written leftovers
+
+
+def test_non_llama_gguf_is_refused(tmp_path):
+    import gguf
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(path, "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(safetensors_io.CheckpointError, match="unsupported GGUF architecture 'gpt2' \\(general.architecture\\)"):
+        gguf_hf.convert_gguf(path, tmp_path / "cache")
+
+
+def test_truncated_gguf_is_refused(tmp_path):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(bundled_gguf().read_bytes()[:5_000_000])
+    with pytest.raises(safetensors_io.CheckpointError, match="cannot read GGUF file"):
+        gguf_hf.convert_gguf(path, tmp_path / "cache")
+
+
+def test_a_second_start_converts_copies_and_rereads_nothing(cache_home):
+    """Start fast (issue 21): with the conversion cached, loading the bundled model imports neither
+    gguf (no conversion) nor torch._dynamo (nothing built on the meta device calls into it) nor
+    triton (no GPU, no interpreter), stacks q/k/v and gate/up without one torch.cat (the cache
+    stores them stacked), and reads no weight to check it is finite (checked when converted)."""
+    code = ("import json, sys, torch, model\n"
+            "calls = {'cat': 0, 'isfinite': 0}\n"
+            "for name in calls:\n"
+            "    def counted(*a, _f=getattr(torch, name), _n=name, **k):\n"
+            "        calls[_n] += 1\n"
+            "        return _f(*a, **k)\n"
+            "    setattr(torch, name, counted)\n"
+            "m, tok = model.load()\n"
+            "qkv = m.layers[0].self_attn.qkv_proj.weight\n"
+            "print(json.dumps({**calls, 'imported': [n for n in ('gguf', 'torch._dynamo', 'triton') if n in sys.modules],\n"
+            "                  'qkv': list(qkv.shape), 'eos': m.config.eos_ids}))\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert got == {"cat": 0, "isfinite": 0, "imported": [], "qkv": [960, 576], "eos": [2]}
+
+
+def test_converted_groups_are_stored_stacked_and_read_as_views(bundled_dir):
+    state = safetensors_io.read_weights(bundled_dir)        # Hugging Face names, as every reader expects
+    q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert q.shape == (576, 576) and k.shape == v.shape == (192, 576)
+    fused = safetensors_io.joined([q, k, v])                # back to back in one storage: a view
+    assert fused.data_ptr() == q.data_ptr() and torch.equal(fused, torch.cat([q, k, v]))
+    assert safetensors_io.recorded_max_abs(bundled_dir) == max(t.abs().max().item() for t in state.values())
+    apart = safetensors_io.joined([k, q])                   # not in storage order: a copy
+    assert apart.data_ptr() not in (q.data_ptr(), k.data_ptr()) and torch.equal(apart, torch.cat([k, q]))
+    # cast converts a group as one tensor: its parts stay back to back, so joining them copies nothing either
+    small = safetensors_io.cast(state, "cpu", lambda name, t: torch.bfloat16)
+    q16, k16, v16 = (small[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert list(small) == list(state) and q16.dtype == torch.bfloat16 and torch.equal(q16, q.bfloat16())
+    assert safetensors_io.joined([q16, k16, v16]).data_ptr() == q16.data_ptr()
+
+
+# ----------------------------------------------------------------------------
+# HF directory -> GGUF (gguf_hf.export_gguf), and back.
+
+def config(path):
+    return M.LlamaConfig.from_hf(safetensors_io.read_config(path))
+
+
+IDS = [5, 17, 42, 99, 3, 250, 7, 180, 64, 12, 301, 88]
+
+
+def our_logits(model_dir) -> np.ndarray:
+    model = M.Llama.from_pretrained(model_dir, "cpu", "float32")
+    with torch.no_grad():
+        return model(torch.tensor([IDS]), torch.arange(len(IDS)))[0].numpy()
+
+
+def test_permute_rows_inverts_unpermute_rows():
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    assert not np.array_equal(gguf_hf.permute_rows(w, 3), w)
+    assert np.array_equal(gguf_hf.unpermute_rows(gguf_hf.permute_rows(w, 3), 3), w)
+    assert np.array_equal(gguf_hf.permute_rows(gguf_hf.unpermute_rows(w, 3), 3), w)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_round_trip_is_exact(tmp_path, tied):
+    src = make_checkpoint(tmp_path / "hf", tie_word_embeddings=tied)
+    path = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f32")
+    back = gguf_hf.convert_gguf(path, tmp_path / "cache")
+
+    want, got = safetensors_io.read_weights(src), safetensors_io.read_weights(back)
+    if tied:
+        want.pop("lm_head.weight", None)   # llama.cpp reads the output projection from token_embd
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t.float()), name
+    np.testing.assert_array_equal(our_logits(back), our_logits(src))
+    # The vocabulary survives too: the same text gives the same ids.
+    text = "The quick brown fox. def add(a, b): return a + b"
+    assert Tokenizer.from_dir(back).encode(text) == Tokenizer.from_dir(src).encode(text)
+
+
+def test_f16_export_rounds_only(tmp_path):
+    src = make_checkpoint(tmp_path / "hf")
+    exported = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f16")
+    back = gguf_hf.convert_gguf(exported, tmp_path / "cache")
+    want, got = safetensors_io.read_weights(src), safetensors_io.read_weights(back)
+    for name, t in want.items():
+        assert torch.equal(got[name], t.half().float()), name
+
+
+def test_without_tokenizer_a_synthetic_vocabulary_is_written(tmp_path):
+    import gguf
+    src = make_checkpoint(tmp_path / "hf", tokenizer=False)
+    reader = gguf.GGUFReader(gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src)))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert reader.fields["tokenizer.ggml.model"].contents() == "llama"
+    assert len(tokens) == 320 and tokens[:3] == ["<unk>", "<s>", "</s>"] and tokens[3 + 0x0A] == "<0x0A>"
+
+
+@pytest.mark.parametrize("tokenizer, tied", [(True, False), (False, True)])
+def test_llama_cpp_runs_the_export_like_we_do(tmp_path, tokenizer, tied):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src = make_checkpoint(tmp_path / "hf", tokenizer=tokenizer, tie_word_embeddings=tied)
+    path = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "f32")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, n_batch=64, logits_all=True, verbose=False)
+    llm.eval(IDS)
+    got = np.array(llm.scores[:len(IDS)])
+    want = our_logits(src)
+    # llama.cpp keeps its KV cache in f16, so agreement is close, not exact.
+    assert np.abs(got - want).max() < 1e-2 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    if tokenizer:   # the exported vocabulary, merges and pre-tokenizer cut text as ours does
+        text = "The quick brown fox. def add(a, b):\n    return a + b 1234"
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == Tokenizer.from_dir(src).encode(text)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 1e5])
+def test_conversion_records_what_the_load_need_not_check(tmp_path, bad):
+    """convert_gguf checks its output once and records the largest |w|; a load skips the full read
+    only where its dtype holds that value. A NaN records nothing, and is refused by name at load;
+    1e5 is finite in fp32 but inf in fp16, and is refused there."""
+    src = make_checkpoint(tmp_path / "hf")
+    state = {k.removeprefix("model."): v.clone() for k, v in safetensors_io.read_weights(src).items()}
+    state["layers.1.mlp.down_proj.weight"][3, 5] = bad
+    safetensors_io.save(tmp_path / "bad", state, safetensors_io.read_config(src), copy_files_from=src)
+    back = gguf_hf.convert_gguf(gguf_hf.export_gguf(tmp_path / "bad", tmp_path / "bad.gguf", config(src), "f32"),
+                                   tmp_path / "cache")
+    refused = "tensor layers.1.mlp.down_proj.weight in .* holds 1 non-finite values"
+    if bad != bad:
+        assert safetensors_io.recorded_max_abs(back) is None
+        with pytest.raises(safetensors_io.CheckpointError, match=refused):
+            M.Llama.from_pretrained(back, "cpu", "float32")
+    else:
+        assert safetensors_io.recorded_max_abs(back) == bad
+        assert M.Llama.from_pretrained(back, "cpu", "float32").layers[1].mlp.down_proj.weight[3, 5] == bad
+        with pytest.raises(safetensors_io.CheckpointError, match=refused):
+            M.Llama.from_pretrained(back, "cpu", "float16")
