@@ -1,4 +1,5 @@
-"""`--model tinyllama` resolved through a real Hugging Face cache layout, offline."""
+"""`--model tinyllama` resolved through a real Hugging Face cache layout, offline; a name that
+resolves to nothing is one line."""
 
 import json
 
@@ -6,7 +7,7 @@ import pytest
 
 import checkpoint
 import model as M
-from conftest import TEXT, run_cli
+from conftest import TEXT, fails_with, run_cli
 
 REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] "
@@ -67,3 +68,12 @@ def test_tinyllama_offline_and_not_cached(tmp_path):
     assert "not in the local Hugging Face cache and we are offline" in last
     assert "--model PATH" in last and "--model smollm2-135m" in last
     assert "Traceback" not in err
+
+
+def test_missing_directory(capsys, tmp_path):
+    fails_with(capsys, ["--model", str(tmp_path / "nope"), "--prompt", "hi"], "model path not found")
+
+
+def test_unknown_alias(capsys):
+    last = fails_with(capsys, ["--model", "llama-9000", "--prompt", "hi"], "unknown model 'llama-9000'")
+    assert "tinyllama" in last and "smollm2-135m" in last
