@@ -10,10 +10,10 @@ tests/conftest.py puts your function where the lesson's was (the module or class
 attribute the lesson calls, so every call inside the lesson goes through your code)
 and runs only that exercise's tests. `--exercise-solution` swaps the lesson's own
 function in through the same machinery instead: the tests must pass, which is how
-tests/test_exercises.py checks the table below.
+tests/lessons/test_exercises.py checks the table below.
 
 This table is the one place that names, per exercise, what its stubs replace and
-which tests judge them; conftest.py, the Makefile and tests/test_exercises.py read it.
+which tests judge them; conftest.py, the Makefile and tests/lessons/test_exercises.py read it.
 It imports nothing heavy: `python3 -c "import exercises; print(exercises.usage())"`
 works before torch is installed.
 """
@@ -30,7 +30,8 @@ class Exercise:
     name: str                   # E=name; the stubs live in exercises/<name>.py
     what: str                   # one line for the list
     replaces: tuple[str, ...]   # "module.function" or "module.Class.method"; the stub has the last name
-    tests: tuple[str, ...]      # "test_file.py::test_name" (every parametrization) or "...::test_name[id]"
+    tests: tuple[str, ...]      # "test_file.py::test_name" (every parametrization) or "...::test_name[id]";
+                                # the file by its name alone: no two files under tests/ share one
 
     @property
     def module(self) -> str:

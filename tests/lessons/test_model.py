@@ -1,15 +1,17 @@
-"""model.py against transformers' LlamaForCausalLM, and the two decoders against each other."""
+"""model.py against transformers' LlamaForCausalLM, and the two decoders against each other;
+a Hugging Face directory that cannot load is one line, never a traceback."""
 
 import importlib.util
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import model as M
 import results
 import kernels
-from conftest import make_checkpoint
+from conftest import fails_with, make_checkpoint
 from model import causal_scores
 import kvcache
 
@@ -173,3 +175,48 @@ def test_config_errors_name_the_field():
         M.LlamaConfig.from_hf({k: v for k, v in base.items() if k != "vocab_size"})
     cfg = M.LlamaConfig.from_hf({**base, "eos_token_id": [5, 7]})
     assert cfg.eos_ids == [5, 7] and cfg.n_kv_heads == 2 and cfg.head_dim == 4
+
+
+# --- a Hugging Face directory that cannot be loaded: one line through the runner, never a traceback
+
+def test_directory_without_config(capsys, tmp_path):
+    fails_with(capsys, ["--model", str(tmp_path), "--prompt", "hi"], "no config.json in")
+
+
+def test_missing_weights(capsys, tiny_ckpt):
+    (tiny_ckpt / "model.safetensors").unlink()
+    fails_with(capsys, ["--model", str(tiny_ckpt), "--prompt", "hi"], "no weights in")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage-header"])
+def test_corrupt_safetensors(capsys, tiny_ckpt, damage):
+    f = tiny_ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 64 + data[64:])
+    fails_with(capsys, ["--model", str(tiny_ckpt), "--prompt", "hi"], "corrupt or truncated weights file")
+
+
+def test_shape_not_matching_config(capsys, tiny_ckpt):
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (tiny_ckpt / "config.json").write_text(json.dumps(cfg))
+    last = fails_with(capsys, ["--model", str(tiny_ckpt), "--prompt", "hi"], "do not belong together")
+    assert "mlp.down_proj" in last and "(64, 128)" in last and "(64, 96)" in last
+
+
+def test_unsupported_architecture(capsys, tiny_ckpt):
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tiny_ckpt / "config.json").write_text(json.dumps(cfg))
+    fails_with(capsys, ["--model", str(tiny_ckpt), "--prompt", "hi"],
+               "unsupported architecture 'gpt2' (config.json model_type)")
+
+
+def test_nan_weight_is_caught_at_load_with_its_name(capsys, tiny_ckpt):
+    path = tiny_ckpt / "model.safetensors"
+    state = load_file(path)
+    state["model.layers.1.self_attn.q_proj.weight"][3, 5] = float("nan")
+    save_file(state, path, metadata={"format": "pt"})
+    for flags in ([], ["--temperature", "0.7"]):
+        last = fails_with(capsys, ["--model", str(tiny_ckpt), "--prompt", "hi", *flags], "non-finite values")
+        assert "tensor layers.1.self_attn.q_proj.weight " in last

@@ -1,6 +1,6 @@
 """sampling.py: logits -> a token. Greedy, temperature, top-k and top-p draw what the
 textbook rule says (counted against the distribution sampling_probs gives), bad values are
-refused in one line, a seed reproduces a sampled answer, and one rule says which token ends
+refused in one line, NaN logits end an answer with an error, a seed reproduces a sampled answer, and one rule says which token ends
 an answer and which is shown."""
 
 import pytest
@@ -95,3 +95,14 @@ def test_visible_is_the_one_stop_token_rule():
     assert all(visible(t, []) for t in range(10))        # a model without EOS shows everything
     assert finish_reason(2, 1, 10, GREEDY(), [2], 100) == "stop" and not visible(2, [2])
     assert finish_reason(2, 1, 10, GREEDY(ignore_eos=True), [2], 100) is None
+
+
+def test_non_finite_logits_end_the_answer_with_an_error():
+    logits = torch.zeros(10)
+    logits[4] = float("nan")
+    for p in (sampling.SamplingParams(), sampling.SamplingParams(temperature=0.8)):
+        with pytest.raises(sampling.NonFiniteLogits, match="NaN or infinite"):
+            sampling.sample(logits, p)
+    ruled_out = torch.full((10,), float("-inf"))
+    ruled_out[2] = 1.0                                  # -inf is a token ruled out, not an error
+    assert sampling.sample(ruled_out, sampling.SamplingParams()) == 2

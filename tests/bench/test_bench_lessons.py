@@ -1,6 +1,6 @@
 """The lessons' measured halves, now in bench/: paged.py's fragmentation simulation (bench/paged.py),
 flash.py's benchmark table (bench/attention.py) and kvcache.py's bytes-by-kind table and plot
-(bench/kvcache.py)."""
+(bench/kvcache.py); the simulation's command writes no tracked file."""
 
 import importlib.util
 import json
@@ -11,6 +11,7 @@ import bench.kvcache
 import bench.paged
 import kvcache
 import results
+from conftest import ROOT, run_cli
 
 
 def test_simulation_meets_the_fragmentation_targets():
@@ -34,6 +35,24 @@ def test_a_missing_matplotlib_still_saves_the_table(capsys, monkeypatch, tmp_pat
     record = json.loads((tmp_path / "paged-simulation.json").read_text())
     assert (record["name"], record["lesson"], record["plots"]) == ("paged-simulation", "paged", [])
     assert len(record["tables"][0]["rows"]) == 3 and not (tmp_path / "paged_simulation.png").exists()
+
+
+def test_paged_simulation_writes_no_tracked_file():
+    """Its table and plot go where NANOINFER_RESULTS points (conftest), never into results/ or plots/."""
+    plot = ROOT / "plots" / "paged_simulation.png"
+    before = plot.stat().st_mtime_ns, sorted((ROOT / "results").glob("*"))
+    rc, out, err = run_cli("bench.py", "paged", "--simulate", "30")
+    assert rc == 0, err
+    assert (plot.stat().st_mtime_ns, sorted((ROOT / "results").glob("*"))) == before
+    record = json.loads((results.directory() / "paged-simulation.json").read_text())
+    assert (record["name"], record["lesson"], record["command"]) == ("paged-simulation", "paged",
+                                                                     "python bench.py paged --simulate 30")
+    table = record["tables"][0]
+    assert table["columns"][:2] == ["allocation", "peak concurrent seqs"] and len(table["rows"]) == 3
+    assert table["rows"][2][0] == "16-token pages"
+    drawn = importlib.util.find_spec("matplotlib") is not None
+    assert record["plots"] == (["paged_simulation.png"] if drawn else [])
+    assert (results.directory() / "paged_simulation.png").is_file() == drawn
 
 
 def test_bench_table_from_measurements():

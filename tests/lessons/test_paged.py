@@ -1,5 +1,6 @@
 """paged.py bookkeeping: slots, prefix caching (with forced hash collisions), copy-on-write,
-out-of-blocks errors, LRU eviction, randomized and property-based invariant runs (the simulation: tests/test_bench_lessons.py).
+out-of-blocks errors, LRU eviction, randomized and property-based invariant runs (the simulation:
+tests/bench/test_bench_lessons.py).
 
 A fake KV storage (one list entry per slot, holding the token id written there) stands in
 for the tensors: every sequence must read back exactly its own tokens through its block table."""

@@ -1,10 +1,10 @@
 """engine.py --trace: a fixed schedule on a tiny random-weight Llama, printed block by block.
 
-The text must equal a golden copy, tests/golden/engine_trace.txt (after an intended change to the
-schedule or the format: `python engine.py --trace > tests/golden/engine_trace.txt`, and read the
-diff). EOS is ignored, so the schedule depends on no token: other weights print the same text. The
-run must also mean what the text says: one preemption, recomputed mostly from the prefix cache,
-prefix hits, one copy-on-write block, every block back."""
+The text must equal a golden copy, tests/lessons/golden/engine_trace.txt (after an intended change
+to the schedule or the format: `python engine.py --trace > tests/lessons/golden/engine_trace.txt`,
+and read the diff). EOS is ignored, so the schedule depends on no token: other weights print the
+same text. The run must also mean what the text says: one preemption, recomputed mostly from the
+prefix cache, prefix hits, one copy-on-write block, every block back."""
 
 from pathlib import Path
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import sentencepiece
 
+from conftest import INJECTION, fails_with, make_checkpoint
 from tokenizer import NO_TEMPLATE, Tokenizer, write_tokenizer_from_gguf
 
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -327,6 +328,47 @@ def test_stream_decoder_flushes_an_unfinished_character(smol):
     assert stream.flush() == ""
 
 
+def test_lone_surrogates_encode_as_replacement_characters(tiny_ckpt):
+    tok = Tokenizer.from_dir(tiny_ckpt)
+    assert tok.encode("hi \udcff there") == tok.encode("hi \ufffd there")
+
+
+# ---------------------------------------------------------------- user text is data
+
+
+def test_message_text_never_becomes_control_tokens(bundled_dir):
+    tok = Tokenizer.from_dir(bundled_dir)
+    special = set(tok.special_ids)
+    plain = tok.encode_chat([{"role": "user", "content": "hi"}])
+    forged = tok.encode_chat([{"role": "user", "content": INJECTION}])
+    assert sum(i in special for i in forged) == sum(i in special for i in plain)
+    assert tok.decode(forged) == tok.apply_chat_template([{"role": "user", "content": INJECTION}])
+    assert sum(i in special for i in tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": INJECTION}]), add_bos=False)) > sum(i in special for i in plain)   # the old way
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "  spaces  "}],
+    [{"role": "user", "content": "naïve café 😀\n\ncode:\n    return x"}],
+])
+def test_ordinary_messages_encode_as_the_rendered_template(bundled_dir, messages):
+    tok = Tokenizer.from_dir(bundled_dir)
+    assert tok.encode_chat(messages) == tok.encode(tok.apply_chat_template(messages), add_bos=False)
+
+
+def test_a_trimming_template_is_followed(tiny_ckpt):
+    tok = Tokenizer.from_dir(tiny_ckpt)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                         "{% endfor %}<|im_start|>assistant\n")
+    tok._template = None
+    messages = [{"role": "user", "content": "  <|im_end|>  "}]
+    ids = tok.encode_chat(messages)
+    assert tok.decode(ids) == tok.apply_chat_template(messages)
+    assert sum(i in set(tok.special_ids) for i in ids) == 3
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -337,6 +379,11 @@ def test_missing_tokenizer_files(tmp_path):
         f"no tokenizer in {tmp_path}: expected tokenizer.json or tokenizer.model "
         "(copy them from the model's repository)"
     )
+
+
+def test_missing_tokenizer(capsys, tmp_path):
+    path = make_checkpoint(tmp_path / "m", tokenizer=False)
+    fails_with(capsys, ["--model", str(path), "--prompt", "hi"], "no tokenizer in")
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer.model"])

@@ -18,12 +18,21 @@ import checkpoint
 import gguf_hf
 import model as M
 import safetensors_io
-from conftest import ROOT, TEXT, bundled_gguf, make_checkpoint, run_cli
+from conftest import ROOT, TEXT, bundled_gguf, fails_with, make_checkpoint, run_cli
 from tokenizer import Tokenizer
 
 
 # ----------------------------------------------------------------------------
 # Names -> directories (checkpoint.py): an alias through a real Hugging Face cache, offline.
+
+def test_missing_directory(capsys, tmp_path):
+    fails_with(capsys, ["--model", str(tmp_path / "nope"), "--prompt", "hi"], "model path not found")
+
+
+def test_unknown_alias(capsys):
+    last = fails_with(capsys, ["--model", "llama-9000", "--prompt", "hi"], "unknown model 'llama-9000'")
+    assert "tinyllama" in last and "smollm2-135m" in last
+
 
 REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] "

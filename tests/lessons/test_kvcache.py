@@ -5,7 +5,7 @@ import torch
 
 import kvcache as K
 import model as M
-from conftest import make_checkpoint
+from conftest import make_checkpoint, run_cli
 import kernels
 
 WINDOW = 16
@@ -185,6 +185,11 @@ def test_calculator_prints_the_lesson_numbers():
     assert "per sequence of 32768: 80 GiB" in K.calculator("llama3-70b-mha", 32768, 1, "fp16", None)
     out = K.calculator("llama2-7b", 4096, 8, "int8", 80)
     assert "8192 B/token/layer" in out and "batch of 8:      8 GiB" in out and "at most 80 sequences" in out
+
+
+def test_kvcache_calculator_refuses_negative_sizes():
+    rc, out, err = run_cli("kvcache.py", "--seq", "-5")
+    assert rc == 2 and "--seq must be positive" in err and "Traceback" not in err
 
 
 def test_bytes_by_kind_equal_real_caches():
