@@ -246,8 +246,7 @@ class BlockAllocator:
         shared and partially filled, the (src, dst) blocks the caller must copy
         before writing (copy-on-write). ``token_id`` is the token whose K/V goes in
         that slot. When the block becomes full it is registered in the prefix cache.
-        Raises OutOfBlocks, with the table unchanged, if a block is needed and none is
-        left."""
+        Raises OutOfBlocks, with the table unchanged, if a block is needed and none is left."""
         self._check_live(table)
         bs, pos = self.block_size, table.num_tokens
         copy = None

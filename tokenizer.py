@@ -468,8 +468,8 @@ def _sentencepiece_bpe(tokens, types, scores, add_space_prefix) -> tuple[HFToken
                    for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
     merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
     unk = next((t for t, ty in zip(tokens, types) if ty == TokenType.UNKNOWN), None)
-    tok = HFTokenizer(models.BPE(vocab, [(left, right) for _, left, right in merges],
-                                 unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok = HFTokenizer(models.BPE(vocab, [(left, right) for _, left, right in merges], unk_token=unk,
+                                 fuse_unk=True, byte_fallback=True))
     # Spaces become "▁", and like sentencepiece's dummy prefix every stretch of text between
     # special tokens gets one in front, even one that starts with a space (a normalizer runs per
     # stretch). This is what sentencepiece and llama.cpp do; transformers' GGUF loader uses a
