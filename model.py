@@ -77,9 +77,12 @@ class LlamaConfig:
     sliding_window: int | None = None   # Mistral-style: attend to the last W positions only
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
-    quantization: dict | None = None    # a checkpoint written by quantize.py: {"weights": "int8"}, ...
-    head_vocab: int | None = None       # an LM head over only this many tokens (a draft's, train.py)
-    eagle: bool = False                 # config.json's "eagle": an EAGLE draft head (drafting.EagleHead)
+    quantization: dict | None = None    # a checkpoint written by quantize.py:
+                                        # {"weights": "int8"}, ...
+    head_vocab: int | None = None       # an LM head over only this many tokens (a draft's,
+                                        # train.py)
+    eagle: bool = False                 # config.json's "eagle": an EAGLE draft head
+                                        # (drafting.EagleHead)
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
@@ -95,7 +98,8 @@ class LlamaConfig:
                 rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
                 max_seq_len=c.get("max_position_embeddings", 2048),
                 tie_embeddings=c.get("tie_word_embeddings", False), bos_id=c.get("bos_token_id"),
-                sliding_window=c.get("sliding_window") if c.get("use_sliding_window", True) else None,
+                sliding_window=(c.get("sliding_window") if c.get("use_sliding_window", True)
+                                else None),
                 eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
                 quantization=c.get(QUANTIZATION_KEY), head_vocab=c.get("draft_vocab_size"),
                 eagle=bool(c.get("eagle", False)))
@@ -109,8 +113,10 @@ class LlamaConfig:
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     d = cfg.head_dim
-    # d/2 numbers, on the CPU even while Llama.__init__ builds on the meta device (whose arange imports torch._dynamo)
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d)
+    # d/2 numbers, on the CPU even while Llama.__init__ builds on the meta device (whose arange
+    # imports torch._dynamo)
+    inv_freq = 1.0 / cfg.rope_theta ** (
+        torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d)
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()
@@ -130,8 +136,10 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype):
     angles = positions.to(inv_freq.dtype)[..., None] * inv_freq   # (..., T, d/2)
     angles = torch.cat([angles, angles], dim=-1)                 # (..., T, d)
-    if angles.dim() == 3:   # positions (B, T): each row its own positions (a batch of sequences, engine.py);
-        angles = angles[:, None]                                 # (B, 1, T, d) broadcasts over the heads
+    # positions (B, T): each row its own positions (a batch of sequences, engine.py);
+    # (B, 1, T, d) broadcasts over the heads
+    if angles.dim() == 3:
+        angles = angles[:, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -200,8 +208,10 @@ def attend(q, k, v, mask, window: int | None = None):
     if T > 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               enable_gqa=H != n_kv)
-    swap = (lambda x: x.transpose(0, 1)) if B > 1 and k.transpose(0, 1).is_contiguous() else (lambda x: x)
-    scores = swap(q.reshape(B, n_kv, H // n_kv, d)) @ swap(k).transpose(-1, -2) * d ** -0.5    # (…, group, L)
+    swap = ((lambda x: x.transpose(0, 1)) if B > 1 and k.transpose(0, 1).is_contiguous()
+            else (lambda x: x))
+    # (…, group, L)
+    scores = swap(q.reshape(B, n_kv, H // n_kv, d)) @ swap(k).transpose(-1, -2) * d ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~(swap(mask) if mask.dim() == 4 else mask), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -211,13 +221,14 @@ def attend(q, k, v, mask, window: int | None = None):
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, attend=attend):
         super().__init__()
-        # softmax(q·kᵀ/√d)·v: `attend` above, or another with its signature (flash.py's tiles; a
-        # device's kernel, which kernels.py swaps in)
+        # softmax(q·kᵀ/√d)·v: `attend` above, or another with its signature (flash.py's
+        # tiles; a device's kernel, which kernels.py swaps in)
         self.attend = attend
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.config = cfg     # the model's own: its sliding_window, read at each pass
         # W_q, W_k, W_v stacked into one matrix: one matmul call instead of three (see FUSED)
-        self.split = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
+        self.split = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
+                      cfg.n_kv_heads * cfg.head_dim]
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
@@ -227,11 +238,15 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        in_place = getattr(cache_layer, "in_place", False)     # a paged decode step on a GPU (kvcache.py)
+        # a paged decode step on a GPU (kvcache.py)
+        in_place = getattr(cache_layer, "in_place", False)
         if cache_layer is not None and not in_place:
-            # all K/V so far (B, n_kv, L, d); a static cache's mask covers its live rows only (kvcache.py)
-            k, v = (t[:, :, :None if mask is None else mask.shape[-1]] for t in cache_layer.update(k, v, positions))
-        window = self.config.sliding_window if cache_layer is None and mask is None else None   # else in the mask
+            # all K/V so far (B, n_kv, L, d); a static cache's mask covers its live rows only
+            # (kvcache.py)
+            k, v = (t[:, :, :None if mask is None else mask.shape[-1]]
+                    for t in cache_layer.update(k, v, positions))
+        # else (a cache or a mask given) the window is in the mask
+        window = self.config.sliding_window if cache_layer is None and mask is None else None
         y = cache_layer.attend(q, k, v) if in_place else self.attend(q, k, v, mask, window)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -239,7 +254,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [W_gate; W_up]
+        # [W_gate; W_up]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
@@ -270,7 +286,8 @@ FUSED = safetensors_io.FUSED
 def unfuse(model: "Llama") -> dict:
     """The model's tensors by checkpoint names (without "model."): each fused matrix
     split back into its parts (a quantized layer's scales too)."""
-    rows = [{"self_attn.qkv_proj": layer.self_attn.split, "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+    rows = [{"self_attn.qkv_proj": layer.self_attn.split,
+             "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
             for layer in model.layers]
     return safetensors_io.split_fused(dict(model.state_dict()), FUSED, rows)
 
@@ -291,9 +308,11 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig, attend=attend):
         super().__init__()
         self.config = cfg
-        self.attend = attend        # every layer's (a model built like this one passes it on: tp.py)
-        # On the meta device, where from_pretrained builds, nn.Embedding's own init (normal_) imports torch._dynamo:
-        # 894 more modules at every start. So the table is drawn (the same draws) only on a device with memory.
+        # every layer's (a model built like this one passes it on: tp.py)
+        self.attend = attend
+        # On the meta device, where from_pretrained builds, nn.Embedding's own init (normal_)
+        # imports torch._dynamo: 894 more modules at every start. So the table is drawn (the
+        # same draws) only on a device with memory.
         w = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(*w.shape, _weight=w if w.is_meta else nn.init.normal_(w))
         self.layers = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.n_layers))
@@ -303,18 +322,19 @@ class Llama(nn.Module):
         # which makes its head 6x cheaper to run and to train. `head_ids` are
         # their ids; every other token gets logit −inf, i.e. probability 0, which
         # speculative.py's rejection rule handles exactly.
-        self.register_buffer("head_ids", torch.zeros(cfg.head_vocab, dtype=torch.long) if cfg.head_vocab else None)
+        self.register_buffer("head_ids", torch.zeros(cfg.head_vocab, dtype=torch.long)
+                             if cfg.head_vocab else None)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.head_vocab or cfg.vocab_size, bias=False)
         if cfg.tie_embeddings and "lm_head.weight" not in self.borrowed:
             self.tie_head()
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
-        # A faster one-token step with step's signature (a compiled one: the product sets it), run in
-        # its place for one token on a cache of fixed shapes; None: step itself.
+        # A faster one-token step with step's signature (a compiled one: the product sets it),
+        # run in its place for one token on a cache of fixed shapes; None: step itself.
         self.compiled_step = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None,
-                last_only: bool = False, mask: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                hidden: bool = False):
+                last_only: bool = False, mask: torch.Tensor | None = None,
+                features: torch.Tensor | None = None, hidden: bool = False):
         """tokens (B, T) at absolute positions (T,) -> logits (B, T, vocab).
         Positions (B, T) give each row its own (a paged cache's batch, engine.py).
 
@@ -331,9 +351,12 @@ class Llama(nn.Module):
         if cache is not None:
             own = cache.begin(positions)      # host-side bookkeeping, then pure tensor work below
             mask = own if mask is None else mask
-        # else: the given mask, or None = causal (a sliding window's: attend() skips the tiles outside it)
-        # a compiled step was traced for one token on a cache of fixed shapes; anything else runs eagerly
-        fixed = self.compiled_step is not None and tokens.shape[1] == 1 and getattr(cache, "fixed_shape", False)
+        # else: the given mask, or None = causal (a sliding window's: attend() skips the tiles
+        # outside it)
+        # a compiled step was traced for one token on a cache of fixed shapes; anything else
+        # runs eagerly
+        fixed = (self.compiled_step is not None and tokens.shape[1] == 1
+                 and getattr(cache, "fixed_shape", False))
         step = self.compiled_step if fixed else self.step
         return step(tokens, positions, mask, cache, last_only, features, hidden)
 
@@ -354,22 +377,23 @@ class Llama(nn.Module):
         return (logits, h) if hidden else logits
 
     def embed(self, tokens, features=None):
-        """The input at each position: the token's embedding (a draft head may mix in more: ``features``,
-        drafting.EagleHead)."""
+        """The input at each position: the token's embedding (a draft head may mix in more:
+        ``features``, drafting.EagleHead)."""
         return self.embed_tokens(tokens)
 
     def tie_head(self):
         """Share the embedding with the LM head: the same matrix, or its head_ids
         rows (a copy: gathering them on every step would cost more than it saves)."""
         w = self.embed_tokens.weight
-        self.lm_head.weight = w if self.head_ids is None else nn.Parameter(w.detach()[self.head_ids],
-                                                                           requires_grad=False)
+        self.lm_head.weight = (w if self.head_ids is None
+                               else nn.Parameter(w.detach()[self.head_ids], requires_grad=False))
 
     @classmethod
-    def from_pretrained(cls, model_dir, device="cpu", dtype=torch.float32, cfg: LlamaConfig | None = None,
-                        attend=attend) -> "Llama":
-        """Build on the meta device (no memory), then adopt the checkpoint's mmap-backed tensors with
-        assign=True: no random init, no second copy. ``dtype`` a torch.dtype or a name (DTYPES)."""
+    def from_pretrained(cls, model_dir, device="cpu", dtype=torch.float32,
+                        cfg: LlamaConfig | None = None, attend=attend) -> "Llama":
+        """Build on the meta device (no memory), then adopt the checkpoint's mmap-backed tensors
+        with assign=True: no random init, no second copy. ``dtype`` a torch.dtype or a name
+        (DTYPES)."""
         cfg = cfg or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
         if cfg.quantization:
             raise ValueError(f"{model_dir} holds {cfg.quantization['weights']} weights written by "
@@ -380,8 +404,8 @@ class Llama(nn.Module):
         return adopt_checkpoint(model, model_dir, device, dtype)
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def as_dtype(name) -> torch.dtype:
@@ -390,7 +414,8 @@ def as_dtype(name) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype '{name}': use float32, bfloat16 or float16 (fp32/bf16/fp16)")
+        raise ValueError(f"unknown dtype '{name}': use float32, bfloat16 or float16 "
+                         "(fp32/bf16/fp16)")
     return DTYPES[name]
 
 
@@ -427,8 +452,10 @@ def save_random_checkpoint(hf_config: dict, out_dir, dtype=torch.bfloat16, seed:
         shapes = checkpoint_shapes((cls or Llama)(cfg))
     gen = torch.Generator().manual_seed(seed)
     state = {name: torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else
-             torch.randperm(cfg.vocab_size, generator=gen)[:shape[0]].sort().values if name == "head_ids" else
-             torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=gen) for name, shape in shapes.items()}
+             torch.randperm(cfg.vocab_size, generator=gen)[:shape[0]].sort().values
+             if name == "head_ids" else
+             torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=gen)
+             for name, shape in shapes.items()}
     return safetensors_io.save(out_dir, state, hf_config)
 
 
@@ -442,7 +469,8 @@ def read_model_dir(name: str):
     return model_dir, cfg, tok
 
 
-def load(name: str = checkpoint.DEFAULT_MODEL, device="cpu", dtype=torch.float32) -> tuple[Llama, Tokenizer]:
+def load(name: str = checkpoint.DEFAULT_MODEL, device="cpu",
+         dtype=torch.float32) -> tuple[Llama, Tokenizer]:
     """Alias, directory or .gguf -> (model, tokenizer), the weights in ``dtype`` (nanoinfer.load
     runs it fast: quantized, native kernels, prepacked)."""
     model_dir, cfg, tok = read_model_dir(name)
@@ -464,7 +492,8 @@ class GenerationStats:
     prefill_s: float = 0.0      # wall time to the first new token (TTFT)
     decode_s: float = 0.0       # wall time of the rest
     positions_computed: int = 0  # query positions pushed through the model, all steps
-    scores_computed: int = 0    # query·key scores of one head in one layer, all steps (causal_scores)
+    scores_computed: int = 0    # query·key scores of one head in one layer, all steps
+                                # (causal_scores)
     finish_reason: Finish | None = None   # why the answer ended (sampling.finish_reason)
 
     def clock(self, i: int, t0: float) -> float:
@@ -479,9 +508,10 @@ class GenerationStats:
 
 
 class Cache:
-    """The smallest KV cache: each layer's keys and values so far, grown by concatenation (kvcache.py
-    holds the general ones, tested equal to this). A pass over T new tokens appends their K/V and
-    attends over everything held; ``begin`` says which keys each new token may read."""
+    """The smallest KV cache: each layer's keys and values so far, grown by concatenation
+    (kvcache.py holds the general ones, tested equal to this). A pass over T new tokens appends
+    their K/V and attends over everything held; ``begin`` says which keys each new token may
+    read."""
     limit = None                # it grows with the conversation: only the model's context bounds it
 
     def __init__(self, config: LlamaConfig):
@@ -490,7 +520,8 @@ class Cache:
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor:
         self.length += positions.shape[-1]
-        return attention_mask(positions, torch.arange(self.length, device=positions.device), self.window)
+        return attention_mask(positions, torch.arange(self.length, device=positions.device),
+                              self.window)
 
 
 class CacheLayer:
@@ -533,7 +564,8 @@ def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
         t0 = stats.clock(i, t0)
         yield nxt
         tokens.append(nxt)
-        stats.finish_reason = finish_reason(nxt, i + 1, len(tokens), p, model.config.eos_ids, context_limit(model))
+        stats.finish_reason = finish_reason(nxt, i + 1, len(tokens), p, model.config.eos_ids,
+                                            context_limit(model))
         if stats.finish_reason:
             return
 
@@ -553,7 +585,8 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
     dev = model.embed_tokens.weight.device
     gen = seeded_generator(p.seed, dev)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
-    ids, pos = torch.tensor([prompt], device=dev), torch.arange(start, start + len(prompt), device=dev)
+    ids, pos = (torch.tensor([prompt], device=dev),
+                torch.arange(start, start + len(prompt), device=dev))
     for i in range(p.max_new_tokens):
         logits = model(ids, pos, cache, last_only=True)
         stats.positions_computed += ids.shape[1]
@@ -561,7 +594,8 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
         nxt = sample(logits[0, -1], p, gen)
         t0 = stats.clock(i, t0)
         yield nxt
-        stats.finish_reason = finish_reason(nxt, i + 1, cache.length + 1, p, model.config.eos_ids, limit)
+        stats.finish_reason = finish_reason(nxt, i + 1, cache.length + 1, p, model.config.eos_ids,
+                                            limit)
         if stats.finish_reason:
             return
         ids, pos = torch.tensor([[nxt]], device=dev), torch.tensor([cache.length], device=dev)
@@ -575,23 +609,28 @@ DECODERS = {"naive": generate_naive, "cached": generate_cached}
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(description="naive vs KV-cached decoding: the same tokens, and the work each does")
+    ap = argparse.ArgumentParser(description="naive vs KV-cached decoding: the same tokens, "
+                                             "and the work each does")
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=100)
     if (args := ap.parse_args()).tokens < 1:
         ap.error(f"--tokens must be at least 1, got {args.tokens}")
     model, tok = load(args.model)
-    prompt = [tok.bos_id if tok.bos_id is not None else 0]   # BOS alone: naive steps run 1, 2, ..., N positions
+    # BOS alone: naive steps run 1, 2, ..., N positions
+    prompt = [tok.bos_id if tok.bos_id is not None else 0]
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)   # exactly N tokens
     stats = {name: GenerationStats() for name in DECODERS}
-    out = {name: list(decode(model, prompt, params, stats[name])) for name, decode in DECODERS.items()}
+    out = {name: list(decode(model, prompt, params, stats[name]))
+           for name, decode in DECODERS.items()}
     naive, cached = stats["naive"], stats["cached"]
-    print(f"generated {len(out['cached'])} tokens from a 1-token prompt; identical: {out['naive'] == out['cached']}")
+    print(f"generated {len(out['cached'])} tokens from a 1-token prompt; "
+          f"identical: {out['naive'] == out['cached']}")
     print(f"text: {tok.decode(out['cached'])[:200]!r}")
     print(f"{'decoder':8} {'positions computed':>19} {'attention scores per head and layer':>36}")
     for name, s in stats.items():
         print(f"{name:8} {s.positions_computed:>19} {s.scores_computed:>36}")
-    print(f"the cache computes {naive.positions_computed / cached.positions_computed:.1f}x fewer positions and "
-          f"{naive.scores_computed / cached.scores_computed:.1f}x fewer attention scores: it removes\nthe "
-          "recomputation, but each new token still reads every earlier key: attention per token grows with\nthe "
-          "context (timed against N and plotted: python bench.py naive-vs-cached)")
+    print(f"the cache computes {naive.positions_computed / cached.positions_computed:.1f}x fewer "
+          f"positions and {naive.scores_computed / cached.scores_computed:.1f}x fewer attention "
+          "scores: it removes\nthe recomputation, but each new token still reads every earlier "
+          "key: attention per token grows with\nthe context (timed against N and plotted: "
+          "python bench.py naive-vs-cached)")

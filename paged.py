@@ -55,9 +55,9 @@ Everything here is plain Python that never touches a tensor:
 evictable cached blocks) and ``BlockTable`` (one per sequence). The engine
 drives it like this:
 
-    table, n_cached = allocator.allocate_sequence(prompt_ids)  # compute K/V of prompt_ids[n_cached:]
+    table, n_cached = allocator.allocate_sequence(prompt_ids)  # compute prompt_ids[n_cached:]'s K/V
     slots = table.slots(n_cached)                               # where to scatter them
-    slot, copy = allocator.append_slot(table, token_id)         # each decode step; copy the block first
+    slot, copy = allocator.append_slot(table, token_id)         # each decode step; copy block first
     branch = allocator.fork(table)                              # n > 1: shares every block
     allocator.free(table)                                       # finished, cancelled or preempted
 
@@ -112,7 +112,8 @@ class Block:
     prefix_id: int = 0                       # names exactly the tokens up to here (never reused)
 
     def forget(self):
-        """Drop the name: the block holds nothing a lookup may find (it is free, or about to be rewritten)."""
+        """Drop the name: the block holds nothing a lookup may find (it is free, or about to
+        be rewritten)."""
         self.hash, self.token_ids, self.parent, self.prefix_id = None, None, 0, 0
 
 
@@ -155,12 +156,15 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, prefix_caching: bool = True,
                  events: list | None = None):
         self.block_size = block_size
-        self.prefix_caching = prefix_caching   # False: full blocks are named but never looked up (a baseline)
+        # False: full blocks are named but never looked up (a baseline)
+        self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
         self.evictable: OrderedDict[int, None] = OrderedDict()         # oldest first
-        self.cached: dict[int, list[Block]] = {}   # hash → blocks with it (two only on a collision)
-        self.live: dict[int, BlockTable] = {}      # seq_id → table, for free() and check_invariants()
+        # hash → blocks with it (two only on a collision)
+        self.cached: dict[int, list[Block]] = {}
+        # seq_id → table, for free() and check_invariants()
+        self.live: dict[int, BlockTable] = {}
         self._next_seq = 0
         self._next_prefix = 1
         self.events = events                       # None: record nothing
@@ -190,12 +194,14 @@ class BlockAllocator:
         a hit on a cached-and-free block takes that block out of what is available."""
         tokens = list(token_ids)
         hits = self._match_prefix(tokens)
-        return self.blocks_for(len(tokens)) - len(hits), self.num_free - sum(b.ref_count == 0 for b in hits)
+        return (self.blocks_for(len(tokens)) - len(hits),
+                self.num_free - sum(b.ref_count == 0 for b in hits))
 
     def needs_block(self, table: BlockTable) -> bool:
         """Whether the next ``append_slot`` takes a block (a border, or a shared
         partial block to copy). A decode step needs at most one per sequence."""
-        return table.num_tokens % self.block_size == 0 or self.blocks[table.block_ids[-1]].ref_count > 1
+        return (table.num_tokens % self.block_size == 0
+                or self.blocks[table.block_ids[-1]].ref_count > 1)
 
     # --- the four operations -----------------------------------------------
 
@@ -217,7 +223,8 @@ class BlockAllocator:
         tokens, bs = list(token_ids), self.block_size
         hits = self._match_prefix(tokens)
         need = self.blocks_for(len(tokens)) - len(hits)
-        available = self.num_free - sum(b.ref_count == 0 for b in hits)  # revived hits leave the pool
+        # revived hits leave the pool
+        available = self.num_free - sum(b.ref_count == 0 for b in hits)
         if need > available:
             raise self._out_of_blocks(need, available)
         table = self._new_table(seq_id)
@@ -230,7 +237,8 @@ class BlockAllocator:
         n_cached = len(hits) * bs
         table.token_ids = tokens[:n_cached]
         for t in tokens[n_cached:]:
-            self.append_slot(table, t)   # fresh blocks: never a copy, and cannot run out (checked above)
+            # fresh blocks: never a copy, and cannot run out (checked above)
+            self.append_slot(table, t)
         return table, n_cached
 
     def append_slot(self, table: BlockTable, token_id: int) -> tuple[int, tuple[int, int] | None]:
@@ -260,7 +268,8 @@ class BlockAllocator:
         return block.id * bs + pos % bs, copy
 
     def fork(self, table: BlockTable, seq_id: int | None = None) -> BlockTable:
-        """A branch (named ``seq_id``) that shares every block with ``table``. Costs no memory now."""
+        """A branch (named ``seq_id``) that shares every block with ``table``. Costs no memory
+        now."""
         self._check_live(table)
         twin = self._new_table(seq_id)
         twin.block_ids, twin.token_ids = list(table.block_ids), list(table.token_ids)
@@ -280,7 +289,8 @@ class BlockAllocator:
         for bid in reversed(table.block_ids):
             self.release(bid)
             block = self.blocks[bid]
-            fate["kept" if block.ref_count else "cached" if bid in self.evictable else "free"].append(bid)
+            fate["kept" if block.ref_count else "cached" if bid in self.evictable
+                 else "free"].append(bid)
         self.note("free", table.seq_id, fate)
         table.block_ids = []
         del self.live[table.seq_id]
@@ -312,7 +322,8 @@ class BlockAllocator:
 
     def _check_live(self, table: BlockTable):
         if self.live.get(table.seq_id) is not table:
-            raise ValueError(f"sequence {table.seq_id} was already freed (or belongs to another allocator)")
+            raise ValueError(f"sequence {table.seq_id} was already freed "
+                             "(or belongs to another allocator)")
 
     def _take(self) -> Block:
         if self.free_ids:
@@ -329,9 +340,9 @@ class BlockAllocator:
         return block
 
     def _out_of_blocks(self, need: int, available: int) -> OutOfBlocks:
-        return OutOfBlocks(f"KV cache full: need {need} more block(s) of {self.block_size} tokens, "
-                           f"{available} of {self.num_blocks} free; finish, preempt or free a sequence "
-                           f"first, or give the allocator more blocks")
+        return OutOfBlocks(f"KV cache full: need {need} more block(s) of {self.block_size} "
+                           f"tokens, {available} of {self.num_blocks} free; finish, preempt or "
+                           f"free a sequence first, or give the allocator more blocks")
 
     def _match_prefix(self, tokens: list[int]) -> list[Block]:
         """The cached blocks that hold the leading full blocks of ``tokens`` (never the
@@ -347,7 +358,8 @@ class BlockAllocator:
         return hits
 
     def _lookup(self, h: int, parent: int, chunk: tuple[int, ...]) -> Block | None:
-        return next((b for b in self.cached.get(h, ()) if b.parent == parent and b.token_ids == chunk), None)
+        return next((b for b in self.cached.get(h, ())
+                     if b.parent == parent and b.token_ids == chunk), None)
 
     def is_cached(self, block: Block) -> bool:
         """Whether a lookup by hash can find this block (it is in the hash → blocks map)."""
@@ -373,10 +385,13 @@ class BlockAllocator:
                 self.cached.setdefault(h, []).append(block)
 
     def describe(self) -> str:
-        """The pool at a glance: blocks in use (×n: held by n tables), cached-and-free (oldest first), free."""
-        held = [f"{b.id}" + f"×{b.ref_count}" * (b.ref_count > 1) for b in self.blocks if b.ref_count]
+        """The pool at a glance: blocks in use (×n: held by n tables), cached-and-free (oldest
+        first), free."""
+        held = [f"{b.id}" + f"×{b.ref_count}" * (b.ref_count > 1) for b in self.blocks
+                if b.ref_count]
         ids = lambda blocks: " ".join(map(str, blocks)) or "-"
-        return f"in use {ids(held)} | cached {ids(self.evictable)} | free {ids(sorted(self.free_ids))}"
+        return (f"in use {ids(held)} | cached {ids(self.evictable)} | "
+                f"free {ids(sorted(self.free_ids))}")
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the bookkeeping is consistent: every block is
@@ -394,17 +409,22 @@ class BlockAllocator:
         expect(len({b.id for b in in_map}) == len(in_map), "a block is in the cache map twice")
         in_map_ids = {b.id for b in in_map}
         for h, bucket in self.cached.items():
-            expect(bucket and all(b.hash == h for b in bucket), f"cache bucket {h} is empty or mislabeled")
+            expect(bucket and all(b.hash == h for b in bucket),
+                   f"cache bucket {h} is empty or mislabeled")
         for b in self.blocks:
-            expect(b.ref_count == refs[b.id], f"block {b.id}: ref_count {b.ref_count}, {refs[b.id]} tables")
+            expect(b.ref_count == refs[b.id],
+                   f"block {b.id}: ref_count {b.ref_count}, {refs[b.id]} tables")
             states = [b.ref_count > 0, b.id in free, b.id in self.evictable]
-            expect(sum(states) == 1, f"block {b.id} is in {sum(states)} states (owned, free, evictable)")
+            expect(sum(states) == 1,
+                   f"block {b.id} is in {sum(states)} states (owned, free, evictable)")
             if b.id in free:
-                expect(b.hash is None and b.id not in in_map_ids, f"free block {b.id} still has a hash")
+                expect(b.hash is None and b.id not in in_map_ids,
+                       f"free block {b.id} still has a hash")
             if b.id in self.evictable:
                 expect(b.id in in_map_ids, f"evictable block {b.id} is not in the cache map")
             if b.id in in_map_ids:
-                expect(b.token_ids is not None and len(b.token_ids) == bs, f"cached block {b.id} not full")
+                expect(b.token_ids is not None and len(b.token_ids) == bs,
+                       f"cached block {b.id} not full")
         for t in self.live.values():
             expect(len(t.block_ids) == self.blocks_for(t.num_tokens),
                    f"sequence {t.seq_id}: {len(t.block_ids)} blocks for {t.num_tokens} tokens")
@@ -443,7 +463,8 @@ def demo():
     b, hit_b = alloc.allocate_sequence(system + [600, 601])
     print(f"   first:  blocks {a.block_ids}, {hit_a} tokens from the cache")
     print(f"   second: blocks {b.block_ids}, {hit_b} tokens from the cache "
-          f"(2 full blocks shared, prefill {len(b.token_ids) - hit_b} tokens instead of {len(b.token_ids)})")
+          f"(2 full blocks shared, prefill {len(b.token_ids) - hit_b} tokens instead of "
+          f"{len(b.token_ids)})")
 
     print("\n3. copy-on-write: a 20-token prompt forked for n = 3 samples")
     p, _ = alloc.allocate_sequence(range(3000, 3020))
@@ -451,7 +472,8 @@ def demo():
     print(f"   all three share blocks {p.block_ids} (block {p.block_ids[1]} holds 4 of 16 tokens)")
     for i, t in enumerate(branches):
         slot, copy = alloc.append_slot(t, 7000 + i)
-        what = f"copy block {copy[0]} → {copy[1]} first" if copy else "no copy: the block is its own now"
+        what = (f"copy block {copy[0]} → {copy[1]} first" if copy
+                else "no copy: the block is its own now")
         print(f"   branch {i} writes its first sample at slot {slot}: {what}; blocks {t.block_ids}")
 
     for t in tables + [a, b] + branches:

@@ -37,9 +37,11 @@ class SamplingParams:
     top_p: float = 1.0           # keep the smallest set whose probability reaches top_p
     seed: int | None = None
     max_new_tokens: int = 256
-    logprobs: int = 0            # the engine also returns the N most likely tokens' log-probabilities at
-                                 # every output position, from the raw distribution (before temperature)
-    ignore_eos: bool = False     # run to max_new_tokens: benchmarks and training data need exact lengths
+    logprobs: int = 0            # the engine also returns the N most likely tokens'
+                                 # log-probabilities at every output position, from the
+                                 # raw distribution (before temperature)
+    ignore_eos: bool = False     # run to max_new_tokens: benchmarks and training data
+                                 # need exact lengths
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -90,15 +92,18 @@ def check_logits(logits: torch.Tensor):
     """Refuse NaN or +inf logits (−inf is fine: a token ruled out, as a draft head's
     head_ids or top-k make it). One comparison over the vocabulary per token."""
     if not bool((logits < math.inf).all()):
-        raise NonFiniteLogits("the model computed NaN or infinite scores, so no token can be trusted: its "
-                              "weights hold NaN/inf, or this dtype overflows (try --dtype float32)")
+        raise NonFiniteLogits("the model computed NaN or infinite scores, so no token can be "
+                              "trusted: its weights hold NaN/inf, or this dtype overflows "
+                              "(try --dtype float32)")
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> int:
+def sample(logits: torch.Tensor, p: SamplingParams,
+           generator: torch.Generator | None = None) -> int:
     """logits (vocab,) fp32 -> token id."""
     if p.temperature == 0:
-        # argmax takes NaN for the largest score, so the chosen one is NaN or +inf exactly when some score is:
-        # one value checked, not the vocabulary (49,152 comparisons: 60 µs a token here, of ~8 ms)
+        # argmax takes NaN for the largest score, so the chosen one is NaN or +inf exactly when
+        # some score is: one value checked, not the vocabulary (49,152 comparisons: 60 µs a
+        # token here, of ~8 ms)
         token = int(logits.argmax())
         check_logits(logits[token])
         return token
@@ -146,10 +151,12 @@ if __name__ == "__main__":
     logits = torch.tensor([4.0, 3.5, 3.0, 2.0, 1.0, 0.0, -1.0, -3.0])
     print("logits      " + " ".join(f"{x:6.1f}" for x in logits.tolist()))
     for name, p in [("greedy", SamplingParams()), ("T = 1", SamplingParams(temperature=1.0)),
-                    ("T = 0.5", SamplingParams(temperature=0.5)), ("T = 2", SamplingParams(temperature=2.0)),
+                    ("T = 0.5", SamplingParams(temperature=0.5)),
+                    ("T = 2", SamplingParams(temperature=2.0)),
                     ("top-k 3", SamplingParams(temperature=1.0, top_k=3)),
                     ("top-p 0.9", SamplingParams(temperature=1.0, top_p=0.9))]:
         print(f"{name:11} " + " ".join(f"{x:6.3f}" for x in sampling_probs(logits, p).tolist()))
     gen = seeded_generator(0, "cpu")
-    draws = [sample(logits, SamplingParams(temperature=1.0, top_p=0.9, seed=0), gen) for _ in range(20)]
+    draws = [sample(logits, SamplingParams(temperature=1.0, top_p=0.9, seed=0), gen)
+             for _ in range(20)]
     print(f"20 draws at T = 1, top-p 0.9, seed 0: {draws}")

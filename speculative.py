@@ -93,8 +93,10 @@ import torch
 
 import kvcache
 from kvcache import DynamicCache
-from model import GenerationStats, Llama, attention_mask, check_context, context_limit, generate_cached, load
-from sampling import SamplingParams, check_logits, finish_reason, sample, sampling_probs, seeded_generator
+from model import (GenerationStats, Llama, attention_mask, check_context, context_limit,
+                   generate_cached, load)
+from sampling import (SamplingParams, check_logits, finish_reason, sample, sampling_probs,
+                      seeded_generator)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -121,7 +123,8 @@ def residual(p: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tenso
     return r / total if total > 0 else p
 
 
-def verify(target: list[torch.Tensor], candidates: list[list[int]], draft: torch.Tensor | None = None,
+def verify(target: list[torch.Tensor], candidates: list[list[int]],
+           draft: torch.Tensor | None = None,
            generator: torch.Generator | None = None) -> tuple[int, int, int]:
     """The target's verdict on one or more proposed continuations.
 
@@ -156,7 +159,8 @@ def verify(target: list[torch.Tensor], candidates: list[list[int]], draft: torch
         depth += 1
 
 
-def verify_greedy(best: list[int], rows: list[list[int]], candidates: list[list[int]]) -> tuple[int, int, int]:
+def verify_greedy(best: list[int], rows: list[list[int]],
+                  candidates: list[list[int]]) -> tuple[int, int, int]:
     """`verify` when every distribution is a point mass (greedy): the same verdict
     from token ids alone. best[r] is the target's argmax after the token in row r
     of the pass; rows[c] lists the rows of x_t and of candidate c's tokens (a
@@ -227,7 +231,8 @@ def token_tree(candidates: list[list[int]]) -> TokenTree:
 class Proposal:
     candidates: list[list[int]] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None      # (k, V): one candidate drawn from a model
-    branch: list[int] = field(default_factory=list)        # lookahead: extra tokens for the same pass
+    # lookahead: extra tokens for the same pass
+    branch: list[int] = field(default_factory=list)
     branch_offsets: list[int] = field(default_factory=list)  # their positions relative to x_t
     branch_mask: torch.Tensor | None = None      # (E, E): what branch tokens see among themselves
 
@@ -261,7 +266,8 @@ class PromptLookup(Proposer):
 
     def __init__(self, ngram: int = 3, k: int = 4, min_ngram: int = 1):
         if ngram < 1:
-            raise ValueError(f"--prompt-lookup N needs N >= 1 (the n-gram length to match), got {ngram}")
+            raise ValueError(f"--prompt-lookup N needs N >= 1 (the n-gram length to match), "
+                             f"got {ngram}")
         check_k(k)
         self.ngram, self.k, self.min_ngram = ngram, k, min(min_ngram, ngram)
 
@@ -281,8 +287,9 @@ class Lookahead(Proposer):
 
     def __init__(self, window: int, ngram: int, guesses: int, seed: int = 0):
         if window < 1 or ngram < 2 or guesses < 1:
-            raise ValueError(f"--lookahead W,N,G needs W >= 1 (window), N >= 2 (n-gram size) and G >= 1 "
-                             f"(candidates verified per step), got {window},{ngram},{guesses}")
+            raise ValueError(f"--lookahead W,N,G needs W >= 1 (window), N >= 2 (n-gram size) "
+                             f"and G >= 1 (candidates verified per step), "
+                             f"got {window},{ngram},{guesses}")
         self.W, self.N, self.G, self.k = window, ngram, guesses, ngram - 1
         self.rng = random.Random(seed)
         self.rows: list[list[int]] = []          # the trajectories, oldest first (at most N−1)
@@ -302,7 +309,8 @@ class Lookahead(Proposer):
                 mask[row, :i + 1] = True                           # row 0, columns 0..i
                 mask[row, [s * W + i for s in range(1, r + 1)]] = True   # rows 1..r of column i
         return Proposal(cands, branch=[t for row in self.rows for t in row],
-                        branch_offsets=[1 + r + i for r in range(R) for i in range(W)], branch_mask=mask)
+                        branch_offsets=[1 + r + i for r in range(R) for i in range(W)],
+                        branch_mask=mask)
 
     def update(self, context, n, k, branch_logits):
         if branch_logits is None:
@@ -328,15 +336,16 @@ def check_k(k: int):
 
 def check_tree(w: int, m: int):
     if w < 1 or m < 1:
-        raise ValueError(f"--spec-tree W,M needs W >= 1 (children per node) and M >= 1 (tokens verified), "
-                         f"got {w},{m}")
+        raise ValueError(f"--spec-tree W,M needs W >= 1 (children per node) and M >= 1 "
+                         f"(tokens verified), got {w},{m}")
 
 
 # ----------------------------------------------------------------------------
 # 3. The loop: the chain algorithm on its own, then the general one.
 
 @torch.inference_mode()
-def generate_simple(model: Llama, prompt: list[int], p: SamplingParams, draft: Llama, k: int = 4) -> Iterator[int]:
+def generate_simple(model: Llama, prompt: list[int], p: SamplingParams, draft: Llama,
+                    k: int = 4) -> Iterator[int]:
     """The chain algorithm alone, before the general loop below: a draft model
     proposes k tokens one at a time, the target scores all of them in one pass,
     the rule keeps the agreed prefix plus one token of the target's, and both
@@ -346,17 +355,21 @@ def generate_simple(model: Llama, prompt: list[int], p: SamplingParams, draft: L
     gen, eos = seeded_generator(p.seed, dev), set(model.config.eos_ids)
     cache, dcache, limit = kvcache.new_cache(model), kvcache.new_cache(draft), context_limit(model)
     check_context(model, len(prompt))
-    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache, last_only=True)
+    logits = model(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), cache,
+                   last_only=True)
     context = prompt + [sample(logits[0, -1], p, gen)]
     yield context[-1]
     while not finish_reason(context[-1], len(context) - len(prompt), len(context), p, eos, limit):
         t = cache.length                                   # x_t = context[-1] sits at position t
         n_k = min(k, p.max_new_tokens - (len(context) - len(prompt)) - 1, limit - 2 - t)
         guesses, qs, feed = [], [], context[dcache.length:]
-        for _ in range(n_k):                               # draft: one token at a time, from its own cache
+        # draft: one token at a time, from its own cache
+        for _ in range(n_k):
             pos = torch.arange(dcache.length, dcache.length + len(feed), device=dev)
-            q = sampling_probs(draft(torch.tensor([feed], device=dev), pos, dcache, last_only=True)[0, -1], p)
-            guesses.append(int(q.argmax()) if p.temperature == 0 else int(torch.multinomial(q, 1, generator=gen)))
+            q = sampling_probs(draft(torch.tensor([feed], device=dev), pos, dcache,
+                                     last_only=True)[0, -1], p)
+            guesses.append(int(q.argmax()) if p.temperature == 0
+                           else int(torch.multinomial(q, 1, generator=gen)))
             qs.append(q)
             feed = guesses[-1:]
         # target: x_t and every guess in one pass; probs[i] is its distribution after guess i
@@ -379,7 +392,8 @@ class SpecStats:
     accepted: int = 0         # guesses accepted
     emitted: int = 0          # tokens emitted by those forwards
     histogram: Counter = field(default_factory=Counter)   # accepted length -> steps
-    trace: list = field(default_factory=list)   # per step: (emitted so far, n, k, target cache, draft cache)
+    # per step: (emitted so far, n, k, target cache, draft cache)
+    trace: list = field(default_factory=list)
 
     @property
     def acceptance(self) -> float:
@@ -391,8 +405,8 @@ class SpecStats:
 
     def summary(self) -> str:
         hist = " ".join(f"{n}:{c}" for n, c in sorted(self.histogram.items()))
-        return (f"acceptance {100 * self.acceptance:.0f}% | {self.tokens_per_forward:.2f} tokens per target "
-                f"forward | accepted lengths {hist}")
+        return (f"acceptance {100 * self.acceptance:.0f}% | {self.tokens_per_forward:.2f} tokens "
+                f"per target forward | accepted lengths {hist}")
 
 
 @torch.inference_mode()
@@ -411,8 +425,9 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
     if len(history) != cache.length:
         raise ValueError(f"history has {len(history)} tokens but the cache holds {cache.length}")
     if proposer.needs_dynamic_cache and not isinstance(cache, DynamicCache):
-        raise ValueError("lookahead decoding and draft trees need the dynamic cache (--cache dynamic): their "
-                         "branches share positions, so their K/V rows are kept in input order")
+        raise ValueError("lookahead decoding and draft trees need the dynamic cache "
+                         "(--cache dynamic): their branches share positions, so their K/V rows "
+                         "are kept in input order")
     limit = context_limit(model, cache)
     check_context(model, cache.length + len(prompt), cache)
     dev = model.embed_tokens.weight.device
@@ -452,7 +467,8 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
             mask[:b0, t:t + b0] = tree.mask()
             if prop.branch:
                 mask[b0:, t + b0:] = prop.branch_mask
-            if model.config.sliding_window is not None:    # keys are rows 0..t-1, then the new tokens
+            # keys are rows 0..t-1, then the new tokens
+            if model.config.sliding_window is not None:
                 queries = torch.tensor(offsets) + t
                 keys = torch.cat([torch.arange(t), queries])
                 mask &= attention_mask(queries, keys, model.config.sliding_window, causal=False)
@@ -460,7 +476,8 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
         pos = torch.tensor(offsets, device=dev) + t
         # Nothing proposed: x_t alone is plain decoding's step, called the same way
         # (last_only), so the runner's compiled one-token step serves it, not a recompile.
-        logits = model(torch.tensor([ids], device=dev), pos, cache, last_only=len(ids) == 1, mask=mask, hidden=feats)
+        logits = model(torch.tensor([ids], device=dev), pos, cache, last_only=len(ids) == 1,
+                       mask=mask, hidden=feats)
         if feats:
             logits, hidden = logits
         logits = logits[0]
@@ -473,7 +490,8 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
             target = [probs[path] for path in rows] or [probs[:1]]
             c, n, nxt = verify(target, cands, prop.draft_probs, gen)
         accepted = (cands[c][:n] if cands else []) + [nxt]
-        kept = rows[c][:n + 1] if cands else [0]       # the pass's rows of x_t and the accepted guesses
+        # the pass's rows of x_t and the accepted guesses
+        kept = rows[c][:n + 1] if cands else [0]
         if kept != list(range(n + 1)):                    # bring their K/V right behind x_t
             cache.move([t + r for r in kept[1:]], t + 1)
         cache.crop(t + 1 + n)
@@ -487,12 +505,14 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
         spec.emitted += len(accepted)
         spec.histogram[n] += 1
         draft_cache = proposer.cache
-        spec.trace.append((done + len(accepted), n, k, cache.length, draft_cache and draft_cache.length))
+        spec.trace.append((done + len(accepted), n, k, cache.length,
+                           draft_cache and draft_cache.length))
         for i, token in enumerate(accepted):
             t0 = stats.clock(done, t0)
             yield token
             done += 1
-            held = len(context) - len(accepted) + i       # plain decoding's cache length at this token
+            # plain decoding's cache length at this token
+            held = len(context) - len(accepted) + i
             stats.finish_reason = finish_reason(token, done, held + 1, p, eos, limit)
             if stats.finish_reason:
                 cache.crop(held)
@@ -503,7 +523,8 @@ def parse_lookahead(text: str) -> tuple[int, int, int]:
     try:
         w, n, g = (int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"--lookahead takes W,N,G (window, n-gram size, candidates), e.g. 5,3,5; got '{text}'")
+        raise ValueError(f"--lookahead takes W,N,G (window, n-gram size, candidates), e.g. 5,3,5; "
+                         f"got '{text}'")
     Lookahead(w, n, g)   # validates
     return w, n, g
 
@@ -512,7 +533,8 @@ def parse_tree(text: str) -> tuple[int, int]:
     try:
         w, m = (int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"--spec-tree takes W,M (children per node, tokens verified), e.g. 4,10; got '{text}'")
+        raise ValueError(f"--spec-tree takes W,M (children per node, tokens verified), e.g. 4,10; "
+                         f"got '{text}'")
     check_tree(w, m)
     return w, m
 
@@ -528,7 +550,8 @@ if __name__ == "__main__":
     import results
     model, tok = load()
     text = (ROOT / "data" / "handbook.txt").read_text().strip()[:1500]
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": SUMMARISE + text}]), add_bos=False)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": SUMMARISE + text}]),
+                        add_bos=False)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     rows, plain = [], None
     for name, proposer in (("plain", None), ("prompt lookup N=3, k=8", PromptLookup(3, 8))):
@@ -538,9 +561,11 @@ if __name__ == "__main__":
         speed = (stats.new_tokens - 1) / stats.decode_s
         plain = plain or (out, speed)
         rows.append([name, f"{speed:.1f}", f"{speed / plain[1]:.2f}×",
-                     f"{spec.tokens_per_forward:.2f}" if spec.steps else "1", "yes" if out == plain[0] else "no"])
-    table = results.Table(f"a {len(prompt)}-token summarise-this-text prompt, greedy, {params.max_new_tokens} "
-                          f"new tokens, EOS ignored", ["method", "decode tok/s", "speedup", "tokens/forward",
-                                                       "same tokens"], rows)
+                     f"{spec.tokens_per_forward:.2f}" if spec.steps else "1",
+                     "yes" if out == plain[0] else "no"])
+    table = results.Table(f"a {len(prompt)}-token summarise-this-text prompt, greedy, "
+                          f"{params.max_new_tokens} new tokens, EOS ignored",
+                          ["method", "decode tok/s", "speedup", "tokens/forward", "same tokens"],
+                          rows)
     print(table.markdown())
     results.save("speculative-demo", "speculative", [table])

@@ -64,7 +64,8 @@ def valid_text(text: str) -> str:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
 
 
 def _content(token):
@@ -121,7 +122,8 @@ class _HFBackend:
         return sorted(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
 
     def post_processor_adds(self, bos_id):
-        # No flag in tokenizer_config: transformers then does whatever the file's post-processor does
+        # No flag in tokenizer_config: transformers then does whatever the file's
+        # post-processor does
         with_specials = self.tok.encode("a", add_special_tokens=True).ids
         return bos_id is not None and with_specials[:1] == [bos_id] != self.encode("a")[:1]
 
@@ -137,7 +139,8 @@ class _SPBackend:
         sp, n = self.sp, self.sp.get_piece_size()
         # sentencepiece never produces control pieces (<s>, </s>) from text; transformers matches
         # them (and added tokens) in the raw text first, so we cut the text at them ourselves.
-        self.special = {sp.id_to_piece(i): i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)}
+        self.special = {sp.id_to_piece(i): i for i in range(n)
+                        if sp.is_control(i) or sp.is_unknown(i)}
         self.special.update(added)
         self.special_text = {i: s for s, i in self.special.items()}
         pattern = "|".join(re.escape(s) for s in sorted(self.special, key=len, reverse=True))
@@ -153,7 +156,9 @@ class _SPBackend:
         for k, part in enumerate(self.splitter.split(text)):
             if k % 2:  # re.split puts the captured separators at odd positions
                 ids.append(self.special[part])
-            elif part:  # each chunk gets sentencepiece's "▁" prefix, as llama.cpp does after a special token
+            elif part:
+                # each chunk gets sentencepiece's "▁" prefix, as llama.cpp does after a
+                # special token
                 ids += self.sp.encode(part)
         return ids
 
@@ -176,7 +181,8 @@ class _SPBackend:
     def token_to_id(self, token):
         if token in self.special:
             return self.special[token]
-        i = self.sp.piece_to_id(token)  # returns the unk id for unknown pieces, so check the round trip
+        # returns the unk id for unknown pieces, so check the round trip
+        i = self.sp.piece_to_id(token)
         return i if self.sp.id_to_piece(i) == token else None
 
     def id_to_token(self, i):
@@ -186,7 +192,8 @@ class _SPBackend:
         return sorted(self.special_text)
 
     def post_processor_adds(self, bos_id):
-        return bos_id is not None  # sentencepiece models (Llama, Mistral) are trained with a BOS in front
+        # sentencepiece models (Llama, Mistral) are trained with a BOS in front
+        return bos_id is not None
 
 
 class Tokenizer:
@@ -214,8 +221,10 @@ class Tokenizer:
             self.eos_ids = [backend.eos_id]
 
         # The template sees the special tokens by name, e.g. {{ bos_token }}.
-        self.special_tokens = {k: _content(config[k]) for k in SPECIAL_NAMES if _content(config.get(k))}
-        for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_ids[0] if self.eos_ids else None)):
+        self.special_tokens = {k: _content(config[k]) for k in SPECIAL_NAMES
+                               if _content(config.get(k))}
+        for name, i in (("bos_token", self.bos_id),
+                        ("eos_token", self.eos_ids[0] if self.eos_ids else None)):
             if name not in config and i is not None:
                 self.special_tokens[name] = backend.id_to_token(i)
         self.chat_template = chat_template
@@ -273,7 +282,8 @@ class Tokenizer:
                   for i, (m, c) in enumerate(zip(messages, texts))]
         shell = self.apply_chat_template(marked, add_generation_prompt)
         special = set(self.special_ids)
-        if sum(i in special for i in ids) == sum(i in special for i in self.encode(shell, add_bos=False)):
+        if (sum(i in special for i in ids)
+                == sum(i in special for i in self.encode(shell, add_bos=False))):
             return ids                        # the messages added no special token
         pieces = re.split("\ue000(\\d+)\ue001", shell)   # markup, message index, markup, ...
         out, pos = [], 0
@@ -305,7 +315,8 @@ class Tokenizer:
             raise ValueError(NO_TEMPLATE)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        # transformers drops None-valued keys: templates test `'tool_calls' in message`, not its value
+        # transformers drops None-valued keys: templates test `'tool_calls' in message`,
+        # not its value
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         return self._template.render(
             messages=messages, tools=None, documents=None,
@@ -351,7 +362,8 @@ class StreamDecoder:
 
 
 class _Generation(jinja2.ext.Extension):
-    # Some templates mark assistant turns with {% generation %} for training masks; rendering ignores it.
+    # Some templates mark assistant turns with {% generation %} for training masks;
+    # rendering ignores it.
     tags = {"generation"}
 
     def parse(self, parser):
@@ -365,7 +377,8 @@ def _raise_exception(message):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # Jinja's own tojson escapes <, >, & for HTML; prompts must keep them verbatim
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -387,8 +400,10 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
            r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -396,8 +411,8 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{L
            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                     "jina-v5-nano", "dbrx", "smaug-bpe"], _LLAMA3),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"], _LLAMA3),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2),
     **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O),
     "qwen35": _QWEN35,
@@ -408,19 +423,22 @@ PRE_TOKENIZER_SPLITS = {
 def _byte_alphabet() -> dict[int, str]:
     # GPT-2 spells every byte as a printable character so BPE can work on strings:
     # printable bytes stand for themselves, the rest are shifted to U+0100 and up.
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
     shifted = (b for b in range(256) if b not in keep)
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
 
 
-# The GGUF functions import gguf themselves: it is needed only while converting, and is 38 modules to import.
+# The GGUF functions import gguf themselves: it is needed only while converting,
+# and is 38 modules to import.
 
 def _byte_level_bpe(tokens, types, merges, pre) -> tuple[HFTokenizer, list[str]]:
     from gguf import TokenType
     spell = _byte_alphabet()
     alphabet = set(spell.values())
     # A few converters store some tokens as raw text; respell those so BPE can reach them.
-    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode()): i
+             for i, t in enumerate(tokens)}
     tok = HFTokenizer(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
                                  continuing_subword_prefix="", end_of_word_suffix=""))
     if pre in PRE_TOKENIZER_SPLITS:
@@ -444,20 +462,24 @@ def _sentencepiece_bpe(tokens, types, scores, add_space_prefix) -> tuple[HFToken
     # `tokenizers`' merge-rank BPE take the same steps (ties ordered as transformers does).
     merges = []
     for token, score in zip(tokens, scores):
-        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
-        merges += [(score, left, right) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        merges += [(score, left, right)
+                   for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
     merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
     unk = next((t for t, ty in zip(tokens, types) if ty == TokenType.UNKNOWN), None)
     tok = HFTokenizer(models.BPE(vocab, [(left, right) for _, left, right in merges], unk_token=unk,
                                  fuse_unk=True, byte_fallback=True))
-    # Spaces become "▁", and like sentencepiece's dummy prefix every stretch of text between special
-    # tokens gets one in front, even one that starts with a space (a normalizer runs per stretch).
-    # This is what sentencepiece and llama.cpp do; transformers' GGUF loader uses a pre-tokenizer
-    # that skips the prefix after special tokens and before a leading space.
+    # Spaces become "▁", and like sentencepiece's dummy prefix every stretch of text between
+    # special tokens gets one in front, even one that starts with a space (a normalizer runs per
+    # stretch). This is what sentencepiece and llama.cpp do; transformers' GGUF loader uses a
+    # pre-tokenizer that skips the prefix after special tokens and before a leading space.
     space = normalizers.Replace(" ", "▁")
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), space]) if add_space_prefix else space
+    tok.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), space]) if add_space_prefix
+                      else space)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    tok.decoder = decoders.Sequence(
+        steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     control = [t for t, ty in zip(tokens, types) if ty == TokenType.CONTROL]
     return tok, control
 
@@ -473,23 +495,30 @@ def write_tokenizer_from_gguf(reader, out_dir: Path) -> None:
     tokens = field("tokenizer.ggml.tokens", [])
     types = field("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
     if kind == "gpt2":
-        tok, control = _byte_level_bpe(tokens, types, field("tokenizer.ggml.merges", []), field("tokenizer.ggml.pre"))
+        tok, control = _byte_level_bpe(tokens, types, field("tokenizer.ggml.merges", []),
+                                       field("tokenizer.ggml.pre"))
     elif kind == "llama":
         scores = field("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        tok, control = _sentencepiece_bpe(tokens, types, scores, field("tokenizer.ggml.add_space_prefix", True))
+        tok, control = _sentencepiece_bpe(tokens, types, scores,
+                                          field("tokenizer.ggml.add_space_prefix", True))
     else:
-        raise ValueError(f"unsupported GGUF tokenizer: tokenizer.ggml.model = {kind!r} (supported: 'gpt2', 'llama')")
+        raise ValueError(f"unsupported GGUF tokenizer: tokenizer.ggml.model = {kind!r} "
+                         "(supported: 'gpt2', 'llama')")
 
     named = {}
-    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                      ("pad_token", "padding")):
         i = field(f"tokenizer.ggml.{key}_token_id")
         if i is not None and 0 <= i < len(tokens):
             named[name] = tokens[i]
-    # Special tokens are matched whole in the raw text before BPE runs, so "<|im_start|>" is one id.
-    # USER_DEFINED tokens (e.g. <think>) are matched whole too but are ordinary text when decoding.
-    specials = list(dict.fromkeys(control + [t for t in named.values() if tok.token_to_id(t) is not None]))
+    # Special tokens are matched whole in the raw text before BPE runs, so "<|im_start|>" is
+    # one id. USER_DEFINED tokens (e.g. <think>) are matched whole too but are ordinary text
+    # when decoding.
+    specials = list(dict.fromkeys(control + [t for t in named.values()
+                                             if tok.token_to_id(t) is not None]))
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
-    user = [t for t, ty in zip(tokens, types) if ty == TokenType.USER_DEFINED and tok.token_to_id(t) is not None]
+    user = [t for t, ty in zip(tokens, types)
+            if ty == TokenType.USER_DEFINED and tok.token_to_id(t) is not None]
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
     # Old sentencepiece GGUFs have no flag, and llama.cpp adds BOS for them.
@@ -497,34 +526,41 @@ def write_tokenizer_from_gguf(reader, out_dir: Path) -> None:
     if add_bos:
         bos = named["bos_token"]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tok.token_to_id(bos))])
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, tok.token_to_id(bos))])
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
-    config = {**named, "add_bos_token": add_bos, "add_eos_token": bool(field("tokenizer.ggml.add_eos_token", False))}
+    config = {**named, "add_bos_token": add_bos,
+              "add_eos_token": bool(field("tokenizer.ggml.add_eos_token", False))}
     if field("tokenizer.chat_template"):
         config["chat_template"] = field("tokenizer.chat_template")
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
+                                                   encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------- demo
 
 def demo(tok: Tokenizer):
     """Text -> ids -> text on a few hard cases, a chat template, and streaming."""
-    print(f"vocabulary {tok.vocab_size}, bos {tok.bos_id}, eos {tok.eos_ids}, add_bos {tok.add_bos}")
-    for text in ["Hello world", " Hello world", "12345", "naïve café 😀", "def f(x):\n    return x"]:
+    print(f"vocabulary {tok.vocab_size}, bos {tok.bos_id}, eos {tok.eos_ids}, "
+          f"add_bos {tok.add_bos}")
+    for text in ["Hello world", " Hello world", "12345", "naïve café 😀",
+                 "def f(x):\n    return x"]:
         ids = tok.encode(text)
         pieces = [tok.decode([i]) for i in ids]
         print(f"{text!r:28} -> {len(ids):2} tokens {ids} {pieces}")
     if tok.chat_template is not None:
-        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        prompt = tok.apply_chat_template([{"role": "user",
+                                           "content": "What is the capital of France?"}])
         print(f"chat template renders:\n{prompt}")
         ids = tok.encode(prompt, add_bos=False)
         print(f"= {len(ids)} tokens; special tokens stay single ids: {ids[:4]} ...")
     stream = tok.stream()
     emoji = tok.encode("😀")
-    print(f"'😀' is {len(emoji)} tokens; streaming them one at a time emits {[stream.push(i) for i in emoji]}")
+    print(f"'😀' is {len(emoji)} tokens; streaming them one at a time emits "
+          f"{[stream.push(i) for i in emoji]}")
 
 
 if __name__ == "__main__":
@@ -533,7 +569,8 @@ if __name__ == "__main__":
     # A model directory, or a .gguf file whose vocabulary is rebuilt as a tokenizer.json first.
     # (`python checkpoint.py` runs this demo on the bundled model.)
     if len(sys.argv) != 2:
-        sys.exit("usage: python tokenizer.py MODEL_DIR_OR_GGUF   (python checkpoint.py shows the bundled model's)")
+        sys.exit("usage: python tokenizer.py MODEL_DIR_OR_GGUF   "
+                 "(python checkpoint.py shows the bundled model's)")
     path = Path(sys.argv[1])
     if path.suffix == ".gguf":
         import gguf

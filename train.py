@@ -1,9 +1,11 @@
 """
-train.py — train an EAGLE draft head (or Medusa heads) for the bundled SmolLM2-135M, for speculative decoding.
+train.py — train an EAGLE draft head (or Medusa heads) for the bundled SmolLM2-135M, for
+speculative decoding.
 
     python train.py                                  # the full run: ~45 min on 2 CPU cores
     python train.py --max-minutes 1.5 --prompts 16 --new-tokens 32 --out /tmp/draft   # a smoke run
-    python train.py --medusa 4 --max-minutes 29 --new-tokens 224 --chunk 32 --batch 4   # Medusa heads
+    # Medusa heads:
+    python train.py --medusa 4 --max-minutes 29 --new-tokens 224 --chunk 32 --batch 4
 
 A draft is only useful if it is much cheaper than the target and agrees with it
 often (speculative.py). The target is SmolLM2-135M: 30 blocks of width 576 and
@@ -82,42 +84,51 @@ from speculative import SUMMARISE
 # ----------------------------------------------------------------------------
 # The prompts: 12 kinds of request × 40 subjects, plus summaries (the draft must learn to copy).
 
-KINDS = ["Explain {} in simple terms.", "Write a short story about {}.", "Give me three practical tips about {}.",
-         "What are the pros and cons of {}?", "Describe {} to a ten-year-old.", "Write a haiku about {}.",
-         "Write a short, friendly email to a colleague about {}.", "List five interesting facts about {}.",
-         "How do I get started with {}?", "What is the history of {}, briefly?",
-         "Write a short poem about {}.", "What are common mistakes people make with {}?"]
-# None of bench.py's chat prompts' subjects (lighthouse keeper, learning a language, working from
-# home, bicycles, tomato soup, weather and climate, noisy neighbours): the benchmark measures new text.
-SUBJECTS = ["the water cycle", "learning to cook", "electric cars", "saving money", "the solar system",
-            "gardening in small spaces", "the internet", "volcanoes", "running a small bakery", "public libraries",
-            "training a puppy", "the history of chess", "recycling plastic", "a trip to the mountains",
+KINDS = ["Explain {} in simple terms.", "Write a short story about {}.",
+         "Give me three practical tips about {}.", "What are the pros and cons of {}?",
+         "Describe {} to a ten-year-old.", "Write a haiku about {}.",
+         "Write a short, friendly email to a colleague about {}.",
+         "List five interesting facts about {}.", "How do I get started with {}?",
+         "What is the history of {}, briefly?", "Write a short poem about {}.",
+         "What are common mistakes people make with {}?"]
+# None of bench.py's chat prompts' subjects (lighthouse keeper, learning a language, working
+# from home, bicycles, tomato soup, weather and climate, noisy neighbours): the benchmark
+# measures new text.
+SUBJECTS = ["the water cycle", "learning to cook", "electric cars", "saving money",
+            "the solar system", "gardening in small spaces", "the internet", "volcanoes",
+            "running a small bakery", "public libraries", "training a puppy",
+            "the history of chess", "recycling plastic", "a trip to the mountains",
             "how vaccines work", "writing a good CV", "the Roman Empire", "photography", "sleep",
-            "the ocean", "renewable energy", "playing the guitar", "time management", "birds that migrate",
-            "baking bread", "the human heart", "video games", "rainforests", "public speaking", "coffee",
-            "the moon landing", "first aid", "honey bees", "trains", "friendship", "a rainy day", "recycling old phones",
-            "starting a podcast", "ancient Egypt", "mathematics"]
+            "the ocean", "renewable energy", "playing the guitar", "time management",
+            "birds that migrate", "baking bread", "the human heart", "video games", "rainforests",
+            "public speaking", "coffee", "the moon landing", "first aid", "honey bees", "trains",
+            "friendship", "a rainy day", "recycling old phones", "starting a podcast",
+            "ancient Egypt", "mathematics"]
 TEXTS = [
-    "Bees visit flowers to collect nectar and pollen. As they move from flower to flower, they carry pollen "
-    "that fertilises plants, which lets fruits and seeds form. About a third of the food we eat depends on "
-    "pollinators like bees. Their numbers have fallen in many regions because of habitat loss, pesticides "
-    "and disease, and farmers now plant wildflower strips to help them.",
-    "The town council met on Tuesday and approved a plan to repair the old bridge over the river. Work will "
-    "start in March and take about eight months. During the repairs, buses will use the north road, and a "
-    "temporary footbridge will be built for pedestrians. The project will cost 2.4 million euros, most of "
-    "it paid by the regional government.",
-    "A good night's sleep helps memory, mood and health. Adults need seven to nine hours. Keeping a regular "
-    "schedule, avoiding screens an hour before bed, and keeping the bedroom cool and dark all help. Caffeine "
-    "late in the day can keep people awake for hours.",
+    "Bees visit flowers to collect nectar and pollen. As they move from flower to flower, they "
+    "carry pollen that fertilises plants, which lets fruits and seeds form. About a third of the "
+    "food we eat depends on pollinators like bees. Their numbers have fallen in many regions "
+    "because of habitat loss, pesticides and disease, and farmers now plant wildflower strips to "
+    "help them.",
+    "The town council met on Tuesday and approved a plan to repair the old bridge over the river. "
+    "Work will start in March and take about eight months. During the repairs, buses will use the "
+    "north road, and a temporary footbridge will be built for pedestrians. The project will cost "
+    "2.4 million euros, most of it paid by the regional government.",
+    "A good night's sleep helps memory, mood and health. Adults need seven to nine hours. Keeping "
+    "a regular schedule, avoiding screens an hour before bed, and keeping the bedroom cool and "
+    "dark all help. Caffeine late in the day can keep people awake for hours.",
 ]
 PROMPTS = [k.format(s) for k in KINDS for s in SUBJECTS] + [SUMMARISE + t for t in TEXTS]
 
-# The head's shape: one block of the target's own width (it reads and predicts the target's features).
+# The head's shape: one block of the target's own width (it reads and predicts the target's
+# features).
 HEAD = dict(num_hidden_layers=1)
-HEAD_VOCAB = 8192    # the tokens the head can propose: the target's most likely ones (model.Llama.head_ids)
+# the tokens the head can propose: the target's most likely ones (model.Llama.head_ids)
+HEAD_VOCAB = 8192
 
 
-def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8, chunk=128, ignore_eos=True):
+def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8, chunk=128,
+                  ignore_eos=True):
     """Phase 1: the target answers every prompt, round after round until the
     deadline. Returns (tokens, prompt length, p, idx) per conversation: the
     template + answer, and at every answer position the target's `top` most
@@ -133,21 +144,25 @@ def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8,
     of its answer (`bench.py speculative --ignore-eos` reaches there); without,
     the answers stop at EOS, as users read them, and no time goes past it."""
     llm = LLM(target, tokenizer=tok, max_batch=chunk, kv_bytes=2 << 30)
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_bos=False) for t in prompts]
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_bos=False)
+           for t in prompts]
     jobs = [(r, i) for r in range(max_rounds) for i in range(len(ids))]
     seqs, t0 = [], time.perf_counter()
     for start in range(0, len(jobs), chunk):
         part = jobs[start:start + chunk]
         params = [SamplingParams(temperature=0.0 if r == 0 else 0.7, top_p=0.95, seed=1000 * r + i,
-                                 max_new_tokens=new_tokens, logprobs=top, ignore_eos=ignore_eos) for r, i in part]
+                                 max_new_tokens=new_tokens, logprobs=top, ignore_eos=ignore_eos)
+                  for r, i in part]
         t1 = time.perf_counter()
         outs = llm.generate([ids[i] for _, i in part], params, use_tqdm=False)
         for (_, i), o in zip(part, outs):
             logp, idx = o.completions[0].logprobs
             seqs.append((torch.tensor(ids[i] + o.token_ids), len(ids[i]), logp.exp(), idx))
         print(f"data: {len(seqs)} conversations (round {part[-1][0] + 1}), "
-              f"{sum(len(s) for s, *_ in seqs)} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
-        if time.perf_counter() + (time.perf_counter() - t1) > deadline:   # the next chunk would not fit
+              f"{sum(len(s) for s, *_ in seqs)} tokens, {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        # the next chunk would not fit
+        if time.perf_counter() + (time.perf_counter() - t1) > deadline:
             break
     return seqs
 
@@ -178,7 +193,8 @@ def target_features(target, data, batch=8):
     ~340k positions × 576 × 2 bytes ≈ 0.4 GB for the full run (~870 positions/s).
     The head learns to predict them, and the target's LM head over them is the teacher."""
     t0 = time.perf_counter()
-    order = sorted(range(len(data)), key=lambda i: len(data[i][0]))   # similar lengths: little padding
+    # similar lengths: little padding
+    order = sorted(range(len(data)), key=lambda i: len(data[i][0]))
     out = [None] * len(data)
     for start in range(0, len(order), batch):
         part = order[start:start + batch]
@@ -186,7 +202,8 @@ def target_features(target, data, batch=8):
         _, h = target(tokens, torch.arange(tokens.shape[1]), hidden=True)
         for b, i in enumerate(part):
             out[i] = h[b, :len(data[i][0])].to(torch.bfloat16).clone()
-    print(f"features: {sum(len(f) for f in out)} positions in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"features: {sum(len(f) for f in out)} positions in {time.perf_counter() - t0:.0f} s",
+          flush=True)
     return out
 
 
@@ -261,7 +278,8 @@ def medusa_loss(heads, tokens, feats, n_prompt):
     whose feature drafting reads first) with j+k inside the conversation. Head k
     weighs 0.8^(k-1), as in the paper: the nearer guesses decide most steps."""
     B, T, _ = feats.shape
-    spans = [(b * T + j, L - 1 - j) for b, (n, L) in enumerate(n_prompt) for j in range(max(n - 1, 0), L - 1)]
+    spans = [(b * T + j, L - 1 - j) for b, (n, L) in enumerate(n_prompt)
+             for j in range(max(n - 1, 0), L - 1)]
     src, left = (torch.tensor(c) for c in zip(*spans))      # flat position j, positions after it
     flat = feats.reshape(B * T, -1)
     with torch.no_grad():
@@ -298,7 +316,8 @@ def distil(head, data, feats, steps, batch, lr, deadline, loss_fn):
     for step in range(steps):
         done = max(step / steps, (time.perf_counter() - t0) / budget)
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1))))
+            g["lr"] = lr * min(1.0, (step + 1) / warmup) * (
+                0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1))))
         picks = torch.randint(len(data), (batch,), generator=gen).tolist()
         tokens, f = padded([data[i][0] for i in picks]), padded([feats[i] for i in picks]).float()
         loss, agree = loss_fn(head, tokens, f, [(data[i][1], len(data[i][0])) for i in picks])
@@ -308,8 +327,9 @@ def distil(head, data, feats, steps, batch, lr, deadline, loss_fn):
         opt.step()
         if step % 10 == 0 or step == steps - 1:
             print(f"step {step + 1}/{steps}: loss {loss.item():.3f}, agreement "
-                  f"{' / '.join(f'{100 * a:.0f}%' for a in agree)}, lr {opt.param_groups[0]['lr']:.2e}, "
-                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+                  f"{' / '.join(f'{100 * a:.0f}%' for a in agree)}, "
+                  f"lr {opt.param_groups[0]['lr']:.2e}, {time.perf_counter() - t0:.0f} s",
+                  flush=True)
         if time.perf_counter() > deadline:
             print(f"train: time's up after {step + 1} steps", flush=True)
             break
@@ -339,52 +359,68 @@ def save(head: Llama | MedusaHeads, hf: dict, out: Path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help=f"default: {BUNDLED_DRAFT} ({BUNDLED_MEDUSA} with --medusa)")
-    ap.add_argument("--medusa", type=int, default=0, metavar="K", help="train K Medusa heads instead of an EAGLE head")
-    ap.add_argument("--max-minutes", type=float, default=45.0, help="the whole run, data generation included")
-    ap.add_argument("--data-share", type=float, default=0.45, help="at most this share of the time for data")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"default: {BUNDLED_DRAFT} ({BUNDLED_MEDUSA} with --medusa)")
+    ap.add_argument("--medusa", type=int, default=0, metavar="K",
+                    help="train K Medusa heads instead of an EAGLE head")
+    ap.add_argument("--max-minutes", type=float, default=45.0,
+                    help="the whole run, data generation included")
+    ap.add_argument("--data-share", type=float, default=0.45,
+                    help="at most this share of the time for data")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
-    ap.add_argument("--new-tokens", type=int, default=288, help="answer length per prompt (EOS ignored; "
-                    "with --medusa at most this, stopping at EOS)")
-    ap.add_argument("--chunk", type=int, default=128, help="conversations the engine answers at once (the "
-                    "time limit is checked between chunks)")
-    ap.add_argument("--steps", type=int, default=4000, help="an upper bound: the time usually runs out first")
+    ap.add_argument("--new-tokens", type=int, default=288,
+                    help="answer length per prompt (EOS ignored; with --medusa at most this, "
+                         "stopping at EOS)")
+    ap.add_argument("--chunk", type=int, default=128,
+                    help="conversations the engine answers at once (the time limit is checked "
+                         "between chunks)")
+    ap.add_argument("--steps", type=int, default=4000,
+                    help="an upper bound: the time usually runs out first")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--passes", type=int, default=2, help="1: true features only; 2: also from its own")
+    ap.add_argument("--passes", type=int, default=2,
+                    help="1: true features only; 2: also from its own")
     ap.add_argument("--head-vocab", type=int, default=HEAD_VOCAB, help="tokens the head scores")
     args = ap.parse_args()
     if args.medusa < 0 or args.max_minutes <= 0:
-        ap.error("--medusa K needs K >= 1 heads (0: the EAGLE head) and --max-minutes a positive time")
+        ap.error("--medusa K needs K >= 1 heads (0: the EAGLE head) "
+                 "and --max-minutes a positive time")
     out = args.out or (BUNDLED_MEDUSA if args.medusa else BUNDLED_DRAFT)
     start = time.perf_counter()
     end = start + 60 * args.max_minutes
     target_dir = checkpoint.resolve(checkpoint.DEFAULT_MODEL)
-    # bf16 where the CPU computes it (data and features 2-4x faster than fp32); elsewhere it is emulated, slower
-    target, tok = load(checkpoint.DEFAULT_MODEL, "cpu", "bfloat16" if kernels.bf16_supported(torch.device("cpu"))
-                       else "float32")
+    # bf16 where the CPU computes it (data and features 2-4x faster than fp32); elsewhere it is
+    # emulated, slower
+    target, tok = load(checkpoint.DEFAULT_MODEL, "cpu",
+                       "bfloat16" if kernels.bf16_supported(torch.device("cpu")) else "float32")
     # every kind of request early: a short run answers only the first prompts
     prompts = random.Random(0).sample(PROMPTS, len(PROMPTS))[:args.prompts]
-    data = generate_data(target, tok, prompts, args.new_tokens, 8, start + 60 * args.max_minutes * args.data_share,
+    data = generate_data(target, tok, prompts, args.new_tokens, 8,
+                         start + 60 * args.max_minutes * args.data_share,
                          chunk=args.chunk, ignore_eos=not args.medusa)
     ids = head_tokens(data, target.config.vocab_size, args.head_vocab)
-    inside = torch.isin(torch.cat([idx[::20, 0] for _, _, _, idx in data[::20]]), ids).float().mean()
+    inside = torch.isin(torch.cat([idx[::20, 0] for _, _, _, idx in data[::20]]),
+                        ids).float().mean()
     data = [(s, n) for s, n, _, _ in data]
     feats = target_features(target, data)
-    held, data = data[::20], [d for i, d in enumerate(data) if i % 20]     # 5% held out: does it generalise?
+    # 5% held out: does it generalise?
+    held, data = data[::20], [d for i, d in enumerate(data) if i % 20]
     held_f, feats = feats[::20], [f for i, f in enumerate(feats) if i % 20]
-    print(f"head: the {len(ids)} most likely tokens hold {100 * inside:.1f}% of the target's greedy "
-          f"choices", flush=True)
+    print(f"head: the {len(ids)} most likely tokens hold {100 * inside:.1f}% of the target's "
+          f"greedy choices", flush=True)
     if args.medusa:
         head, loss_fn = make_medusa(target, args.medusa, ids), medusa_loss
-        hf, what = dict(head.hf_config(), vocab_size=target.config.vocab_size), f"{args.medusa} residual blocks"
+        hf, what = (dict(head.hf_config(), vocab_size=target.config.vocab_size),
+                    f"{args.medusa} residual blocks")
     else:
         (head, hf), what = make_head(target, target_dir, ids), "fc + 1 block + norm"
         loss_fn = lambda h, tokens, f, n: head_loss(h, tokens, f, n, args.passes)   # noqa: E731
     n = sum(p.numel() for p in head.parameters() if p.requires_grad)
     print(f"head: {n / 1e6:.1f}M parameters of its own ({what})", flush=True)
-    head = distil(head, data, feats, args.steps, args.batch, args.lr, end - min(90, 9 * args.max_minutes), loss_fn)
+    head = distil(head, data, feats, args.steps, args.batch, args.lr,
+                  end - min(90, 9 * args.max_minutes), loss_fn)
     show = lambda a: " / ".join(f"{100 * x:.0f}%" for x in a)
     steps = "head 1 / 2 / ..." if args.medusa else "drafting step 1 / step 2"
     print(f"greedy agreement with the target ({steps}): held-out conversations "

@@ -1,4 +1,5 @@
-"""The course's exercises: write one function of a lesson yourself, then run that lesson's own tests on it.
+"""The course's exercises: write one function of a lesson yourself, then run that lesson's own
+tests on it.
 
 Each file here holds stubs: the lesson function's signature, a docstring with its
 contract, and a body that raises NotImplementedError with a hint. Replace the body,
@@ -29,9 +30,11 @@ from dataclasses import dataclass
 class Exercise:
     name: str                   # E=name; the stubs live in exercises/<name>.py
     what: str                   # one line for the list
-    replaces: tuple[str, ...]   # "module.function" or "module.Class.method"; the stub has the last name
-    tests: tuple[str, ...]      # "test_file.py::test_name" (every parametrization) or "...::test_name[id]";
-                                # the file by its name alone: no two files under tests/ share one
+    replaces: tuple[str, ...]   # "module.function" or "module.Class.method"; the stub has the
+                                # last name
+    tests: tuple[str, ...]      # "test_file.py::test_name" (every parametrization) or
+                                # "...::test_name[id]"; the file by its name alone: no two
+                                # files under tests/ share one
 
     @property
     def module(self) -> str:
@@ -42,7 +45,8 @@ class Exercise:
         return {t.split("::")[0] for t in self.tests}
 
     def selects(self, file: str, name: str, originalname: str) -> bool:
-        """Whether the test ``file::name`` (``originalname``: without its parameters) is one of ours."""
+        """Whether the test ``file::name`` (``originalname``: without its parameters) is one of
+        ours."""
         return f"{file}::{name}" in self.tests or f"{file}::{originalname}" in self.tests
 
     def stubs(self) -> dict[str, object]:
@@ -55,7 +59,8 @@ class Exercise:
         return {target: getattr(*_owner(target)) for target in self.replaces}
 
     def install(self, functions: dict[str, object]):
-        """Put ``functions`` where the lesson looks them up; returns a callable that puts the originals back."""
+        """Put ``functions`` where the lesson looks them up; returns a callable that puts the
+        originals back."""
         saved = [(*_owner(target), getattr(*_owner(target))) for target in functions]
         for target, fn in functions.items():
             setattr(*_owner(target), fn)
@@ -92,8 +97,10 @@ EXERCISES = {e.name: e for e in [
               "test_kvcache.py::test_caches_equal_naive_greedy[static]",
               "test_kvcache.py::test_sliding_window_caches_equal_naive[sliding]",
               "test_kvcache.py::test_crop_then_redecode_reproduces[static]",
-              "test_kvcache.py::test_fork_shares_until_write_and_branches_are_independent[static]")),
-    Exercise("flash", "one online-softmax tile step: running max, running sum, rescaled accumulator",
+              "test_kvcache.py::"
+              "test_fork_shares_until_write_and_branches_are_independent[static]")),
+    Exercise("flash",
+             "one online-softmax tile step: running max, running sum, rescaled accumulator",
              ("flash.tile_step",),
              ("test_flash.py::test_tiled_prefill_matches_naive_fp32[128-16]",
               "test_flash.py::test_tiled_prefill_matches_naive_fp32[1000-128]",
@@ -120,12 +127,14 @@ EXERCISES = {e.name: e for e in [
               "test_paged.py::test_decoded_blocks_enter_the_prefix_cache",
               "test_paged.py::test_forced_hash_collisions_never_return_another_prefix",
               "test_paged.py::test_lru_evicts_the_least_recently_freed_cached_block")),
-    Exercise("engine", "one scheduler step: who decodes, and preempting the newest when blocks run out",
+    Exercise("engine",
+             "one scheduler step: who decodes, and preempting the newest when blocks run out",
              ("engine.Scheduler.schedule_decode",),
              ("test_engine.py::test_preempted_requests_produce_the_same_tokens",
               "test_engine.py::test_sessions_keep_a_conversation_until_blocks_are_needed",
               "test_engine.py::test_scheduler_bookkeeping_without_a_model",
-              "test_engine.py::test_out_of_blocks_frees_parked_conversations_first_then_preempts_the_newest")),
+              "test_engine.py::"
+              "test_out_of_blocks_frees_parked_conversations_first_then_preempts_the_newest")),
     Exercise("speculative", "the accept/resample rule of speculative sampling",
              ("speculative.accept", "speculative.residual"),
              ("test_speculative.py::test_rule_on_probability_vectors",

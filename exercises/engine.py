@@ -34,7 +34,8 @@ def schedule_decode(self) -> list[Sequence]:
     (``self.alloc.free(self.parked.popitem(last=False)[1])``), and only if none is parked,
     preempt the newest running sequence (``self.preempt(self.running[-1])``; it may be this
     very one). Return the batch: a new list of the sequences still running."""
-    raise NotImplementedError("""schedule_decode: walk self.running from the oldest with an index, not a for loop:
+    raise NotImplementedError(
+        """schedule_decode: walk self.running from the oldest with an index, not a for loop:
 preempting removes the newest from the list while you walk it. At each sequence, first
 ask whether its append could fail (needs a block, none free); if so make room and look at
 the same index again, else append its slot, keep any copy, and move on.""")

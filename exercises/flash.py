@@ -30,7 +30,8 @@ def tile_step(q, k, v, m, s, acc, scale: float, allowed=None):
     Returns the updated (m, s, acc), fp32 whatever q's dtype: scores q·kᵀ·scale in fp32,
     probabilities cast to v's dtype for the product with v. A row that has seen no visible
     key keeps m = -inf, s = 0, acc = 0 and must never become NaN."""
-    raise NotImplementedError("""tile_step: score the tile, then bring the running values up to date.
+    raise NotImplementedError(
+        """tile_step: score the tile, then bring the running values up to date.
 The new max is the larger of the old one and this tile's row max; everything summed so far was
 relative to exp(old max), so multiply s and acc by exp(old max - new max) before adding this tile's
 exp(score - new max) terms. Watch rows whose new max is still -inf: -inf - -inf is NaN.""")

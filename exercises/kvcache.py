@@ -26,7 +26,8 @@ def write_rows(store: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> to
     (the cache keeps using this very tensor), and return store. Keep rows a tensor: no
     .tolist() and no Python loop over it (a compiled decode step calls this every step and
     must not wait for the host)."""
-    raise NotImplementedError("""write_rows: picture the loop "for each i, row rows[i] of store (dim 2) becomes new[:, :, i]".
-Now do it in one tensor operation that takes the whole index tensor: look for an in-place
-Tensor method that copies slices into a dimension at given indices (its name ends in _copy_),
-or assign through indexing; either way store itself must change, and you return it.""")
+    raise NotImplementedError(
+        """write_rows: picture the loop "for each i, row rows[i] of store (dim 2) becomes
+new[:, :, i]". Now do it in one tensor operation that takes the whole index tensor: look for an
+in-place Tensor method that copies slices into a dimension at given indices (its name ends in
+_copy_), or assign through indexing; either way store itself must change, and you return it.""")

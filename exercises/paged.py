@@ -23,7 +23,8 @@ def slot(self, pos: int) -> int:
     logical block i (tokens i·block_size .. (i+1)·block_size - 1); self.block_size tokens
     per block. Return the physical slot of token position ``pos``: the pool is read as one
     array of num_blocks · block_size slots, block b's slots being b·block_size onwards."""
-    raise NotImplementedError("""slot: two questions. Which logical block holds position pos, and where inside it?
+    raise NotImplementedError(
+        """slot: two questions. Which logical block holds position pos, and where inside it?
 (integer division and remainder by self.block_size). Then: which physical block is that
 logical block (the table says), and where do that block's slots start in the flat pool?""")
 
@@ -35,7 +36,8 @@ def release(self, block_id: int) -> None:
     (self.is_cached(block)), to the newest end of the LRU ``self.evictable`` (an
     OrderedDict used as an ordered set: key block_id, value None), where it stays reusable
     until evicted; otherwise it is wiped (block.forget()) and appended to ``self.free_ids``."""
-    raise NotImplementedError("""release: a reference count says how many tables point at the block; this drops one.
+    raise NotImplementedError(
+        """release: a reference count says how many tables point at the block; this drops one.
 Only the last reference out changes where the block lives: then decide between the two
 places a block nobody holds can be (the LRU of cached blocks, or the free list), as the
 docstring says. Every block must end up in exactly one state: owned, free or evictable.""")

@@ -23,7 +23,8 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     block 0. A partial last block gets no hash, so the list has len(token_ids) // block_size
     entries. ``import paged`` and call paged.block_hash: a test replaces it there, which a
     function bound by ``from paged import block_hash`` would never see."""
-    raise NotImplementedError("""block_hashes: one hash per full block, each built from the one before it.
+    raise NotImplementedError(
+        """block_hashes: one hash per full block, each built from the one before it.
 Walk the full blocks in order, carrying the previous hash (0 at the start): hash it together
 with this block's tokens (as a tuple), keep the result, and make it the one to carry on.
 Why chain at all? Two equal blocks after different prefixes must get different names.""")

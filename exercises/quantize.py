@@ -25,14 +25,16 @@ def quantize_int8(x: torch.Tensor, scale_dtype=torch.float16) -> tuple[torch.Ten
     (computed in fp32, floored at quantize.TINY = 1e-8 so an all-zero row does not divide
     by zero, then cast to scale_dtype) and q = round(x / s) clamped to [-127, 127], dividing
     by s as stored (after its cast), so dequantizing with it undoes exactly this rounding."""
-    raise NotImplementedError("""quantize_int8: choose the scale so the row's largest magnitude lands on 127, the edge of int8.
-Work in fp32, keep the reduced dim (keepdim) so s broadcasts over its row, and divide by the
+    raise NotImplementedError(
+        """quantize_int8: choose the scale so the row's largest magnitude lands on 127, the edge of
+int8. Work in fp32, keep the reduced dim (keepdim) so s broadcasts over its row, and divide by the
 scale as it will be stored; then round, clamp to [-127, 127] and cast. Symmetric: no zero point.""")
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """q (..., n) int8 and scale (..., 1) (any float dtype) -> q · scale as ``dtype``,
     computed in fp32 and cast at the end."""
-    raise NotImplementedError("""dequantize_int8: undo quantize_int8: multiply each row back by its scale.
+    raise NotImplementedError(
+        """dequantize_int8: undo quantize_int8: multiply each row back by its scale.
 Do the product in fp32 (int8 times fp16 would neither be exact nor allowed everywhere),
 then cast to the dtype asked for.""")

@@ -6,7 +6,7 @@ it with probability min(1, p/q); on a rejection, draw the target's token from
 normalize(max(0, p - q)). The lesson's docstring proves that the tokens then follow p
 exactly, whatever the proposer's q.
 
-Run it:  make exercise E=speculative    (or: .venv/bin/python -m pytest tests --exercise speculative)
+Run it:  make exercise E=speculative   (or: .venv/bin/python -m pytest tests --exercise speculative)
 
 Passing means the speculative lesson's own tests pass with your rule: 20,000 verdicts on a
 guess drawn from q emit tokens distributed as p (a chi-square test; a rule that accepts
@@ -37,6 +37,7 @@ def residual(p: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tenso
     (V,), summing to 1. With a draft's q: normalize(max(0, p - q)). With q None (a point
     mass on ``token``): p with that token's probability set to 0, renormalized. If nothing
     is left (the sum is 0), return p itself. Never modify p in place."""
-    raise NotImplementedError("""residual: keep only the probability p has beyond what q already offered, then rescale.
+    raise NotImplementedError(
+        """residual: keep only the probability p has beyond what q already offered, then rescale.
 max(0, p - q) removes what q covered; with a point mass that is just the rejected token.
 Divide by the total so it sums to 1, and mind the case where nothing is left.""")
