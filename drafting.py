@@ -1,10 +1,21 @@
 """
-drafting.py — proposers that are models, for speculative decoding (speculative.py).
+drafting.py — the proposers of speculative decoding (speculative.py's Proposer protocol).
 
 Speculative decoding is exact whatever proposes the guesses; how fast it goes
 depends on two numbers: the share of guesses the target accepts (α) and what a
-guess costs next to a target step. A proposer that is itself a language model
-trades one for the other:
+guess costs next to a target step. Two proposers need no model at all:
+
+* PromptLookup(N): find the latest earlier occurrence of the context's last
+  n tokens (n = N..1) and propose what followed it. Free, and strong when the
+  answer quotes its input (summaries, code edits, extraction).
+* Lookahead(W, N, G) (Fu et al. 2024): no second model. The target itself runs
+  Jacobi iterations on a window of W future positions; every column of the
+  window's last N−1 trajectories is an n-gram the model "thought of", kept in a
+  pool keyed by its first token. Up to G pool n-grams starting with the current
+  token are verified — in the same forward pass as the next Jacobi iteration
+  (speculative.py's module docstring has the mask that makes it one pass).
+
+A proposer that is itself a language model trades α against cost:
 
 * a standalone draft (DraftModel): a small model with the same tokenizer,
   run autoregressively from its own KV cache. It must rediscover from tokens
@@ -40,6 +51,7 @@ EAGLE head (`--draft bundled`) and Medusa heads (`--draft medusa`);
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -49,9 +61,9 @@ import kvcache
 import quantize
 import safetensors_io
 from kvcache import common_prefix
-from model import Llama, attend
+from model import GenerationStats, Llama, attend, generate_cached, load
 from sampling import SamplingParams, sampling_probs
-from speculative import Proposal, PromptLookup, Proposer, check_k, check_tree, generate
+from speculative import Proposal, Proposer, SpecStats, check_k, check_tree, generate
 
 ROOT = Path(__file__).resolve().parent
 BUNDLED_DRAFT = ROOT / "drafts" / "smollm2-135m-draft"   # written by train.py
@@ -59,6 +71,95 @@ BUNDLED_MEDUSA = ROOT / "drafts" / "smollm2-135m-medusa"  # written by train.py 
 TRAIN = {"bundled": "python train.py` (distils an EAGLE head from the bundled model, ~45 min on 2 CPU cores)",
          "medusa": "python train.py --medusa 4` (~30 min on 2 CPU cores)"}
 
+
+# ----------------------------------------------------------------------------
+# Proposers without a model.
+
+class PromptLookup(Proposer):
+    """Propose the continuation of the latest earlier occurrence of the last n tokens."""
+
+    def __init__(self, ngram: int = 3, k: int = 4, min_ngram: int = 1):
+        if ngram < 1:
+            raise ValueError(f"--prompt-lookup N needs N >= 1 (the n-gram length to match), "
+                             f"got {ngram}")
+        check_k(k)
+        self.ngram, self.k, self.min_ngram = ngram, k, min(min_ngram, ngram)
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        last = len(context)
+        for n in range(min(self.ngram, last - 1), self.min_ngram - 1, -1):
+            tail = context[-n:]
+            for start in range(last - n - 1, -1, -1):      # latest first, never the tail itself
+                if context[start + n - 1] == tail[-1] and context[start:start + n] == tail:
+                    return Proposal([context[start + n:start + n + k]])
+        return Proposal()
+
+
+class Lookahead(Proposer):
+    """Jacobi iteration over W future positions; n-grams from its trajectories; verify up to G."""
+    needs_dynamic_cache = True
+
+    def __init__(self, window: int, ngram: int, guesses: int, seed: int = 0):
+        if window < 1 or ngram < 2 or guesses < 1:
+            raise ValueError(f"--lookahead W,N,G needs W >= 1 (window), N >= 2 (n-gram size) "
+                             f"and G >= 1 (candidates verified per step), "
+                             f"got {window},{ngram},{guesses}")
+        self.W, self.N, self.G, self.k = window, ngram, guesses, ngram - 1
+        self.rng = random.Random(seed)
+        self.rows: list[list[int]] = []          # the trajectories, oldest first (at most N−1)
+        self.pool: dict[int, list[tuple]] = {}   # first token -> continuations, most recent first
+
+    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
+        if not self.rows:   # start the window from tokens of the context
+            self.rows = [[self.rng.choice(context) for _ in range(self.W)]]
+        cands = [list(c[:k]) for c in self.pool.get(context[-1], [])[:self.G]] if k else []
+        R, W = len(self.rows), self.W
+        if room < R + W + k:            # near the end of the context: verify only
+            return Proposal(cands)
+        mask = torch.zeros(R * W, R * W, dtype=torch.bool)
+        for r in range(R):
+            for i in range(W):
+                row = r * W + i
+                mask[row, :i + 1] = True                           # row 0, columns 0..i
+                mask[row, [s * W + i for s in range(1, r + 1)]] = True   # rows 1..r of column i
+        return Proposal(cands, branch=[t for row in self.rows for t in row],
+                        branch_offsets=[1 + r + i for r in range(R) for i in range(W)],
+                        branch_mask=mask)
+
+    def update(self, context, n, k, branch_logits):
+        if branch_logits is None:
+            return
+        new = branch_logits[-self.W:].argmax(-1).tolist()     # the last row's next tokens
+        if len(self.rows) < self.N - 1:                       # warming up: the window grows a row
+            self.rows.append(new)
+            return
+        for i in range(self.W):
+            gram = tuple(row[i] for row in self.rows) + (new[i],)
+            known = self.pool.setdefault(gram[0], [])
+            if gram[1:] in known:
+                known.remove(gram[1:])
+            known.insert(0, gram[1:])
+            del known[self.G:]
+        self.rows = self.rows[1:] + [new]
+
+
+
+
+def parse_lookahead(text: str) -> tuple[int, int, int]:
+    try:
+        w, n, g = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--lookahead takes W,N,G (window, n-gram size, candidates), e.g. 5,3,5; "
+                         f"got '{text}'")
+    Lookahead(w, n, g)   # validates
+    return w, n, g
+
+
+
+
+
+# ----------------------------------------------------------------------------
+# Proposers that are models.
 
 class DraftModel(Proposer):
     """A small model with the same tokenizer drafts k tokens autoregressively.
@@ -490,3 +591,35 @@ def draft_proposer(draft: Llama | MedusaHeads, target: Llama, k: int = 4, adapti
     if draft.config.eagle:
         return EagleDraft(draft, target, k, adaptive, tree=tree)
     return DraftModel(draft, target, k, adaptive)
+
+
+SUMMARISE = "Summarise this text in a few sentences, keeping the key numbers:\n\n"
+
+
+# ----------------------------------------------------------------------------
+# Demo: prompt lookup on a summary, where the answer quotes its input
+# (`python bench.py speculative` compares every proposer on chat prompts).
+
+if __name__ == "__main__":
+    import results
+    model, tok = load()
+    text = (ROOT / "data" / "handbook.txt").read_text().strip()[:1500]
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": SUMMARISE + text}]),
+                        add_bos=False)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    rows, plain = [], None
+    for name, proposer in (("plain", None), ("prompt lookup N=3, k=8", PromptLookup(3, 8))):
+        stats, spec = GenerationStats(), SpecStats()
+        out = list(generate_cached(model, prompt, params, stats) if proposer is None else
+                   generate(model, prompt, params, proposer, stats, spec))
+        speed = (stats.new_tokens - 1) / stats.decode_s
+        plain = plain or (out, speed)
+        rows.append([name, f"{speed:.1f}", f"{speed / plain[1]:.2f}×",
+                     f"{spec.tokens_per_forward:.2f}" if spec.steps else "1",
+                     "yes" if out == plain[0] else "no"])
+    table = results.Table(f"a {len(prompt)}-token summarise-this-text prompt, greedy, "
+                          f"{params.max_new_tokens} new tokens, EOS ignored",
+                          ["method", "decode tok/s", "speedup", "tokens/forward", "same tokens"],
+                          rows)
+    print(table.markdown())
+    results.save("speculative-demo", "speculative", [table])

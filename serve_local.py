@@ -260,9 +260,9 @@ def make_proposer(target: Llama, tok, draft: str | None = None, k: int = 4, adap
     if shape is not None:
         raise ValueError("--spec-tree needs --draft with an EAGLE head or Medusa heads (--draft bundled or medusa)")
     if lookahead is not None:
-        return speculative.Lookahead(*speculative.parse_lookahead(lookahead))
+        return drafting.Lookahead(*drafting.parse_lookahead(lookahead))
     if prompt_lookup is not None:
-        return speculative.PromptLookup(prompt_lookup, k)
+        return drafting.PromptLookup(prompt_lookup, k)
     return None
 
 

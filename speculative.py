@@ -39,23 +39,18 @@ accepted prefix plus one token: 1 + α + α² + ... + α^k = (1 − α^(k+1)) / 
 tokens per target forward (α = 0.7, k = 4: 2.8). The cost is the proposer's
 time plus a target forward slightly dearer than a plain step.
 
-Proposers, one verifier:
+Proposers, one verifier. A proposer is anything that follows the Proposer
+protocol below; drafting.py holds them all: free ones (prompt lookup, which
+proposes what followed the latest earlier occurrence of the context's last n
+tokens; lookahead, Fu et al. 2024, where the target itself runs Jacobi
+iterations on a window of future positions and keeps the n-grams it "thought
+of") and models (a small draft model, an EAGLE head that reads the target's own
+hidden states, Medusa heads that guess several tokens ahead from the last of
+them). A draft model's or an EAGLE chain's guesses come with the draft's
+distributions q when sampling; trees, lookahead's and Medusa's guesses are point
+masses.
 
-* PromptLookup(N): find the latest earlier occurrence of the context's last
-  n tokens (n = N..1) and propose what followed it. Free, and strong when the
-  answer quotes its input (summaries, code edits, extraction).
-* Models (drafting.py): a small draft model, an EAGLE head that reads the
-  target's own hidden states, Medusa heads that guess several tokens ahead
-  from the last of them, or any behind prompt lookup. A draft model's or an
-  EAGLE chain's guesses come with the draft's distributions q when sampling;
-  trees and Medusa's guesses are point masses.
-* Lookahead(W, N, G) (Fu et al. 2024): no second model. The target itself runs
-  Jacobi iterations on a window of W future positions; every column of the
-  window's last N−1 trajectories is an n-gram the model "thought of", kept in a
-  pool keyed by its first token. Up to G pool n-grams starting with the current
-  token are verified — in the same forward pass as the next Jacobi iteration.
-
-One pass, several branches. Lookahead verifies several candidates, and an
+One pass, several branches. Lookahead (drafting.py) verifies several candidates, and an
 EAGLE head or Medusa heads can draft a tree (drafting.EagleDraft and
 MedusaDraft, `--spec-tree W,M`: the likeliest few tokens at each depth
 instead of the one best guess). The
@@ -82,7 +77,6 @@ speculative section, has the measured trade).
 
 from __future__ import annotations
 
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -238,7 +232,7 @@ class Proposal:
 
 
 class Proposer:
-    """What `generate` asks of a proposer (PromptLookup, Lookahead below; drafting.py's drafts).
+    """What `generate` asks of a proposer (drafting.py's: PromptLookup, Lookahead, the drafts).
 
     Each step it calls ``propose(context, k, room, params, gen)`` for at most k guesses after the
     context (``room``: positions left in the cache), verifies them in one target pass, then calls
@@ -259,74 +253,6 @@ class Proposer:
 
     def update(self, context, n, k, branch_logits):
         pass
-
-
-class PromptLookup(Proposer):
-    """Propose the continuation of the latest earlier occurrence of the last n tokens."""
-
-    def __init__(self, ngram: int = 3, k: int = 4, min_ngram: int = 1):
-        if ngram < 1:
-            raise ValueError(f"--prompt-lookup N needs N >= 1 (the n-gram length to match), "
-                             f"got {ngram}")
-        check_k(k)
-        self.ngram, self.k, self.min_ngram = ngram, k, min(min_ngram, ngram)
-
-    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
-        last = len(context)
-        for n in range(min(self.ngram, last - 1), self.min_ngram - 1, -1):
-            tail = context[-n:]
-            for start in range(last - n - 1, -1, -1):      # latest first, never the tail itself
-                if context[start + n - 1] == tail[-1] and context[start:start + n] == tail:
-                    return Proposal([context[start + n:start + n + k]])
-        return Proposal()
-
-
-class Lookahead(Proposer):
-    """Jacobi iteration over W future positions; n-grams from its trajectories; verify up to G."""
-    needs_dynamic_cache = True
-
-    def __init__(self, window: int, ngram: int, guesses: int, seed: int = 0):
-        if window < 1 or ngram < 2 or guesses < 1:
-            raise ValueError(f"--lookahead W,N,G needs W >= 1 (window), N >= 2 (n-gram size) "
-                             f"and G >= 1 (candidates verified per step), "
-                             f"got {window},{ngram},{guesses}")
-        self.W, self.N, self.G, self.k = window, ngram, guesses, ngram - 1
-        self.rng = random.Random(seed)
-        self.rows: list[list[int]] = []          # the trajectories, oldest first (at most N−1)
-        self.pool: dict[int, list[tuple]] = {}   # first token -> continuations, most recent first
-
-    def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
-        if not self.rows:   # start the window from tokens of the context
-            self.rows = [[self.rng.choice(context) for _ in range(self.W)]]
-        cands = [list(c[:k]) for c in self.pool.get(context[-1], [])[:self.G]] if k else []
-        R, W = len(self.rows), self.W
-        if room < R + W + k:            # near the end of the context: verify only
-            return Proposal(cands)
-        mask = torch.zeros(R * W, R * W, dtype=torch.bool)
-        for r in range(R):
-            for i in range(W):
-                row = r * W + i
-                mask[row, :i + 1] = True                           # row 0, columns 0..i
-                mask[row, [s * W + i for s in range(1, r + 1)]] = True   # rows 1..r of column i
-        return Proposal(cands, branch=[t for row in self.rows for t in row],
-                        branch_offsets=[1 + r + i for r in range(R) for i in range(W)],
-                        branch_mask=mask)
-
-    def update(self, context, n, k, branch_logits):
-        if branch_logits is None:
-            return
-        new = branch_logits[-self.W:].argmax(-1).tolist()     # the last row's next tokens
-        if len(self.rows) < self.N - 1:                       # warming up: the window grows a row
-            self.rows.append(new)
-            return
-        for i in range(self.W):
-            gram = tuple(row[i] for row in self.rows) + (new[i],)
-            known = self.pool.setdefault(gram[0], [])
-            if gram[1:] in known:
-                known.remove(gram[1:])
-            known.insert(0, gram[1:])
-            del known[self.G:]
-        self.rows = self.rows[1:] + [new]
 
 
 def check_k(k: int):
@@ -519,16 +445,6 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
                 return
 
 
-def parse_lookahead(text: str) -> tuple[int, int, int]:
-    try:
-        w, n, g = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--lookahead takes W,N,G (window, n-gram size, candidates), e.g. 5,3,5; "
-                         f"got '{text}'")
-    Lookahead(w, n, g)   # validates
-    return w, n, g
-
-
 def parse_tree(text: str) -> tuple[int, int]:
     try:
         w, m = (int(x) for x in text.split(","))
@@ -539,33 +455,20 @@ def parse_tree(text: str) -> tuple[int, int]:
     return w, m
 
 
-SUMMARISE = "Summarise this text in a few sentences, keeping the key numbers:\n\n"
-
-
 # ----------------------------------------------------------------------------
-# Demo: prompt lookup on a summary, where the answer quotes its input
-# (`python bench.py speculative` compares every method on chat prompts).
+# Demo: the chain algorithm with the target as its own draft. Every guess is the target's own
+# greedy token, so every one is accepted and the text is the plain decoder's; the draft costs a
+# full step per guess, so it is no faster: a real proposer makes its guesses cheaply (drafting.py,
+# `python drafting.py`; `python bench.py speculative` compares them all).
 
 if __name__ == "__main__":
-    import results
     model, tok = load()
-    text = (ROOT / "data" / "handbook.txt").read_text().strip()[:1500]
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": SUMMARISE + text}]),
-                        add_bos=False)
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    rows, plain = [], None
-    for name, proposer in (("plain", None), ("prompt lookup N=3, k=8", PromptLookup(3, 8))):
-        stats, spec = GenerationStats(), SpecStats()
-        out = list(generate_cached(model, prompt, params, stats) if proposer is None else
-                   generate(model, prompt, params, proposer, stats, spec))
-        speed = (stats.new_tokens - 1) / stats.decode_s
-        plain = plain or (out, speed)
-        rows.append([name, f"{speed:.1f}", f"{speed / plain[1]:.2f}×",
-                     f"{spec.tokens_per_forward:.2f}" if spec.steps else "1",
-                     "yes" if out == plain[0] else "no"])
-    table = results.Table(f"a {len(prompt)}-token summarise-this-text prompt, greedy, "
-                          f"{params.max_new_tokens} new tokens, EOS ignored",
-                          ["method", "decode tok/s", "speedup", "tokens/forward", "same tokens"],
-                          rows)
-    print(table.markdown())
-    results.save("speculative-demo", "speculative", [table])
+    chat = [{"role": "user", "content": "Name three colours."}]
+    prompt = tok.encode(tok.apply_chat_template(chat), add_bos=False)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    plain = list(generate_cached(model, prompt, params))
+    for k in (1, 4):
+        same = list(generate_simple(model, prompt, params, model, k)) == plain
+        print(f"generate_simple, k = {k}, the target as its draft: {len(plain)} greedy tokens, "
+              f"the plain decoder's: {'yes' if same else 'no'}")
+    print(tok.decode(plain))

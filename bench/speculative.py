@@ -161,9 +161,9 @@ def bench_speculative(args):
             t0 = time.perf_counter()        # for every static-cache size the prompts use
             drafting.draft_proposer(draft, model, k).warm_up(model)
             print(f"draft step compiled in {time.perf_counter() - t0:.0f} s (not timed below)", flush=True)
-    methods[f"lookahead {args.lookahead}"] = lambda: speculative.Lookahead(*speculative.parse_lookahead(args.lookahead))
+    methods[f"lookahead {args.lookahead}"] = lambda: drafting.Lookahead(*drafting.parse_lookahead(args.lookahead))
     methods[f"prompt lookup N={args.prompt_lookup}, k={args.lookup_k}"] = \
-        lambda: speculative.PromptLookup(args.prompt_lookup, args.lookup_k)
+        lambda: drafting.PromptLookup(args.prompt_lookup, args.lookup_k)
     if args.compile:
         # The target runs eagerly in every method above; the runner's fastest plain
         # decoding is the compiled one-token step on a static cache, which a

@@ -55,7 +55,7 @@ def test_accepted_rows_moved_behind_x_t(models, branches):
     target, _ = models
     prompt = [0, 9, 8, 7, 9, 8, 7, 9, 8]
     want = plain(target, prompt, 96)
-    proposer = S.Lookahead(5, 3, 4) if branches == "lookahead" else \
+    proposer = D.Lookahead(5, 3, 4) if branches == "lookahead" else \
         FixedTree(prompt, want, target.config.vocab_size)
     spec, cache = S.SpecStats(), kvcache.new_cache(target)
     out = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=96),
@@ -83,7 +83,7 @@ def test_spec_k_and_context_limit(models):
                           D.DraftModel(draft, target, 8)))
     assert got == want and len(got) == 20     # the context, not max_new_tokens, ends it
     for n in (1, 2, 3):
-        for proposer in (D.DraftModel(draft, target, 8), S.PromptLookup(1, 8), S.Lookahead(3, 4, 2)):
+        for proposer in (D.DraftModel(draft, target, 8), D.PromptLookup(1, 8), D.Lookahead(3, 4, 2)):
             got = list(S.generate(target, PROMPTS[1], M.SamplingParams(temperature=0, max_new_tokens=n), proposer))
             assert got == plain(target, PROMPTS[1], n)
 
@@ -95,13 +95,13 @@ def test_spec_k_and_context_limit(models):
 def test_greedy_identical_to_plain(models, k):
     """The proposers without a second model (drafting.py's are tested in test_drafting.py)."""
     target, _ = models
-    check_greedy(target, {"prompt lookup": lambda: S.PromptLookup(3, k), "lookahead": lambda: S.Lookahead(4, k + 1, 3)}, k)
+    check_greedy(target, {"prompt lookup": lambda: D.PromptLookup(3, k), "lookahead": lambda: D.Lookahead(4, k + 1, 3)}, k)
 
 
 @pytest.mark.parametrize("method", ["prompt lookup", "lookahead"])
 def test_sampling_matches_target(small_vocab, method, monkeypatch):
     target = small_vocab[0]
-    make = {"prompt lookup": lambda: S.PromptLookup(2, 4), "lookahead": lambda: S.Lookahead(3, 3, 3)}[method]
+    make = {"prompt lookup": lambda: D.PromptLookup(2, 4), "lookahead": lambda: D.Lookahead(3, 3, 3)}[method]
     check_sampling(target, make, monkeypatch, n_seqs=40, n_control=24)
 
 
@@ -154,12 +154,12 @@ def test_bad_input(models, eagle_head, tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="spec-k must be >= 1"):
             D.DraftModel(draft, target, k)
         with pytest.raises(ValueError, match="spec-k must be >= 1"):
-            S.PromptLookup(3, k)
+            D.PromptLookup(3, k)
     for text in ["5,1,5", "0,3,2", "5,3,0", "5,3", "a,b,c"]:
         with pytest.raises(ValueError, match="--lookahead"):
-            S.parse_lookahead(text)
+            D.parse_lookahead(text)
     with pytest.raises(ValueError, match="prompt-lookup N needs N >= 1"):
-        S.PromptLookup(0)
+        D.PromptLookup(0)
     other = M.Llama.from_pretrained(make_checkpoint(tmp_path / "v", vocab_size=352, **SMALL), "cpu")
     with pytest.raises(ValueError, match="must use the target's tokenizer"):
         D.DraftModel(other, target)
@@ -174,7 +174,7 @@ def test_bad_input(models, eagle_head, tmp_path, monkeypatch):
         D.EagleDraft(head, target)
     with pytest.raises(ValueError, match="needs the target's features"):
         head(torch.tensor([[1, 2]]), torch.arange(2))
-    for proposer in (S.Lookahead(3, 3, 3), D.EagleDraft(eagle_head, target, 3, tree=(2, 4))):
+    for proposer in (D.Lookahead(3, 3, 3), D.EagleDraft(eagle_head, target, 3, tree=(2, 4))):
         with pytest.raises(ValueError, match="need the dynamic cache"):
             next(S.generate(target, [0, 1], M.SamplingParams(), proposer,
                             cache=kvcache.new_cache(target, "static", max_len=64)))
@@ -215,7 +215,7 @@ def test_static_cache_and_chat_turns(models, tmp_path):
     prompt = PROMPTS[1]
     want = plain(target, prompt, 64)
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
-    for proposer in (D.DraftModel(draft, target, 4), S.PromptLookup(3, 4)):
+    for proposer in (D.DraftModel(draft, target, 4), D.PromptLookup(3, 4)):
         cache = kvcache.new_cache(target, "static", max_len=128)
         assert list(S.generate(target, prompt, greedy, proposer, cache=cache)) == want
         assert cache.length == len(prompt) + 64 - 1
@@ -223,8 +223,8 @@ def test_static_cache_and_chat_turns(models, tmp_path):
     model.config.eos_ids = []
     params = M.SamplingParams(temperature=0, max_new_tokens=40)
     chats = [serve_local.Chat(model, tok, params),
-             serve_local.Chat(model, tok, params, proposer=S.PromptLookup(2, 4)),
-             serve_local.Chat(model, tok, params, proposer=S.Lookahead(3, 3, 3))]
+             serve_local.Chat(model, tok, params, proposer=D.PromptLookup(2, 4)),
+             serve_local.Chat(model, tok, params, proposer=D.Lookahead(3, 3, 3))]
     for text in ["hello there", "the quick brown fox", "how can I help"]:
         answers = [io.StringIO() for _ in chats]
         for chat, out in zip(chats, answers):
@@ -238,7 +238,7 @@ def test_lookahead_mask_respects_sliding_window(tmp_path):
     target.config.eos_ids, target.config.sliding_window = [], 12     # Mistral-style attention window
     prompt = [0, 9, 8, 7, 9, 8, 7, 9, 8, 3, 4]
     want = plain(target, prompt, 96)
-    got = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=96), S.Lookahead(4, 3, 4)))
+    got = list(S.generate(target, prompt, M.SamplingParams(temperature=0, max_new_tokens=96), D.Lookahead(4, 3, 4)))
     assert got == want
 
 
@@ -247,7 +247,7 @@ def test_compare_reports_where_texts_part(models):
     that parts from it is reported with the first new token that differs."""
     target, _ = models
     static = kvcache.new_cache(target, "static", 64)      # plain decoding on a given cache, reused prompt after prompt
-    rows = bench.speculative.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: S.PromptLookup(2, 3),
+    rows = bench.speculative.compare(target, PROMPTS[:2], {"plain": lambda: None, "lookup": lambda: D.PromptLookup(2, 3),
                                            "static": lambda: static}, 24)
     assert [r["diverged"] for r in rows] == [[None, None]] * 3
     assert rows[0]["speedup"] == 1.0 and rows[0]["speedups"] == [1.0, 1.0]
