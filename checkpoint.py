@@ -46,8 +46,9 @@ TINYLLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
     "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
     "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32000,
+    "bos_token_id": 1, "eos_token_id": 2,
 }
 # Only what we read: a repo may also carry .bin/.pth/.gguf copies of the weights.
 HUB_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
@@ -70,14 +71,16 @@ def resolve(name: str) -> Path:
     if path.is_file():
         if path.suffix == ".gguf":
             return convert_gguf(path, cache_root())
-        raise CheckpointError(f"{path} is a file but not a .gguf; give a model directory or a .gguf file")
+        raise CheckpointError(f"{path} is a file but not a .gguf; "
+                              "give a model directory or a .gguf file")
     if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", target):   # "org/name": a hub repo id
         return hub_snapshot(target, name)
     known = ", ".join(ALIASES)
     if "/" in target or path.suffix:
-        raise CheckpointError(f"model path not found: {target} (give an existing directory or .gguf file, "
-                              f"or an alias: {known})")
-    raise CheckpointError(f"unknown model '{name}': give a directory, a .gguf file, or an alias: {known}")
+        raise CheckpointError(f"model path not found: {target} "
+                              f"(give an existing directory or .gguf file, or an alias: {known})")
+    raise CheckpointError(f"unknown model '{name}': "
+                          f"give a directory, a .gguf file, or an alias: {known}")
 
 
 def bundled_gguf(package: str, filename: str) -> Path:
@@ -114,7 +117,8 @@ def hub_snapshot(repo_id: str, name: str) -> Path:
 
 
 # ----------------------------------------------------------------------------
-# Demo: what a name resolves to, what each storage format costs, and the tokenizer that comes with it.
+# Demo: what a name resolves to, what each storage format costs, and the tokenizer that comes
+# with it.
 
 if __name__ == "__main__":
     import argparse
@@ -132,12 +136,15 @@ if __name__ == "__main__":
     n = sum(t.numel() for t in weights.values())
     size = sum(f.stat().st_size for f in weight_files(model_dir))
     print(f"HF directory: {model_dir}")
-    print(f"  {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads "
+    print(f"  {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+          f"{cfg['num_attention_heads']} heads "
           f"/ {cfg.get('num_key_value_heads')} KV heads, vocab {cfg['vocab_size']}")
     print(f"  {len(weights)} tensors, {n / 1e6:.1f}M parameters, {size / 1e6:.0f} MB on disk "
           f"= {8 * size / n:.1f} bits per parameter")
     if isinstance(target, tuple):
-        print(f"  the GGUF stores the same {n / 1e6:.1f}M numbers in {8 * gguf_file.stat().st_size / n:.1f} bits "
-              f"each (Q4_1: 4-bit codes + a scale and minimum per 32); we keep them dequantized, exact, in fp32")
+        print(f"  the GGUF stores the same {n / 1e6:.1f}M numbers in "
+              f"{8 * gguf_file.stat().st_size / n:.1f} bits "
+              "each (Q4_1: 4-bit codes + a scale and minimum per 32); "
+              "we keep them dequantized, exact, in fp32")
     print("\nits tokenizer (tokenizer.py):")
     tokenizer.demo(tokenizer.Tokenizer.from_dir(model_dir))

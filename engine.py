@@ -164,11 +164,14 @@ class Sequence:
     finish_reason: Finish | None = None
     forks: int = 0                    # branches to fork from this one right after its first prefill
     n_cached: int = 0                 # tokens of the table already computed when admitted
-    n_computed: int = 0               # while prefilling: tokens of the table computed before this step's chunk
-    prefilling: bool = False          # its prompt is not all computed after this step's chunk: no decode row yet
+    # while prefilling: tokens of the table computed before this step's chunk
+    n_computed: int = 0
+    # its prompt is not all computed after this step's chunk: no decode row yet
+    prefilling: bool = False
     preempted: bool = False           # preempted at least once: admitting it again recomputes
     generator: object = None          # the engine's sampling state (a torch.Generator or None)
-    logprobs: list = field(default_factory=list)   # per output token, with params.logprobs: (top values, ids, chosen's)
+    # per output token, with params.logprobs: (top values, ids, chosen's)
+    logprobs: list = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -206,7 +209,8 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, max_batch: int, watermark: float = 0.01):
         self.alloc, self.max_batch = allocator, max_batch
-        self.watermark = max(1, round(watermark * allocator.num_blocks))   # free blocks admission leaves
+        # free blocks admission leaves
+        self.watermark = max(1, round(watermark * allocator.num_blocks))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []           # admission order: the last is the newest
         self.parked: OrderedDict[object, BlockTable] = OrderedDict()   # session → finished table
@@ -234,22 +238,26 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             width = 1 + seq.forks
-            table = self._reserve(seq, width, budget) if len(self.running) + width <= self.max_batch else None
+            table = (self._reserve(seq, width, budget)
+                     if len(self.running) + width <= self.max_batch else None)
             if table is None:
                 return
             self.waiting.popleft()
             seq.table, seq.status, seq.n_computed = table, Status.RUNNING, seq.n_cached
-            seq.prefilling, budget = table.num_tokens < len(seq.tokens), budget - table.num_tokens + seq.n_cached
+            seq.prefilling, budget = (table.num_tokens < len(seq.tokens),
+                                      budget - table.num_tokens + seq.n_cached)
             self.running.append(seq)
             yield seq
 
     def _extend(self, seq: Sequence, budget: float) -> int:
         """Append to a prefilling sequence's table the next chunk that ``budget`` and the free
         blocks allow (idle parked conversations go first); returns its length. 0: it waits
-        for decoders to finish, or, if they run out of blocks first, to preempt it, the newest."""
+        for decoders to finish, or, if they run out of blocks first, to preempt it, the
+        newest."""
         table, bs, seq.n_computed = seq.table, self.alloc.block_size, seq.table.num_tokens
         want = min(budget, len(seq.tokens) - table.num_tokens)
-        room = lambda: -table.num_tokens % bs + bs * (self.alloc.num_free - self.watermark * (len(self.running) > 1))
+        room = lambda: -table.num_tokens % bs + bs * (self.alloc.num_free
+                                                      - self.watermark * (len(self.running) > 1))
         while room() < want and self.parked:
             self.alloc.free(self.parked.popitem(last=False)[1])
         n = max(0, min(want, room()))
@@ -261,14 +269,16 @@ class Scheduler:
     def _reserve(self, seq: Sequence, width: int, budget: float) -> BlockTable | None:
         """A table for ``seq``'s tokens up to ``budget`` past those computed (cached or parked),
         or None if the pool cannot take all of them now. With others running, leave room for
-        its first decode step (a block per branch: a fork copies the last block) and the watermark."""
+        its first decode step (a block per branch: a fork copies the last block) and the
+        watermark."""
         tokens, session = seq.tokens, seq.request.session
         parked = self.parked.pop(session, None) if session is not None else None
         if parked is not None and len(parked.token_ids) < len(tokens) \
                 and tokens[:len(parked.token_ids)] == parked.token_ids:
             need = self.alloc.blocks_for(len(tokens)) - len(parked.block_ids)
             while not self._fits(need, self.alloc.num_free, width) and self.parked:
-                self.alloc.free(self.parked.popitem(last=False)[1])   # other idle conversations go first
+                # other idle conversations go first
+                self.alloc.free(self.parked.popitem(last=False)[1])
             if not self._fits(need, self.alloc.num_free, width):
                 self.parked[session] = parked     # keep it; maybe next step
                 return None
@@ -277,21 +287,25 @@ class Scheduler:
                 if copy := self.alloc.append_slot(parked, t)[1]:
                     self.copies.append(copy)
             return parked
-        if parked is not None:                # the conversation changed: start over from the prefix cache
+        if parked is not None:
+            # the conversation changed: start over from the prefix cache
             self.alloc.free(parked)
         while True:
             need, available = self.alloc.admission_cost(tokens)
             if self._fits(need, available, width):
-                # The table gets this step's chunk only: blocks enter the prefix cache when computed.
+                # The table gets this step's chunk only: blocks enter the prefix cache when
+                # computed.
                 hit = (self.alloc.blocks_for(len(tokens)) - need) * self.alloc.block_size
-                table, seq.n_cached = self.alloc.allocate_sequence(tokens[:min(len(tokens), hit + budget)], seq.id)
+                table, seq.n_cached = self.alloc.allocate_sequence(
+                    tokens[:min(len(tokens), hit + budget)], seq.id)
                 return table
             if not self.parked:
                 return None
             self.alloc.free(self.parked.popitem(last=False)[1])   # idle conversations go first
 
     def _fits(self, need: int, available: int, width: int) -> bool:
-        if not self.running:      # alone it always fits: the engine's max_len keeps a sequence within the pool
+        if not self.running:
+            # alone it always fits: the engine's max_len keeps a sequence within the pool
             return need <= available
         return need + width + self.watermark <= available
 
@@ -327,7 +341,8 @@ class Scheduler:
         self.preemptions += 1
 
     def fork(self, seq: Sequence, new_id: int, branch: int, generator=None) -> Sequence:
-        """A branch sharing ``seq``'s blocks (copy-on-write), running right after it, sampling with ``generator``."""
+        """A branch sharing ``seq``'s blocks (copy-on-write), running right after it, sampling
+        with ``generator``."""
         table = self.alloc.fork(seq.table, new_id)
         twin = Sequence(new_id, seq.request, branch, list(seq.output), table, Status.RUNNING,
                         n_cached=seq.n_cached, generator=generator)
@@ -404,23 +419,27 @@ class Engine:
     tokens a step computes (None: every admitted prompt whole)."""
 
     def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
-                 max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES, prefix_caching: bool = True,
-                 max_len: int | None = None, kv_dtype: torch.dtype | None = None, watermark: float = 0.01,
+                 max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES,
+                 prefix_caching: bool = True, max_len: int | None = None,
+                 kv_dtype: torch.dtype | None = None, watermark: float = 0.01,
                  chunk_tokens: int | None = 256, codec=None, in_place=None):
         c, w = model.config, model.embed_tokens.weight
         kv_dtype = kv_dtype or w.dtype
         if num_blocks is None:
             # A quantized row is d_head one-byte values plus its scale's bytes.
-            row, size = (codec.row_bytes(c.head_dim), 1) if codec else (c.head_dim, kv_dtype.itemsize)
+            row, size = ((codec.row_bytes(c.head_dim), 1) if codec
+                         else (c.head_dim, kv_dtype.itemsize))
             per_block = block_size * kv_bytes_per_token(c.n_layers, c.n_kv_heads, row, size)
-            num_blocks = max(1, min(int(kv_bytes // per_block), math.ceil(max_batch * c.max_seq_len / block_size)))
+            num_blocks = max(1, min(int(kv_bytes // per_block),
+                                    math.ceil(max_batch * c.max_seq_len / block_size)))
         if min(num_blocks, block_size, max_batch, chunk_tokens or 1) < 1:
-            raise ValueError(f"num_blocks, block_size, max_batch and chunk_tokens (or None) must be >= 1 "
+            raise ValueError(f"num_blocks, block_size, max_batch and chunk_tokens (or None) "
+                             f"must be >= 1 "
                              f"(got {num_blocks}, {block_size}, {max_batch}, {chunk_tokens})")
         self.model, self.device = model, w.device
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, kv_dtype,
-                                  w.device, c.sliding_window, codec, in_place)
+        self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim,
+                                  kv_dtype, w.device, c.sliding_window, codec, in_place)
         self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit)
         self.watermark, self.chunk_tokens = watermark, chunk_tokens
         self.scheduler = Scheduler(self.allocator, max_batch, watermark)
@@ -457,7 +476,8 @@ class Engine:
     def check_request(self, prompt_ids, params: SamplingParams, n: int = 1) -> list[int]:
         """Validate a request without adding it: ValueError says what is wrong."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling params must be a SamplingParams, "
+                            f"got {type(params).__name__}")
         vocab = self.model.config.vocab_size
         try:
             ids = [operator.index(t) for t in prompt_ids]
@@ -468,17 +488,21 @@ class Engine:
         if not all(0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab}), the model's vocabulary")
         if params.logprobs > vocab:
-            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}")
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, "
+                             f"got {params.logprobs}")
         if not 1 <= n <= self.scheduler.max_batch:
-            raise ValueError(f"n must be between 1 and max_batch={self.scheduler.max_batch}, got {n}")
+            raise ValueError(f"n must be between 1 and max_batch={self.scheduler.max_batch}, "
+                             f"got {n}")
         if len(ids) >= self.max_len:
-            raise ValueError(f"prompt is {len(ids)} tokens but a sequence may hold at most {self.max_len} "
-                             f"(model context {self.model.config.max_seq_len}, KV pool {self.cache.limit} tokens = "
-                             f"{self.allocator.num_blocks} blocks of {self.allocator.block_size}); shorten it "
-                             f"or give the engine more blocks")
+            raise ValueError(f"prompt is {len(ids)} tokens but a sequence may hold at most "
+                             f"{self.max_len} (model context {self.model.config.max_seq_len}, "
+                             f"KV pool {self.cache.limit} tokens = "
+                             f"{self.allocator.num_blocks} blocks of {self.allocator.block_size}); "
+                             f"shorten it or give the engine more blocks")
         return ids
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, n: int = 1, session=None) -> int:
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, n: int = 1,
+                    session=None) -> int:
         """Queue a request; returns its id. Raises (and queues nothing) on a bad
         request: the engine goes on serving the others. ``session``: keep this
         conversation's blocks after it finishes so its next turn (a request with the
@@ -519,7 +543,8 @@ class Engine:
         return self.scheduler.end_session(session)
 
     def _generator(self, params: SamplingParams, branch: int):
-        """Branch i of a request samples with seed + i: each is an independent run with that seed."""
+        """Branch i of a request samples with seed + i: each is an independent run with that
+        seed."""
         return seeded_generator(None if params.seed is None else params.seed + branch, self.device)
 
     # --- one step -----------------------------------------------------------
@@ -534,7 +559,8 @@ class Engine:
                 logits = self._prefill(seq)
                 if seq.prefilling:        # more chunks to come: nothing to sample yet
                     continue
-                branches = [seq] + [self.scheduler.fork(seq, next(self._ids), b, self._generator(seq.request.params, b))
+                branches = [seq] + [self.scheduler.fork(seq, next(self._ids), b,
+                                                        self._generator(seq.request.params, b))
                                     for b in range(1, seq.forks + 1)]
                 seq.forks = 0
                 events += [self._emit(s, logits) for s in branches]
@@ -675,7 +701,8 @@ class LLM:
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer: LLM(name) or LLM(model, tokenizer=...)")
+                raise ValueError("text prompts need a tokenizer: "
+                                 "LLM(name) or LLM(model, tokenizer=...)")
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
@@ -688,17 +715,21 @@ class LLM:
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
-        encoded = [self.engine.check_request(self.encode(p), sp, n) for p, sp in zip(prompts, params)]
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: "
+                             f"give one, or one per prompt")
+        encoded = [self.engine.check_request(self.encode(p), sp, n)
+                   for p, sp in zip(prompts, params)]
         reqs = [self.engine.add(ids, sp, n) for ids, sp in zip(encoded, params)]
         from tqdm import tqdm
-        bar = tqdm(total=len(reqs), desc="generate", unit="req", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=len(reqs), desc="generate", unit="req", dynamic_ncols=True,
+                   disable=not use_tqdm)
         tokens, t0 = 0, time.perf_counter()
         try:
             while any(not r.finished for r in reqs):
                 tokens += len(self.engine.step())
                 bar.update(sum(r.finished for r in reqs) - bar.n)
-                bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s",
+                                    refresh=False)
         except BaseException:
             for r in reqs:
                 self.engine.cancel(r.id)
@@ -709,21 +740,26 @@ class LLM:
 
     def _output(self, req: Request, prompt) -> Output:
         eos_ids = self.model.config.eos_ids
-        decode = (lambda ids: self.tokenizer.decode([t for t in ids if visible(t, eos_ids)],
-                                                    skip_special=True)) if self.tokenizer else (lambda ids: None)
+        decode = ((lambda ids: self.tokenizer.decode([t for t in ids if visible(t, eos_ids)],
+                                                     skip_special=True))
+                  if self.tokenizer else (lambda ids: None))
         seqs = sorted(req.sequences, key=lambda s: s.branch)
-        top = lambda s: tuple(torch.stack(x) for x in list(zip(*s.logprobs))[:2]) if s.logprobs else None
+        top = lambda s: (tuple(torch.stack(x) for x in list(zip(*s.logprobs))[:2])
+                         if s.logprobs else None)
         return Output(req.id, prompt, req.prompt,
-                      [Completion(s.output, decode(s.output), s.finish_reason, top(s)) for s in seqs],
+                      [Completion(s.output, decode(s.output), s.finish_reason, top(s))
+                       for s in seqs],
                       req.cached_tokens, req.first_token - req.arrival, req.finish - req.arrival)
 
 
 # ----------------------------------------------------------------------------
 # Trace: the blocks of a fixed schedule, step by step, on a tiny random-weight Llama.
 
-SYSTEM = list(range(100, 132))   # a 32-token system prompt: two full blocks that every request shares
+# a 32-token system prompt: two full blocks that every request shares
+SYSTEM = list(range(100, 132))
+# (prompt, new tokens, n)
 TRACE = [(SYSTEM + list(range(10, 18)), 26, 1), (SYSTEM + list(range(20, 31)), 24, 1),
-         (SYSTEM + list(range(40, 44)), 5, 2), (SYSTEM + list(range(50, 54)), 20, 1)]  # prompt, new tokens, n
+         (SYSTEM + list(range(40, 44)), 5, 2), (SYSTEM + list(range(50, 54)), 20, 1)]
 
 
 def trace(write=print, num_blocks: int = 8, seed: int = 0) -> Engine:
@@ -731,18 +767,24 @@ def trace(write=print, num_blocks: int = 8, seed: int = 0) -> Engine:
     out (nor on ``seed``, the weights'), and write what the allocator did each step."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Llama(LlamaConfig(256, 32, 64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16)).eval()
+        model = Llama(LlamaConfig(256, 32, 64, n_layers=1, n_heads=2, n_kv_heads=1,
+                                  head_dim=16)).eval()
     engine, log, steps = Engine(model, num_blocks=num_blocks, max_batch=4), [], []
     alloc, alloc.events = engine.allocator, log
-    reqs = [engine.add(p, SamplingParams(max_new_tokens=m, ignore_eos=True), n) for p, m, n in TRACE]
+    reqs = [engine.add(p, SamplingParams(max_new_tokens=m, ignore_eos=True), n)
+            for p, m, n in TRACE]
     name = lambda s: f"r{reqs.index(s.request) + 1}" + f".{s.branch}" * (s.request.n > 1)
-    write(f"{num_blocks} blocks of 16 tokens; a {len(SYSTEM)}-token system prompt in common; prompt + new tokens: "
-          + ", ".join(f"r{i} {len(p)} + {m}" + f" (n = {n})" * (n > 1) for i, (p, m, n) in enumerate(TRACE, 1)))
-    write("0×3: block 0 held by 3 sequences; cached: free, yet the prefix cache finds it until evicted (oldest first)")
+    write(f"{num_blocks} blocks of 16 tokens; a {len(SYSTEM)}-token system prompt in common; "
+          f"prompt + new tokens: "
+          + ", ".join(f"r{i} {len(p)} + {m}" + f" (n = {n})" * (n > 1)
+                      for i, (p, m, n) in enumerate(TRACE, 1)))
+    write("0×3: block 0 held by 3 sequences; cached: free, "
+          "yet the prefix cache finds it until evicted (oldest first)")
     while engine.has_work():
         log.clear()
         out = engine.step()
-        seqs, lines = {key: s for r in reqs for s in r.sequences for key in (s.id, (r.id, s.branch))}, []
+        seqs, lines = {key: s for r in reqs for s in r.sequences
+                       for key in (s.id, (r.id, s.branch))}, []
         for kind, *a in log:
             s = seqs.get(a[0]) if a else None
             match Trace(kind):
@@ -771,18 +813,22 @@ def trace(write=print, num_blocks: int = 8, seed: int = 0) -> Engine:
                     how = "preempt" if s.status is Status.WAITING else "finish"
                     lines.append(f"{how:8}{name(s)}: {fates}")
         steps.append(lines + [f"pool    {alloc.describe()}"])
-    for lines, same in itertools.groupby(enumerate(steps, 1), key=lambda step: step[1]):   # a repeat: "steps 7-8"
+    # a repeat: "steps 7-8"
+    for lines, same in itertools.groupby(enumerate(steps, 1), key=lambda step: step[1]):
         first, *rest = [n for n, _ in same]
-        write(f"\n{f'steps {first}-{rest[-1]}' if rest else f'step {first}':12}" + f"\n{'':12}".join(lines))
+        write(f"\n{f'steps {first}-{rest[-1]}' if rest else f'step {first}':12}"
+              + f"\n{'':12}".join(lines))
     alloc.check_invariants()
-    write(f"\nevery block came back: {alloc.num_free} of {alloc.num_blocks} free ({len(alloc.evictable)} of them "
-          f"still cached); {engine.stats().preemptions} preemption; check_invariants() passed")
+    write(f"\nevery block came back: {alloc.num_free} of {alloc.num_blocks} free "
+          f"({len(alloc.evictable)} of them still cached); "
+          f"{engine.stats().preemptions} preemption; check_invariants() passed")
     return engine
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="continuous batching block by block: a fixed schedule on a tiny "
-                                 "random model (chat requests on the bundled model: python bench.py engine)")
+    ap = argparse.ArgumentParser(description="continuous batching block by block: "
+                                 "a fixed schedule on a tiny random model "
+                                 "(chat requests on the bundled model: python bench.py engine)")
     ap.add_argument("--trace", action="store_true", help="the same as no flag")
     ap.parse_args()
     trace()

@@ -98,13 +98,15 @@ def softmax_dot(q: list[float], K: list[list[float]], V: list[list[float]]) -> l
     """One-shot: every score first, then the softmax over all of them, then Σ p_j·v_j."""
     scale = 1 / math.sqrt(len(q))
     scores = [sum(a * b for a, b in zip(q, k)) * scale for k in K]
-    m = max(scores)                                  # subtracting the max keeps exp() from overflowing
+    # subtracting the max keeps exp() from overflowing
+    m = max(scores)
     w = [math.exp(s - m) for s in scores]
     total = sum(w)
     return [sum(wj * v[i] for wj, v in zip(w, V)) / total for i in range(len(V[0]))]
 
 
-def tiled_softmax_dot(q: list[float], K: list[list[float]], V: list[list[float]], tile: int) -> list[float]:
+def tiled_softmax_dot(q: list[float], K: list[list[float]], V: list[list[float]],
+                      tile: int) -> list[float]:
     """The same result, looking at ``tile`` keys at a time and keeping only
     three running values: the max m, the sum s of exp(score − m), and
     acc = Σ exp(score − m)·v. Nothing of size len(K) is ever held."""
@@ -118,7 +120,8 @@ def tiled_softmax_dot(q: list[float], K: list[list[float]], V: list[list[float]]
         shrink = math.exp(m - m_new)
         w = [math.exp(x - m_new) for x in scores]
         s = s * shrink + sum(w)
-        acc = [a * shrink + sum(wj * v[i] for wj, v in zip(w, V[start:start + tile])) for i, a in enumerate(acc)]
+        acc = [a * shrink + sum(wj * v[i] for wj, v in zip(w, V[start:start + tile]))
+               for i, a in enumerate(acc)]
         m = m_new
     return [a / s for a in acc]
 
@@ -176,15 +179,17 @@ TILE_K = 256     # keys per tile
 def tile_step(q, k, v, m, s, acc, scale: float, allowed=None):
     """One K/V tile against one Q tile, updating each row's running max m,
     sum s and accumulator acc (all fp32, whatever q's dtype).
-    q (B, H_kv, G, tq, d); k, v (B, H_kv, tk, d); m, s (B, H_kv, G, tq, 1); acc (B, H_kv, G, tq, d);
-    allowed: bool, (tq, tk) or (B, 1, 1, tq, tk) (a mask per sequence), or None when every
-    pair is visible."""
+    q (B, H_kv, G, tq, d); k, v (B, H_kv, tk, d); m, s (B, H_kv, G, tq, 1);
+    acc (B, H_kv, G, tq, d); allowed: bool, (tq, tk) or (B, 1, 1, tq, tk) (a mask per
+    sequence), or None when every pair is visible."""
     B, Hkv, G, tq, d = q.shape
-    scores = (q.reshape(B, Hkv, G * tq, d) @ k.transpose(-1, -2)).view(B, Hkv, G, tq, -1).float() * scale
+    scores = ((q.reshape(B, Hkv, G * tq, d) @ k.transpose(-1, -2)).view(B, Hkv, G, tq, -1).float()
+              * scale)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, NEG_INF)
     m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
-    base = _safe(m_new)                 # a row with nothing visible yet keeps m = -inf and adds zeros
+    # a row with nothing visible yet keeps m = -inf and adds zeros
+    base = _safe(m_new)
     p = torch.exp(scores - base)
     shrink = torch.exp(m - base)        # re-base what was accumulated relative to the old max
     s = s * shrink + p.sum(-1, keepdim=True)
@@ -227,13 +232,15 @@ def _tile_plan(T, L, tq, tk, causal, q_start, k_start, window, mask):
     plan = []
     for i in range(n_q):
         qa = i * tq
-        q_lo, q_hi = q_start + qa, q_start + min(qa + tq, T) - 1      # positions of the tile's real rows
+        # positions of the tile's real rows
+        q_lo, q_hi = q_start + qa, q_start + min(qa + tq, T) - 1
         visits = []
         for j in range(n_k):
             ka = j * tk
             k_lo, k_hi = k_start + ka, k_start + min(ka + tk, L) - 1
             if causal and k_lo > q_hi or window is not None and k_hi <= q_lo - window:
-                continue                                      # above the diagonal / older than the window
+                # above the diagonal / older than the window
+                continue
             if mask is not None and not any_[i][j]:
                 continue
             full = (ka + tk <= L and (not causal or k_hi <= q_lo)
@@ -244,8 +251,9 @@ def _tile_plan(T, L, tq, tk, causal, q_start, k_start, window, mask):
 
 
 def attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int = 0,
-              window: int | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
-              tile_q: int = TILE_Q, tile_k: int = TILE_K, compiled: bool = False):
+              window: int | None = None, mask: torch.Tensor | None = None,
+              scale: float | None = None, tile_q: int = TILE_Q, tile_k: int = TILE_K,
+              compiled: bool = False):
     """Exact softmax(q·kᵀ·scale)·v, tile by tile. q (B, H, T, d); k, v (B, H_kv, L, d).
 
     Query i is at position q_start + i, key j at k_start + j. q_start defaults
@@ -284,7 +292,8 @@ def attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start:
             allowed = None
             if needs_mask:
                 allowed = attention_mask(q_start + qa + rows, k_start + ka + cols, window, causal)
-                allowed = allowed & (ka + cols < L)                     # padding keys are never visible
+                # padding keys are never visible
+                allowed = allowed & (ka + cols < L)
                 if mask is not None:   # (B or 1, 1, 1, tq, tk): broadcast over heads and the group
                     allowed = allowed & mask[:, :, None, qa:qa + tq, ka:ka + tk].contiguous()
             m, s, acc = step(qt, _rows(k, ka, tk), _rows(v, ka, tk), m, s, acc, scale, allowed)
@@ -295,7 +304,8 @@ def attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start:
 
 
 def naive(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int = 0,
-          window: int | None = None, mask: torch.Tensor | None = None, scale: float | None = None):
+          window: int | None = None, mask: torch.Tensor | None = None,
+          scale: float | None = None):
     """The reference: the full (T, L) score matrix per head, same arguments and
     results as ``attention``. K and V are repeated per query head for GQA."""
     B, H, T, d = q.shape
@@ -304,8 +314,8 @@ def naive(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int
     q_start = k_start + L - T if q_start is None else q_start
     k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     scores = (q @ k.transpose(-1, -2)).float() * scale
-    allowed = visible(torch.arange(T, device=q.device) + q_start, torch.arange(L, device=q.device) + k_start,
-                      causal, window)
+    allowed = visible(torch.arange(T, device=q.device) + q_start,
+                      torch.arange(L, device=q.device) + k_start, causal, window)
     if mask is not None:
         allowed = as_4d(mask) if allowed is None else allowed & as_4d(mask)
     if allowed is not None:
@@ -331,9 +341,11 @@ def visible(q_pos, k_pos, causal: bool, window: int | None):
 CHUNK = 256
 
 
-def decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_start: int | None = None,
-           k_start: int = 0, window: int | None = None, scale: float | None = None, chunk: int = CHUNK):
-    """Same arguments and results as ``attention``, for small T (one new token, a few draft tokens)."""
+def decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True,
+           q_start: int | None = None, k_start: int = 0, window: int | None = None,
+           scale: float | None = None, chunk: int = CHUNK):
+    """Same arguments and results as ``attention``, for small T (one new token, a few draft
+    tokens)."""
     B, H, T, d = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -347,16 +359,19 @@ def decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_sta
         allowed = as_4d(mask) if allowed is None else allowed & as_4d(mask)
     if allowed is not None:
         allowed = as_4d(allowed)                    # (B or 1, 1, T, L)
-    qg = q.reshape(B, Hkv, 1, G * T, d)             # the group's query rows stacked, as in the prefill
+    # the group's query rows stacked, as in the prefill
+    qg = q.reshape(B, Hkv, 1, G * T, d)
     n = L // chunk
     outs, lses = [], []
     # Whole chunks as a view of the cache (no copy), then the ragged rest as one more chunk.
     for a, size, count in ((0, chunk, n), (n * chunk, L - n * chunk, 1)):
         if count == 0 or size == 0:
             continue
-        ks = k[:, :, a:a + size * count].unflatten(2, (count, size))          # (B, Hkv, count, size, d)
+        # (B, Hkv, count, size, d)
+        ks = k[:, :, a:a + size * count].unflatten(2, (count, size))
         vs = v[:, :, a:a + size * count].unflatten(2, (count, size))
-        scores = (qg @ ks.transpose(-1, -2)).float() * scale                   # (B, Hkv, count, G·T, size)
+        # (B, Hkv, count, G·T, size)
+        scores = (qg @ ks.transpose(-1, -2)).float() * scale
         if allowed is not None:
             ok = allowed[..., a:a + size * count].unflatten(-1, (count, size)).transpose(-3, -2)
             scores = scores.view(B, Hkv, count, G, T, size).masked_fill(~ok[:, :, :, None], NEG_INF)
@@ -371,8 +386,9 @@ def decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_sta
 
 
 # ----------------------------------------------------------------------------
-# The model's attention, four ways. Each takes model.attend's arguments (q, k, v, mask, window:
-# mask None = causal, the queries the last T positions) and is handed to a Llama as its ``attend``.
+# The model's attention, four ways. Each takes model.attend's arguments (q, k, v, mask,
+# window: mask None = causal, the queries the last T positions) and is handed to a Llama as
+# its ``attend``.
 
 def attend_sdpa(q, k, v, mask, window=None):
     """model.attend (PyTorch's fused SDPA), but a sliding window's prefill in tiles: no T×L mask."""
@@ -425,21 +441,24 @@ def demo():
         t0 = time.perf_counter()
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         t_sdpa = time.perf_counter() - t0
-    steps = sum(len(visits) for _, visits in _tile_plan(n, n, TILE_Q, TILE_K, True, 0, 0, None, None))
+    steps = sum(len(visits)
+                for _, visits in _tile_plan(n, n, TILE_Q, TILE_K, True, 0, 0, None, None))
     full = (n // TILE_Q) * (n // TILE_K)
     print(f"N = {n}, {HEADS} heads, d {d}, causal, fp32:")
     print(f"  naive score matrices: {HEADS} · {n}² · 4 B = {HEADS * n * n * 4 / 2**20:.0f} MiB")
-    print(f"  tiled: one {TILE_Q}×{TILE_K} score tile per head at a time: {HEADS} · {TILE_Q} · {TILE_K} · 4 B = "
-          f"{HEADS * TILE_Q * TILE_K * 4 / 2**20:.0f} MiB; {steps} of {full} tiles visited (the rest lie "
-          f"above the diagonal)")
-    print(f"  max |tiled - SDPA| = {(out - ref).abs().max():.1e}; eager tiled {t_tiled * 1e3:.0f} ms, "
+    print(f"  tiled: one {TILE_Q}×{TILE_K} score tile per head at a time: "
+          f"{HEADS} · {TILE_Q} · {TILE_K} · 4 B = "
+          f"{HEADS * TILE_Q * TILE_K * 4 / 2**20:.0f} MiB; "
+          f"{steps} of {full} tiles visited (the rest lie above the diagonal)")
+    print(f"  max |tiled - SDPA| = {(out - ref).abs().max():.1e}; "
+          f"eager tiled {t_tiled * 1e3:.0f} ms, "
           f"SDPA {t_sdpa * 1e3:.0f} ms (python bench.py attention: compiled, and memory measured)")
     with torch.inference_mode():
         one = q[:, :, -1:]
         split, _ = decode(one, k, v, chunk=CHUNK)
         whole, _ = naive(one, k, v)
-    print(f"flash-decoding: 1 query over {n} cached keys in {n // CHUNK} chunks of {CHUNK}, merged: "
-          f"max |split - whole| = {(split - whole).abs().max():.1e}")
+    print(f"flash-decoding: 1 query over {n} cached keys in {n // CHUNK} chunks of {CHUNK}, "
+          f"merged: max |split - whole| = {(split - whole).abs().max():.1e}")
 
 
 def main():

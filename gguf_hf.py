@@ -65,7 +65,8 @@ def hf_name(gguf_name: str) -> str:
             return GGUF_NAMES[key].format(i=layer)
     elif gguf_name in GGUF_NAMES:
         return GGUF_NAMES[gguf_name]
-    raise CheckpointError(f"GGUF tensor '{gguf_name}' has no Llama counterpart; this file is not a plain Llama")
+    raise CheckpointError(f"GGUF tensor '{gguf_name}' has no Llama counterpart; "
+                          f"this file is not a plain Llama")
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -85,15 +86,17 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_config(reader) -> dict:
     """config.json from GGUF metadata keys (``{arch}.block_count`` etc.)."""
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"unsupported GGUF architecture '{arch}' (general.architecture): "
                               f"nanoinfer runs the llama family")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise CheckpointError("this GGUF stores llama3 rope scaling as a rope_freqs tensor, which is not "
-                              "supported yet; use the model's Hugging Face directory instead")
+        raise CheckpointError("this GGUF stores llama3 rope scaling as a rope_freqs tensor, "
+                              "which is not supported yet; "
+                              "use the model's Hugging Face directory instead")
     n_heads = meta["llama.attention.head_count"]
     hidden = meta["llama.embedding_length"]
     n_vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -111,11 +114,14 @@ def gguf_config(reader) -> dict:
     }
     scaling = meta.get("llama.rope.scaling.type")
     if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
+        cfg["rope_scaling"] = {"rope_type": "linear",
+                               "factor": float(meta["llama.rope.scaling.factor"])}
     elif scaling not in (None, "none"):
-        raise CheckpointError(f"unsupported GGUF rope scaling '{scaling}' (llama.rope.scaling.type)")
+        raise CheckpointError(f"unsupported GGUF rope scaling '{scaling}' "
+                              f"(llama.rope.scaling.type)")
     ids = {key: int(reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
-           for key in ("bos", "eos", "eot", "eom") if f"tokenizer.ggml.{key}_token_id" in reader.fields}
+           for key in ("bos", "eos", "eot", "eom")
+           if f"tokenizer.ggml.{key}_token_id" in reader.fields}
     if "bos" in ids:
         cfg["bos_token_id"] = ids["bos"]
     # llama.cpp also stops on end-of-turn / end-of-message tokens (Llama 3 chat's <|eot_id|>).
@@ -159,15 +165,16 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
     try:
         state = {}
         for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
-            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
+            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
+                tuple(reversed(t.shape.tolist())))
             if t.name.endswith("attn_q.weight"):
                 w = unpermute_rows(w, cfg["num_attention_heads"])
             elif t.name.endswith("attn_k.weight"):
                 w = unpermute_rows(w, cfg["num_key_value_heads"])
             state[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
         # Checked once here, so that loading need not read every weight (check_finite); a non-finite
-        # weight records nothing, and the load names it.
-        largest = torch.stack([t.abs().max() for t in state.values()]).max().item()   # NaN stays NaN
+        # weight records nothing (NaN stays NaN through max), and the load names it.
+        largest = torch.stack([t.abs().max() for t in state.values()]).max().item()
         state, stacked = stack(state, cfg["num_hidden_layers"])
         meta = {"format": "pt", "source": path.name, "stacked": stacked}
         if math.isfinite(largest):
@@ -187,7 +194,8 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
 # HF directory -> GGUF: the way back, so llama.cpp can run our weights.
 
 def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
-    """Write an HF Llama directory as a llama-architecture GGUF file: the inverse of `convert_gguf`.
+    """Write an HF Llama directory as a llama-architecture GGUF file: the inverse of
+    `convert_gguf`.
 
     Why: bench.py compares us with llama.cpp, and that comparison is only fair
     on the very same weights, not on some other file's rounding or quantization.
@@ -207,8 +215,10 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     from gguf.quants import quantize
 
     Q, T = gguf.GGMLQuantizationType, gguf.TokenType
-    formats = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
-               "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16), "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+    formats = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
+               "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+               "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+               "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
     if dtype not in formats:
         raise ValueError(f"unknown GGUF dtype '{dtype}': use one of {', '.join(formats)}")
     qtype, file_type = formats[dtype]
@@ -238,27 +248,33 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     # The vocabulary: llama.cpp needs exactly vocab_size tokens, one per embedding row.
-    spec = json.loads((model_dir / "tokenizer.json").read_text()) if (model_dir / "tokenizer.json").is_file() else {}
+    spec = (json.loads((model_dir / "tokenizer.json").read_text())
+            if (model_dir / "tokenizer.json").is_file() else {})
     bpe, added = spec.get("model") or {}, spec.get("added_tokens", [])
     if bpe.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
         t = tokenizer.Tokenizer.from_dir(model_dir)
         vocab = {**bpe["vocab"], **{a["content"]: a["id"] for a in added}}
         if max(vocab.values()) >= c.vocab_size:
-            raise CheckpointError(f"{model_dir}/tokenizer.json has ids beyond vocab_size={c.vocab_size}")
+            raise CheckpointError(f"{model_dir}/tokenizer.json has ids beyond "
+                                  f"vocab_size={c.vocab_size}")
         tokens = [f"[PAD{i}]" for i in range(c.vocab_size)]        # rows the tokenizer never uses
         types = [T.UNUSED] * c.vocab_size
         for piece, i in vocab.items():
             tokens[i], types[i] = piece, T.NORMAL
         for a in added:
             types[a["id"]] = T.CONTROL if a.get("special") else T.USER_DEFINED
-        # tokenizer.ggml.pre names the regex that splits text into words; unknown to us means GPT-2's.
+        # tokenizer.ggml.pre names the regex that splits text into words; unknown to us means
+        # GPT-2's.
         pre = spec.get("pre_tokenizer") or {}
-        splits = [p["pattern"].get("Regex") for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
+        splits = [p["pattern"].get("Regex") for p in pre.get("pretokenizers", [])
+                  if p.get("type") == "Split"]
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(next((n for n, rx in tokenizer.PRE_TOKENIZER_SPLITS.items() if rx in splits), "gpt-2"))
+        w.add_tokenizer_pre(next((n for n, rx in tokenizer.PRE_TOKENIZER_SPLITS.items()
+                                  if rx in splits), "gpt-2"))
         w.add_token_list(tokens)
         w.add_token_types(types)
-        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                            for m in bpe.get("merges", [])])
         if t.bos_id is not None:
             w.add_bos_token_id(t.bos_id)
         if t.eos_ids:
@@ -268,13 +284,15 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
             w.add_chat_template(t.chat_template)
     else:
         if list(model_dir.glob("tokenizer*")):
-            warnings.warn(f"{model_dir} has no byte-level BPE tokenizer.json; the GGUF gets a synthetic "
-                          f"vocabulary and llama.cpp will not tokenize text correctly with it")
+            warnings.warn(f"{model_dir} has no byte-level BPE tokenizer.json; "
+                          f"the GGUF gets a synthetic vocabulary "
+                          f"and llama.cpp will not tokenize text correctly with it")
         # A sentencepiece-style vocabulary: <unk> <s> </s>, the 256 byte pieces llama.cpp looks up
         # (e.g. <0x0A> for newline), then filler up to vocab_size.
         tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
         if c.vocab_size < len(tokens):
-            raise CheckpointError(f"vocab_size={c.vocab_size} is too small for a synthetic GGUF vocabulary")
+            raise CheckpointError(f"vocab_size={c.vocab_size} is too small "
+                                  f"for a synthetic GGUF vocabulary")
         types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
         types += [T.UNUSED] * (c.vocab_size - len(tokens))
         tokens += [f"<unused{i}>" for i in range(len(tokens), c.vocab_size)]
@@ -286,12 +304,14 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
 
-    to_gguf = {hf.format(i=i): name.format(i=i) for name, hf in GGUF_NAMES.items() for i in range(c.n_layers)}
+    to_gguf = {hf.format(i=i): name.format(i=i)
+               for name, hf in GGUF_NAMES.items() for i in range(c.n_layers)}
     for name, tensor in read_weights(model_dir).items():
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and c.tie_embeddings):
             continue   # tied: llama.cpp reads the output projection from token_embd
         if name not in to_gguf:
-            raise CheckpointError(f"tensor '{name}' in {model_dir} has no GGUF counterpart: not a plain Llama")
+            raise CheckpointError(f"tensor '{name}' in {model_dir} has no GGUF counterpart: "
+                                  f"not a plain Llama")
         a = tensor.float().numpy()
         if name.endswith("q_proj.weight"):
             a = permute_rows(a, c.n_heads)

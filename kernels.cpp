@@ -4,17 +4,18 @@
 // Decoding with int4 weights reads 0.5 byte per weight plus a scale and a minimum per 32 (0.75 B in
 // all), int8 1 B, bf16 2 B, fp32 4 B. aten's CPU kernels for int4 and int8 are compute-bound: on a
 // 2-core AVX2 EPYC its int4 kernel took 1.16 ns/weight at one row and 8.9 at five (a speculative
-// verify pass); its int8 kernel 0.55 and 4.4. Ours, per 32 int4 weights (16 bytes): the bytes widened
-// to 32-bit lanes, each lane's two nibbles turned to fp32 (a mask or a shift and a conversion; with
-// AVX-512 a 16-entry table lookup), two FMAs against x reordered once per call (evens, then odds: no
-// shuffles) and one by the group's scale; the minimum adds lo·Σx per group. From DRAM int8 and bf16
-// stream near the memory's speed, int4 is compute-bound (~4.5 cycles per 32 weights on a Zen 4 core
-// with AVX-512, 5 with AVX2). llama.cpp rounds x to 8 bits per 32 for integer SIMD: ~20% faster at
-// one row, the runner ~5%, but compiled and eager texts then part. We keep fp32 x.
+// verify pass); its int8 kernel 0.55 and 4.4. Ours, per 32 int4 weights (16 bytes): the bytes
+// widened to 32-bit lanes, each lane's two nibbles turned to fp32 (a mask or a shift and a
+// conversion; with AVX-512 a 16-entry table lookup), two FMAs against x reordered once per call
+// (evens, then odds: no shuffles) and one by the group's scale; the minimum adds lo·Σx per group.
+// From DRAM int8 and bf16 stream near the memory's speed, int4 is compute-bound (~4.5 cycles per 32
+// weights on a Zen 4 core with AVX-512, 5 with AVX2). llama.cpp rounds x to 8 bits per 32 for
+// integer SIMD: ~20% faster at one row, the runner ~5%, but compiled and eager texts then part. We
+// keep fp32 x.
 //
 // Each output y[m, n] is summed in one fixed order whatever the number of rows and the instruction
-// set (partial sums in fixed lanes, a fixed reduction), so a pass verifying k+1 positions gives each
-// position exactly the bits a one-token step gives it: speculative decoding stays exact.
+// set (partial sums in fixed lanes, a fixed reduction), so a pass verifying k+1 positions gives
+// each position exactly the bits a one-token step gives it: speculative decoding stays exact.
 
 #include <ATen/core/Tensor.h>     // not ATen.h, nor torch/extension.h: 10 s to build, not 48
 #include <ATen/ops/empty.h>
@@ -25,20 +26,23 @@
 #include <optional>
 #include <vector>
 
-// Weight rows a decode step's int4 loop takes at a time, sharing x's loads. With AVX-512, 4 rows took 4.25
-// cycles per 32 weights and row from L2 against 4.46 at 2, but the runner's step was slower with them (3 of
-// 4 alternating runs; W streams from DRAM). With AVX2, 4 rows would not fit its 16 vector registers.
+// Weight rows a decode step's int4 loop takes at a time, sharing x's loads. With AVX-512, 4 rows
+// took 4.25 cycles per 32 weights and row from L2 against 4.46 at 2, but the runner's step was
+// slower with them (3 of 4 alternating runs; W streams from DRAM). With AVX2, 4 rows would not fit
+// its 16 vector registers.
 #ifndef ROWS
 #define ROWS 2
 #endif
 
-// Each 32 weights' x, reordered once per call so that byte i of a block (weights 2i and 2i+1, low and high
-// nibble) meets its x in lane i: xp[32c + i] = x[32c + 2i], xp[32c + 16 + i] = x[32c + 2i + 1].
+// Each 32 weights' x, reordered once per call so that byte i of a block (weights 2i and 2i+1, low
+// and high nibble) meets its x in lane i:
+// xp[32c + i] = x[32c + 2i], xp[32c + 16 + i] = x[32c + 2i + 1].
 // And each group's sum of x, for the minimum's share: sum_k (lo + q_k s) x_k = lo·Σx + s·Σ q_k x_k.
 //
-// The order every build sums in (AVX-512, AVX2, scalar: the same bits): 16 lanes per row, lane i for byte i
-// of each 16-byte block c: acc_i += (hi_i·xp[16 + i] + lo_i·xp[i])·s_c, one fused multiply-add each; then
-// lanes i and i + 8 are added, the 8 sums reduced pairwise (hsum8), and the minimum's share added.
+// The order every build sums in (AVX-512, AVX2, scalar: the same bits): 16 lanes per row, lane i
+// for byte i of each 16-byte block c: acc_i += (hi_i·xp[16 + i] + lo_i·xp[i])·s_c, one fused
+// multiply-add each; then lanes i and i + 8 are added, the 8 sums reduced pairwise (hsum8), and the
+// minimum's share added.
 static void reorder_x(const float* x, int64_t K, int64_t group, float* xp, float* sx) {
   for (int64_t c = 0; c < K; c += 32)
     for (int i = 0; i < 16; i++) { xp[c + i] = x[c + 2 * i]; xp[c + 16 + i] = x[c + 2 * i + 1]; }
@@ -52,20 +56,22 @@ static void reorder_x(const float* x, int64_t K, int64_t group, float* xp, float
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-// Loops over a tile's rows, unrolled before register allocation: left as loops, GCC keeps an array of
-// accumulators on the stack, and each block's sum waits on a store and a load (AVX-512: 1.3x slower).
+// Loops over a tile's rows, unrolled before register allocation: left as loops, GCC keeps an array
+// of accumulators on the stack, and each block's sum waits on a store and a load (AVX-512: 1.3x
+// slower).
 #define UNROLL _Pragma("GCC unroll 16")
 
-// How the weights stream from DRAM best differs between the CPUs of this pool (the same loops, 2 threads,
-// a 1 GB set of TinyLlama's matrices, medians of 5 alternating rounds; the bits do not depend on it):
-// - an Intel Xeon (Sapphire Rapids): bf16 one row at a time 14.3 GB/s, 4 rows 22.0, 8 rows 25.6 (aten's
-//   fp32 matrix-vector product, 4 B a weight: 27.3); on SmolLM2's rows of 576 (1,152 B) 8 rows gain
-//   nothing (15.3 against 15.8) and asking for the weights 4 KB ahead does (22.4); int8 asked for
-//   1 KB ahead 17.4, 4 KB ahead 21.5; int4 (SmolLM2's matrices) 15.4 against 19.1;
-// - an AMD EPYC (Zen 4): bf16 one row 26-30 GB/s, 2 or 4 rows 13-25, prefetching 10-25% slower; int8
-//   within noise either way.
-// Each core keeps only so many cache-line misses in flight: on the Xeon one stream and its prefetcher do
-// not fill them, 8 rows' streams or a further prefetch do.
+// How the weights stream from DRAM best differs between the CPUs of this pool (the same loops, 2
+// threads, a 1 GB set of TinyLlama's matrices, medians of 5 alternating rounds; the bits do not
+// depend on it):
+// - an Intel Xeon (Sapphire Rapids): bf16 one row at a time 14.3 GB/s, 4 rows 22.0, 8 rows 25.6
+//   (aten's fp32 matrix-vector product, 4 B a weight: 27.3); on SmolLM2's rows of 576 (1,152 B) 8
+//   rows gain nothing (15.3 against 15.8) and asking for the weights 4 KB ahead does (22.4); int8
+//   asked for 1 KB ahead 17.4, 4 KB ahead 21.5; int4 (SmolLM2's matrices) 15.4 against 19.1;
+// - an AMD EPYC (Zen 4): bf16 one row 26-30 GB/s, 2 or 4 rows 13-25, prefetching 10-25% slower;
+//   int8 within noise either way.
+// Each core keeps only so many cache-line misses in flight: on the Xeon one stream and its
+// prefetcher do not fill them, 8 rows' streams or a further prefetch do.
 static bool intel() {
   static const bool yes = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
   return yes;
@@ -90,33 +96,39 @@ static inline float hsum(const __m256* a) {
 
 // Eight bf16 values as fp32: bf16 is fp32's upper half, so a zero-extending load and a shift.
 static inline __m256 bf16x8(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// 32 weights of one int4 row (16 bytes, even weight in the low nibble) as fp32: per 8 bytes one widening
-// load, a mask and a shift give the 8 even (e) and 8 odd (o) nibbles, two conversions.
+// 32 weights of one int4 row (16 bytes, even weight in the low nibble) as fp32: per 8 bytes one
+// widening load, a mask and a shift give the 8 even (e) and 8 odd (o) nibbles, two conversions.
 static inline void widen(const uint8_t* q, __m256& e0, __m256& o0, __m256& e1, __m256& o1) {
   const __m256i nib = _mm256_set1_epi32(0x0F);
   _mm_prefetch((const char*)(q + AHEAD), _MM_HINT_T0);
   __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
   __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
-  e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)), o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-  e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)), o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)),
+      o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)),
+      o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
 }
 
-// 32 weights of one int4 row against MT rows of reordered x, into acc[t][0] (bytes 0-7, as lanes 0-7) and
-// acc[t][1] (bytes 8-15). Per 16 weights: one widening load, an and, a shift, two conversions, then two
-// FMAs per row of x and one for the block's scale.
+// 32 weights of one int4 row against MT rows of reordered x, into acc[t][0] (bytes 0-7, as lanes
+// 0-7) and acc[t][1] (bytes 8-15). Per 16 weights: one widening load, an and, a shift, two
+// conversions, then two FMAs per row of x and one for the block's scale.
 template <int MT>
-static inline void int4_block(const uint8_t* q, float scale, const float* xp, int64_t K, __m256 (*acc)[2]) {
+static inline void int4_block(const uint8_t* q, float scale, const float* xp, int64_t K,
+                              __m256 (*acc)[2]) {
   __m256 e0, o0, e1, o1;
   widen(q, e0, o0, e1, o1);
   __m256 vs = _mm256_set1_ps(scale);
   UNROLL
   for (int t = 0; t < MT; t++) {
     const float* xc = xp + t * K;
-    __m256 p0 = _mm256_fmadd_ps(o0, _mm256_loadu_ps(xc + 16), _mm256_mul_ps(e0, _mm256_loadu_ps(xc)));
-    __m256 p1 = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xc + 24), _mm256_mul_ps(e1, _mm256_loadu_ps(xc + 8)));
+    __m256 p0 = _mm256_fmadd_ps(o0, _mm256_loadu_ps(xc + 16),
+                                _mm256_mul_ps(e0, _mm256_loadu_ps(xc)));
+    __m256 p1 = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xc + 24),
+                                _mm256_mul_ps(e1, _mm256_loadu_ps(xc + 8)));
     acc[t][0] = _mm256_fmadd_ps(p0, vs, acc[t][0]);
     acc[t][1] = _mm256_fmadd_ps(p1, vs, acc[t][1]);
   }
@@ -127,35 +139,43 @@ static inline void int4_block(const uint8_t* q, float scale, const float* xp, in
 static inline float lo_share(const float* lo, const float* sx, int64_t G) {
   __m256 a = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= G; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(lo + g), _mm256_loadu_ps(sx + g), a);
+  for (; g + 8 <= G; g += 8)
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(lo + g), _mm256_loadu_ps(sx + g), a);
   if (g < G) {
-    __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(G - g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(G - g)),
+                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     a = _mm256_fmadd_ps(_mm256_maskload_ps(lo + g, tail), _mm256_maskload_ps(sx + g, tail), a);
   }
   return hsum8(a);
 }
 
-// One weight row against MT rows of x (two 8-lane halves of the 16 lanes, two chains: one FMA's latency
-// does not gate the next); then the minimum's share. shift = log2(group / 32): block c's scale is s[c >> shift].
+// One weight row against MT rows of x (two 8-lane halves of the 16 lanes, two chains: one FMA's
+// latency does not gate the next); then the minimum's share. shift = log2(group / 32): block c's
+// scale is s[c >> shift].
 template <int MT>
 static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
                      const float* xp, const float* sx, float* y, int64_t N) {
   __m256 acc[MT][2];
   UNROLL
   for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < K / 32; c++) int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, acc);
+  for (int64_t c = 0; c < K / 32; c++)
+    int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, acc);
   int64_t G = (K / 32) >> shift;
   UNROLL
-  for (int t = 0; t < MT; t++) y[t * N] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1])) + lo_share(lo, sx + t * G, G);
+  for (int t = 0; t < MT; t++)
+    y[t * N] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1])) + lo_share(lo, sx + t * G, G);
 }
 
 #if defined(__AVX512F__)
-// One row of x (a decode step) against R weight rows at a time, a block's 16 lanes in one register: the
-// widened bytes index a 16-entry table of 0..15 (vpermps reads an index's low 4 bits: no mask for the low
-// nibble, no conversions), and x's two loads a block serve R rows. 8 instructions per 32 weights and row
-// against AVX2's 17: 4.46 cycles against 5.02 (Zen 4, from L2, one thread); the same sums in the same order.
+// One row of x (a decode step) against R weight rows at a time, a block's 16 lanes in one register:
+// the widened bytes index a 16-entry table of 0..15 (vpermps reads an index's low 4 bits: no mask
+// for the low nibble, no conversions), and x's two loads a block serve R rows. 8 instructions per
+// 32 weights and row against AVX2's 17: 4.46 cycles against 5.02 (Zen 4, from L2, one thread); the
+// same sums in the same order.
 // A 16-lane sum's upper 8 lanes (its lower 8: _mm512_castps512_ps256).
-static inline __m256 upper8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+static inline __m256 upper8(__m512 a) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
 // The 32 lanes of two 16-lane sums, reduced as AVX2's four 8-lane ones (hsum).
 static inline float hsum(__m512 a0, __m512 a1) {
   __m256 h[4] = {_mm512_castps512_ps256(a0), upper8(a0), _mm512_castps512_ps256(a1), upper8(a1)};
@@ -163,20 +183,22 @@ static inline float hsum(__m512 a0, __m512 a1) {
 }
 
 template <int R>
-static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G, const float* xc,
-                                   __m512 table, int64_t fetch, __m512* acc) {
+static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G,
+                                   const float* xc, __m512 table, int64_t fetch, __m512* acc) {
   __m512 xe = _mm512_loadu_ps(xc), xo = _mm512_loadu_ps(xc + 16);
   UNROLL
   for (int r = 0; r < R; r++) {
     if (fetch) _mm_prefetch((const char*)(q + r * row_bytes + fetch), _MM_HINT_T0);
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes)));
-    __m512 e = _mm512_permutexvar_ps(b, table), o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-    acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo, _mm512_mul_ps(e, xe)), _mm512_set1_ps(s[r * G]), acc[r]);
+    __m512 e = _mm512_permutexvar_ps(b, table),
+           o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+    acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo, _mm512_mul_ps(e, xe)), _mm512_set1_ps(s[r * G]),
+                             acc[r]);
   }
 }
 template <int R>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift, const float* xp,
-                      const float* sx, float* y) {
+static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+                      const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[R];
@@ -184,25 +206,29 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   const int64_t ahead = STREAM_AHEAD;
   for (int64_t c = 0; c < K / 32; c++)
-    int4_block_rows<R>(q + c * 16, K / 2, s + (c >> shift), G, xp + c * 32, table, (c & 3) == 0 ? ahead : 0, acc);
+    int4_block_rows<R>(q + c * 16, K / 2, s + (c >> shift), G, xp + c * 32, table,
+                       (c & 3) == 0 ? ahead : 0, acc);
   UNROLL
   for (int r = 0; r < R; r++) {
-    y[r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), upper8(acc[r]))) + lo_share(lo + r * G, sx, G);
+    y[r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), upper8(acc[r])))
+           + lo_share(lo + r * G, sx, G);
   }
 }
 #else
-// One row of x (a decode step) against R weight rows at a time: x's four loads per 32 weights serve R rows
-// (R = 2: 9% faster than one row at a time, W from DRAM). Each row keeps int4_row<1>'s sums and order.
+// One row of x (a decode step) against R weight rows at a time: x's four loads per 32 weights serve
+// R rows (R = 2: 9% faster than one row at a time, W from DRAM). Each row keeps int4_row<1>'s sums
+// and order.
 template <int R>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift, const float* xp,
-                      const float* sx, float* y) {
+static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+                      const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   __m256 acc[R][2];
   UNROLL
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
     const float* xc = xp + c * 32;
-    __m256 x0 = _mm256_loadu_ps(xc), x1 = _mm256_loadu_ps(xc + 8), x2 = _mm256_loadu_ps(xc + 16), x3 = _mm256_loadu_ps(xc + 24);
+    __m256 x0 = _mm256_loadu_ps(xc), x1 = _mm256_loadu_ps(xc + 8), x2 = _mm256_loadu_ps(xc + 16),
+           x3 = _mm256_loadu_ps(xc + 24);
     UNROLL
     for (int r = 0; r < R; r++) {
       __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (c >> shift)]);
@@ -212,7 +238,8 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
     }
   }
   UNROLL
-  for (int r = 0; r < R; r++) y[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + lo_share(lo + r * G, sx, G);
+  for (int r = 0; r < R; r++)
+    y[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + lo_share(lo + r * G, sx, G);
 }
 #endif
 
@@ -221,12 +248,14 @@ template <int MT>
 static inline void feed(const __m256* w, const float* x, int64_t K, __m256 (*acc)[4]) {
   UNROLL
   for (int t = 0; t < MT; t++)
-    for (int j = 0; j < 4; j++) acc[t][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * K + 8 * j), acc[t][j]);
+    for (int j = 0; j < 4; j++)
+      acc[t][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * K + 8 * j), acc[t][j]);
 }
 
 // One int8 row (its scale applied after the sum, as aten's kernel does).
 #if defined(__AVX512F__)
-// Four 8-lane sums per row, as AVX2's below, two to a register: half the instructions, the same bits.
+// Four 8-lane sums per row, as AVX2's below, two to a register: half the instructions, the same
+// bits.
 template <int MT>
 static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, float* y, int64_t N) {
   __m512 acc[MT][2];
@@ -235,8 +264,10 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
   const int64_t ahead = STREAM_AHEAD;
   for (int64_t c = 0; c < K / 32; c++) {
     if ((c & 1) == 0) _mm_prefetch((const char*)(q + c * 32 + ahead), _MM_HINT_T0);
-    __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + c * 32))));
-    __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + c * 32 + 16))));
+    __m512 w0 = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + c * 32))));
+    __m512 w1 = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + c * 32 + 16))));
     UNROLL
     for (int t = 0; t < MT; t++) {
       acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * K + c * 32), acc[t][0]);
@@ -246,14 +277,16 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
   UNROLL
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]) * scale;
 }
-// One bf16 row: bf16 is fp32's upper half, so 16 weights widen with a zero-extending load and a shift,
-// and so does x, read as bf16: fp32 x (22 KB at K = 5632) would not stay in L1 beside the streaming weights
-// (0.68x the bandwidth at that K). The same 32 lanes as int8_row.
+// One bf16 row: bf16 is fp32's upper half, so 16 weights widen with a zero-extending load and a
+// shift, and so does x, read as bf16: fp32 x (22 KB at K = 5632) would not stay in L1 beside the
+// streaming weights (0.68x the bandwidth at that K). The same 32 lanes as int8_row.
 static inline __m512 bf16x16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 template <int MT>
-static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y, int64_t N) {
+static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y,
+                     int64_t N) {
   __m512 acc[MT][2];
   UNROLL
   for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
@@ -268,10 +301,11 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
   UNROLL
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]);
 }
-// One row of x (a decode step) against R weight rows at a time, each row with bf16_row<1>'s sums and order;
-// `ahead`: bytes ahead to ask for (0: none).
+// One row of x (a decode step) against R weight rows at a time, each row with bf16_row<1>'s sums
+// and order; `ahead`: bytes ahead to ask for (0: none).
 template <int R>
-static void bf16_rows(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y, int64_t ahead) {
+static void bf16_rows(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y,
+                      int64_t ahead) {
   __m512 acc[R][2];
   UNROLL
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -297,22 +331,26 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
   for (int64_t c = 0; c < K / 32; c++) {
     _mm_prefetch((const char*)(q + c * 32 + AHEAD), _MM_HINT_T0);
     for (int j = 0; j < 4; j++)
-      w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + c * 32 + 8 * j))));
+      w[j] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + c * 32 + 8 * j))));
     feed<MT>(w, x + c * 32, K, acc);
   }
   UNROLL
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t]) * scale;
 }
 template <int MT>
-static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y, int64_t N) {
+static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y,
+                     int64_t N) {
   __m256 acc[MT][4];
   UNROLL
   for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
-    __m256 v[4] = {bf16x8(w + c * 32), bf16x8(w + c * 32 + 8), bf16x8(w + c * 32 + 16), bf16x8(w + c * 32 + 24)};
+    __m256 v[4] = {bf16x8(w + c * 32), bf16x8(w + c * 32 + 8), bf16x8(w + c * 32 + 16),
+                   bf16x8(w + c * 32 + 24)};
     UNROLL
     for (int t = 0; t < MT; t++)
-      for (int j = 0; j < 4; j++) acc[t][j] = _mm256_fmadd_ps(v[j], bf16x8(x + t * K + c * 32 + 8 * j), acc[t][j]);
+      for (int j = 0; j < 4; j++)
+        acc[t][j] = _mm256_fmadd_ps(v[j], bf16x8(x + t * K + c * 32 + 8 * j), acc[t][j]);
   }
   UNROLL
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t]);
@@ -338,7 +376,8 @@ static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t 
       const uint8_t* b = q + c * 16;
       const float* xc = xp + t * K + c * 32;
       for (int i = 0; i < 16; i++)
-        acc[i] = std::fma(std::fma(float(b[i] >> 4), xc[16 + i], float(b[i] & 15) * xc[i]), s[c >> shift], acc[i]);
+        acc[i] = std::fma(std::fma(float(b[i] >> 4), xc[16 + i], float(b[i] & 15) * xc[i]),
+                          s[c >> shift], acc[i]);
     }
     for (int i = 0; i < 8; i++) l[i] = 0.f;
     for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[t * G + g], l[g % 8]);
@@ -348,10 +387,11 @@ static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t 
   }
 }
 template <int R>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift, const float* xp,
-                      const float* sx, float* y) {
+static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+                      const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
-  for (int r = 0; r < R; r++) int4_row<1>(q + r * K / 2, s + r * G, lo + r * G, K, shift, xp, sx, y + r, 1);
+  for (int r = 0; r < R; r++)
+    int4_row<1>(q + r * K / 2, s + r * G, lo + r * G, K, shift, xp, sx, y + r, 1);
 }
 template <int MT>
 static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, float* y, int64_t N) {
@@ -362,10 +402,12 @@ static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, fl
   }
 }
 template <int MT>
-static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y, int64_t N) {
+static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, c10::BFloat16* y,
+                     int64_t N) {
   for (int t = 0; t < MT; t++) {
     float a[32] = {0};
-    for (int64_t k = 0; k < K; k++) a[k % 32] = std::fma(float(w[k]), float(x[t * K + k]), a[k % 32]);
+    for (int64_t k = 0; k < K; k++)
+      a[k % 32] = std::fma(float(w[k]), float(x[t * K + k]), a[k % 32]);
     y[t * N] = hsum(a);
   }
 }
@@ -386,37 +428,43 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
     }                                                                             \
   });
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& lo,
-                   int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int4_mm: x (M, K) fp32");
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
+                   const at::Tensor& lo, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int4_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && q.size(1) * 2 == K && s.size(1) == G, "int4_mm: shapes");
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && q.size(1) * 2 == K && s.size(1) == G,
+              "int4_mm: shapes");
   int shift = 0;
   while ((32 << shift) < group) shift++;
   TORCH_CHECK((32 << shift) == group, "int4_mm: group 32, 64 or 128");
   auto y = at::empty({M, N}, x.options());
   std::vector<float> reordered(M * K), sums(M * G);
   float *xp = reordered.data(), *sx = sums.data();
-  for (int64_t m = 0; m < M; m++) reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
+  for (int64_t m = 0; m < M; m++)
+    reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
   const float *sp = s.data_ptr<float>(), *lp = lo.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (M == 1) {
     at::parallel_for(0, N / ROWS, 16 / ROWS, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; p++)
-        int4_rows<ROWS>(qp + p * ROWS * K / 2, sp + p * ROWS * G, lp + p * ROWS * G, K, shift, xp, sx, yp + p * ROWS);
+        int4_rows<ROWS>(qp + p * ROWS * K / 2, sp + p * ROWS * G, lp + p * ROWS * G, K, shift, xp,
+                        sx, yp + p * ROWS);
     });
-    for (int64_t n = N / ROWS * ROWS; n < N; n++) int4_rows<1>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp, sx, yp + n);
+    for (int64_t n = N / ROWS * ROWS; n < N; n++)
+      int4_rows<1>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp, sx, yp + n);
     return y;
   }
-#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, sx + m * G, \
-                                    yp + m * N + n, N)
+#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, \
+                                    sx + m * G, yp + m * N + n, N)
   TILED(INT4)
   return y;
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int8_mm: x (M, K) fp32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   TORCH_CHECK(K % 32 == 0 && q.size(1) == K && s.numel() == N, "int8_mm: shapes");
   auto y = at::empty({M, N}, x.options());
@@ -430,8 +478,9 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 
 // bf16 x and weights, fp32 sums, each result rounded to bf16 as it is stored.
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
-              x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1) && w.size(1) % 32 == 0,
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+              w.scalar_type() == at::kBFloat16 && x.is_contiguous() && w.is_contiguous() &&
+              x.size(1) == w.size(1) && w.size(1) % 32 == 0,
               "bf16_mm: x (M, K) and w (N, K) bf16, K a multiple of 32");
   int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = at::empty({M, N}, x.options());
@@ -440,9 +489,11 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
 #ifdef BF16_ROWS
   if (M == 1 && intel() && K >= 2048) {       // rows of 4 KB or more: 8 streams at once
     at::parallel_for(0, N / BF16_ROWS, 16 / BF16_ROWS, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; p++) bf16_rows<BF16_ROWS>(wp + p * BF16_ROWS * K, K, xp, yp + p * BF16_ROWS, 0);
+      for (int64_t p = p0; p < p1; p++)
+        bf16_rows<BF16_ROWS>(wp + p * BF16_ROWS * K, K, xp, yp + p * BF16_ROWS, 0);
     });
-    for (int64_t n = N / BF16_ROWS * BF16_ROWS; n < N; n++) bf16_rows<1>(wp + n * K, K, xp, yp + n, 0);
+    for (int64_t n = N / BF16_ROWS * BF16_ROWS; n < N; n++)
+      bf16_rows<1>(wp + n * K, K, xp, yp + n, 0);
     return y;
   }
   if (M == 1 && intel()) {     // shorter rows lie end to end: one stream, asked for 4 KB ahead
@@ -458,9 +509,10 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // ---- One new token's attention over L cached keys (kernels.py: decode_attention) ----
-// softmax(q·kᵀ/√d)·v for each query head; the H/H_kv query heads of a group read their K/V head once.
-// Keys go in chunks of 64 (flash-decoding): each chunk keeps its max, its sum of exponentials and its
-// weighted sum of V, and the chunks merge in their order, so the sums do not depend on the threads.
+// softmax(q·kᵀ/√d)·v for each query head; the H/H_kv query heads of a group read their K/V head
+// once. Keys go in chunks of 64 (flash-decoding): each chunk keeps its max, its sum of exponentials
+// and its weighted sum of V, and the chunks merge in their order, so the sums do not depend on the
+// threads.
 #define CHUNK 64
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -470,33 +522,40 @@ static inline __m256 reduce8(const __m256* a) {
   __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
-// Eight keys' or values' entries as fp32: a bf16 cache's widened by a shift (bf16 is fp32's upper half).
+// Eight keys' or values' entries as fp32: a bf16 cache's widened by a shift (bf16 is fp32's upper
+// half).
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const c10::BFloat16* p) { return bf16x8(p); }
 // s[j] = q·k_j · scale for n keys, eight at a time (a tail repeats the last key; s has room).
 template <typename T>
-static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {
+static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale,
+                          float* s) {
   for (int64_t j = 0; j < n; j += 8) {
     __m256 a[8];
     for (int t = 0; t < 8; t++) {
       const T* kj = k + std::min(j + t, n - 1) * sk;
       a[t] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(kj));
-      for (int64_t i = 8; i < d; i += 8) a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kj + i), a[t]);
+      for (int64_t i = 8; i < d; i += 8)
+        a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kj + i), a[t]);
     }
     _mm256_storeu_ps(s + j, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
   }
 }
-// e^x for x ≤ 0, 8 lanes: x = n·ln2 + r, e^r by Cephes' degree-6 polynomial (~1 ulp), 2^n in the exponent.
+// e^x for x ≤ 0, 8 lanes: x = n·ln2 + r, e^r by Cephes' degree-6 polynomial (~1 ulp), 2^n in the
+// exponent.
 static inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
   __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                  5.0000001201e-1f})
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
   __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 // p[j] = e^(s[j] - m) in place for n ≤ CHUNK scores (a masked key's s is -inf: p 0); returns Σp.
@@ -513,26 +572,30 @@ static inline float exp_sum(float* s, float m, int64_t n) {
 }
 // o = Σ_j p_j·v_j, 64 columns at a time in 8 registers (a chain of FMAs per register, no stores).
 template <typename T>
-static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n, int64_t d, float* o) {
+static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n, int64_t d,
+                              float* o) {
   int64_t i0 = 0;
   for (; i0 + 64 <= d; i0 += 64) {
     __m256 acc[8];
     for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
       __m256 pj = _mm256_set1_ps(p[j]);
-      for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(pj, load8(v + j * sv + i0 + 8 * t), acc[t]);
+      for (int t = 0; t < 8; t++)
+        acc[t] = _mm256_fmadd_ps(pj, load8(v + j * sv + i0 + 8 * t), acc[t]);
     }
     for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + i0 + 8 * t, acc[t]);
   }
   for (; i0 < d; i0 += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + j * sv + i0), acc);
+    for (int64_t j = 0; j < n; j++)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + j * sv + i0), acc);
     _mm256_storeu_ps(o + i0, acc);
   }
 }
 #else
 template <typename T>
-static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale, float* s) {
+static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale,
+                          float* s) {
   for (int64_t j = 0; j < n; j++) {
     float a = 0.f;
     for (int64_t i = 0; i < d; i++) a = std::fma(q[i], float(k[j * sk + i]), a);
@@ -545,26 +608,29 @@ static inline float exp_sum(float* s, float m, int64_t n) {
   return acc;
 }
 template <typename T>
-static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n, int64_t d, float* o) {
+static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n, int64_t d,
+                              float* o) {
   for (int64_t i = 0; i < d; i++) o[i] = 0.f;
   for (int64_t j = 0; j < n; j++)
     for (int64_t i = 0; i < d; i++) o[i] = std::fma(p[j], float(v[j * sv + i]), o[i]);
 }
 #endif
 
-// q (B, H, 1, d); k, v (B, H_kv, L, d), any strides but d's; mask None or bool, L (all batches) or B·L.
-// K and V fp32 or bf16 (read as stored, summed in fp32); q and the result in K's dtype.
+// q (B, H, 1, d); k, v (B, H_kv, L, d), any strides but d's; mask None or bool, L (all batches) or
+// B·L. K and V fp32 or bf16 (read as stored, summed in fp32); q and the result in K's dtype.
 template <typename T>
 static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
                              const std::optional<at::Tensor>& mask) {
   at::Tensor q = q_.to(at::kFloat).contiguous();
   int64_t B = q.size(0), H = q.size(1), d = q.size(3), Hkv = k.size(1), L = k.size(2), G = H / Hkv;
-  TORCH_CHECK(k.size(0) == B && k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && L > 0, "decode_attention: shapes");
+  TORCH_CHECK(k.size(0) == B && k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && L > 0,
+              "decode_attention: shapes");
   const bool* mp = nullptr;
   int64_t mb = 0;
   if (mask.has_value() && mask->defined()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() &&
-                (mask->numel() == L || mask->numel() == B * L), "decode_attention: mask bool, L or B·L");
+                (mask->numel() == L || mask->numel() == B * L),
+                "decode_attention: mask bool, L or B·L");
     mp = mask->data_ptr<bool>();
     mb = mask->numel() == L ? 0 : L;
   }
@@ -573,11 +639,13 @@ static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at
   const float* qp = q.data_ptr<float>();
   const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   float scale = 1.f / std::sqrt(float(d));
-  int64_t sk = k.stride(2), sv = v.stride(2), kb0 = k.stride(0), kb1 = k.stride(1), vb0 = v.stride(0), vb1 = v.stride(1);
+  int64_t sk = k.stride(2), sv = v.stride(2), kb0 = k.stride(0), kb1 = k.stride(1),
+          vb0 = v.stride(0), vb1 = v.stride(1);
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> s(G * (CHUNK + 8));
     for (int64_t u = u0; u < u1; u++) {
-      int64_t b = u / (Hkv * chunks), h = u / chunks % Hkv, j0 = u % chunks * CHUNK, n = std::min<int64_t>(CHUNK, L - j0);
+      int64_t b = u / (Hkv * chunks), h = u / chunks % Hkv, j0 = u % chunks * CHUNK,
+              n = std::min<int64_t>(CHUNK, L - j0);
       const T* kb = kp + b * kb0 + h * kb1 + j0 * sk;
       const T* vb = vp + b * vb0 + h * vb1 + j0 * sv;
       const float* qg = qp + (b * H + h * G) * d;
@@ -598,10 +666,12 @@ static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at
   });
   auto y = at::empty({B, H, 1, d}, q.options());
   float* yp = y.data_ptr<float>();
-  for (int64_t bh = 0; bh < B * Hkv; bh++)             // merge the chunks in order: e^(m_c - M) weights
+  // merge the chunks in order: e^(m_c - M) weights
+  for (int64_t bh = 0; bh < B * Hkv; bh++)
     for (int64_t g = 0; g < G; g++) {
       float M = -INFINITY, l = 0.f, *o = yp + (bh * G + g) * d;
-      for (int64_t c = 0; c < chunks; c++) M = std::max(M, part[((bh * chunks + c) * G + g) * (d + 2)]);
+      for (int64_t c = 0; c < chunks; c++)
+        M = std::max(M, part[((bh * chunks + c) * G + g) * (d + 2)]);
       std::fill(o, o + d, 0.f);
       for (int64_t c = 0; c < chunks; c++) {
         const float* pc = part.data() + ((bh * chunks + c) * G + g) * (d + 2);
@@ -617,11 +687,13 @@ static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& mask) {
   auto type = k.scalar_type();
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && q.scalar_type() == type &&
-              v.scalar_type() == type && (type == at::kFloat || type == at::kBFloat16),
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() &&
+              q.scalar_type() == type && v.scalar_type() == type &&
+              (type == at::kFloat || type == at::kBFloat16),
               "decode_attention: q (B, H, 1, d), k and v (B, H_kv, L, d), all fp32 or all bf16");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v contiguous along d");
-  return type == at::kFloat ? attend_one<float>(q, k, v, mask) : attend_one<c10::BFloat16>(q, k, v, mask);
+  return type == at::kFloat ? attend_one<float>(q, k, v, mask)
+                            : attend_one<c10::BFloat16>(q, k, v, mask);
 }
 
 TORCH_LIBRARY(nanoinfer, m) {

@@ -47,8 +47,9 @@ import flash
 import model
 import quantize
 
-# Triton (GPU kernels written in Python): optional, used by flash_kernel and paged_decode below. They run on a
-# CUDA GPU or in Triton's CPU interpreter; elsewhere its import (79 modules) is skipped.
+# Triton (GPU kernels written in Python): optional, used by flash_kernel and paged_decode below.
+# They run on a CUDA GPU or in Triton's CPU interpreter; elsewhere its import (79 modules) is
+# skipped.
 triton = tl = None
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     try:
@@ -59,54 +60,60 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def jit(fn):
-    """triton.jit where Triton is installed (TRITON_INTERPRET=1 must be set before this runs, i.e. before
-    the import, to get the CPU interpreter); without it the kernel stays a plain function that nothing
-    launches (check_triton stops its callers first), so every module imports without Triton."""
+    """triton.jit where Triton is installed (TRITON_INTERPRET=1 must be set before this runs, i.e.
+    before the import, to get the CPU interpreter); without it the kernel stays a plain function
+    that nothing launches (check_triton stops its callers first), so every module imports without
+    Triton."""
     return fn if triton is None else triton.jit(fn)
 
 
 def check_triton(device: torch.device):
-    """Triton kernels run on a CUDA GPU (or on a CPU in Triton's interpreter); elsewhere, one line."""
+    """Triton kernels run on a CUDA GPU (or on a CPU in Triton's interpreter); elsewhere, one
+    line."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"--attn triton runs on a CUDA GPU, not on {device.type}: use --attn flash (the "
-                         f"same algorithm in PyTorch) or sdpa")
+        raise ValueError(f"--attn triton runs on a CUDA GPU, not on {device.type}: "
+                         f"use --attn flash (the same algorithm in PyTorch) or sdpa")
     if triton is None:
-        raise ValueError("the Triton kernels need triton: pip install triton==3.9.0 (CUDA builds of torch "
-                         "ship with it)")
+        raise ValueError("the Triton kernels need triton: pip install triton==3.9.0 "
+                         "(CUDA builds of torch ship with it)")
 
 
 # ----------------------------------------------------------------------------
 # Flash attention on a GPU: flash.py's algorithm as a Triton kernel (Triton is optional). Read it
-# beside flash.tile_step: one program (a thread block) owns one Q tile of one KV head's group, holds m, s and
-# acc in registers, and streams K/V tiles through SRAM. Causal tiles above the diagonal are never
-# visited (the loop's upper bound), the window's older tiles neither (its lower bound); masks are
-# computed from positions in registers. A third grid axis splits the keys into chunks: flash-decoding.
-# Each chunk's program writes its partial (out, lse), and merge_many, in torch, combines them: the
-# partials are S·B·H·T·d floats (a few KB for a decode step), so a merge kernel would save one tiny
-# launch and add a second kernel to read.
+# beside flash.tile_step: one program (a thread block) owns one Q tile of one KV head's group, holds
+# m, s and acc in registers, and streams K/V tiles through SRAM. Causal tiles above the diagonal are
+# never visited (the loop's upper bound), the window's older tiles neither (its lower bound); masks
+# are computed from positions in registers. A third grid axis splits the keys into chunks:
+# flash-decoding. Each chunk's program writes its partial (out, lse), and merge_many, in torch,
+# combines them: the partials are S·B·H·T·d floats (a few KB for a decode step), so a merge kernel
+# would save one tiny launch and add a second kernel to read.
 #
-# What changes on a GPU. HBM (3-5 TB/s on a data-centre GPU, ~1 TB/s on a consumer one) holds Q, K, V;
-# each SM has ~100-228 KB of SRAM (shared memory and registers) at ~10× that. A program reads its Q tile
-# once and each K/V tile once, so for causal prefill HBM traffic is ~N²·d/BLOCK_M elements of K/V
-# instead of the N² scores a materialised S writes and reads back. The tile sizes trade: a larger
-# BLOCK_M reads K/V fewer times but needs more registers (fewer programs resident per SM to hide
-# latency); BLOCK_N sets the size of each tl.dot (tensor cores want multiples of 16) and of the score
-# tile in registers. Decode has one query row per head: BLOCK_M is padded to 16 (the smallest tl.dot)
-# and holds the group's G heads, and with B·H_kv programs a GPU of 100+ SMs would sit idle; split-K puts
-# L/chunk programs on every head. With TRITON_INTERPRET=1 they run on CPU tensors (numpy): the tests.
+# What changes on a GPU. HBM (3-5 TB/s on a data-centre GPU, ~1 TB/s on a consumer one) holds Q, K,
+# V; each SM has ~100-228 KB of SRAM (shared memory and registers) at ~10× that. A program reads its
+# Q tile once and each K/V tile once, so for causal prefill HBM traffic is ~N²·d/BLOCK_M elements of
+# K/V instead of the N² scores a materialised S writes and reads back. The tile sizes trade: a
+# larger BLOCK_M reads K/V fewer times but needs more registers (fewer programs resident per SM to
+# hide latency); BLOCK_N sets the size of each tl.dot (tensor cores want multiples of 16) and of the
+# score tile in registers. Decode has one query row per head: BLOCK_M is padded to 16 (the smallest
+# tl.dot) and holds the group's G heads, and with B·H_kv programs a GPU of 100+ SMs would sit idle;
+# split-K puts L/chunk programs on every head. With TRITON_INTERPRET=1 they run on CPU tensors
+# (numpy): the tests.
 
 @jit
 def flash_kernel(Q, K, V, Out, Lse, Mask, sq_b, sq_h, sq_t, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                 so_s, so_b, so_h, so_t, sl_s, sl_b, sl_h, sm_b, sm_t, Hkv, G, T, L, q_start, k_start,
-                 window, scale, chunk, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+                 so_s, so_b, so_h, so_t, sl_s, sl_b, sl_h, sm_b, sm_t, Hkv, G, T, L, q_start,
+                 k_start, window, scale, chunk, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                 HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
     tile, bk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = bk // Hkv, bk % Hkv
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)        # rows = (group member g, query t), g-major
     real = r < G * T
-    t, h = r % T, kv * G + r // T                      # GQA by index: query head h reads KV head h // G
+    # GQA by index: query head h reads KV head h // G
+    t, h = r % T, kv * G + r // T
     dims = tl.arange(0, D)
-    q = tl.load(Q + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + dims[None, :], mask=real[:, None], other=0.)
+    q = tl.load(Q + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + dims[None, :],
+                mask=real[:, None], other=0.)
     q_pos = q_start + t
     lo, hi = split * chunk, tl.minimum(L, split * chunk + chunk)
     if CAUSAL:      # keys after the tile's last query position: never read
@@ -118,8 +125,10 @@ def flash_kernel(Q, K, V, Out, Lse, Mask, sq_b, sq_h, sq_t, sk_b, sk_h, sk_l, sv
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = tl.load(K + b * sk_b + kv * sk_h + cols[:, None] * sk_l + dims[None, :], mask=cols[:, None] < hi, other=0.)
-        v = tl.load(V + b * sv_b + kv * sv_h + cols[:, None] * sv_l + dims[None, :], mask=cols[:, None] < hi, other=0.)
+        k = tl.load(K + b * sk_b + kv * sk_h + cols[:, None] * sk_l + dims[None, :],
+                    mask=cols[:, None] < hi, other=0.)
+        v = tl.load(V + b * sv_b + kv * sv_h + cols[:, None] * sv_l + dims[None, :],
+                    mask=cols[:, None] < hi, other=0.)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
         ok = cols[None, :] < hi
         if CAUSAL:
@@ -127,14 +136,17 @@ def flash_kernel(Q, K, V, Out, Lse, Mask, sq_b, sq_h, sq_t, sk_b, sk_h, sk_l, sv
         if WINDOW:
             ok &= k_start + cols[None, :] > q_pos[:, None] - window
         if HAS_MASK:
-            ok &= tl.load(Mask + b * sm_b + t[:, None] * sm_t + cols[None, :], mask=ok, other=0) != 0
+            ok &= tl.load(Mask + b * sm_b + t[:, None] * sm_t + cols[None, :], mask=ok,
+                          other=0) != 0
         scores = tl.where(ok, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))                  # from here on, tile_step line by line
+        # from here on, tile_step line by line
+        m_new = tl.maximum(m, tl.max(scores, 1))
         base = tl.where(m_new == float("-inf"), 0., m_new)
         p = tl.exp(scores - base[:, None])
         shrink = tl.exp(m - base)
         s = s * shrink + tl.sum(p, 1)
-        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
+        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v,
+                                             input_precision="ieee" if IEEE else "tf32")
         m = m_new
     out = acc / tl.where(s > 0, s, 1.)[:, None]
     tl.store(Out + split * so_s + b * so_b + h[:, None] * so_h + t[:, None] * so_t + dims[None, :],
@@ -143,8 +155,9 @@ def flash_kernel(Q, K, V, Out, Lse, Mask, sq_b, sq_h, sq_t, sk_b, sk_h, sk_l, sv
 
 
 def triton_attention(q, k, v, causal: bool = True, q_start: int | None = None, k_start: int = 0,
-                     window: int | None = None, mask: torch.Tensor | None = None, scale: float | None = None,
-                     block_m: int = 64, block_n: int = 64, chunk: int | None = None):
+                     window: int | None = None, mask: torch.Tensor | None = None,
+                     scale: float | None = None, block_m: int = 64, block_n: int = 64,
+                     chunk: int | None = None):
     """flash.attention's arguments and results, computed by flash_kernel (CUDA tensors, or CPU ones
     under TRITON_INTERPRET=1). ``chunk``: split the keys into chunks of that many, one program
     each, and merge the partial results (flash-decoding; ``triton_decode``)."""
@@ -152,27 +165,32 @@ def triton_attention(q, k, v, causal: bool = True, q_start: int | None = None, k
     (B, H, T, d), Hkv, L = q.shape, k.shape[1], k.shape[2]
     G, S = H // Hkv, max(1, -(-L // chunk)) if chunk else 1
     if d & (d - 1) or d < 16:
-        raise ValueError(f"the Triton kernel needs a head_dim that is a power of two >= 16, got {d}")
+        raise ValueError(f"the Triton kernel needs a head_dim that is a power of two >= 16, "
+                         f"got {d}")
     q_start = k_start + L - T if q_start is None else q_start
-    block_m = max(16, min(block_m, 1 << (G * T - 1).bit_length()))     # decode: G rows, padded to 16
+    # decode: G rows, padded to 16
+    block_m = max(16, min(block_m, 1 << (G * T - 1).bit_length()))
     out = torch.empty(S, B, H, T, d, dtype=q.dtype if S == 1 else torch.float32, device=q.device)
     lse = torch.empty(S, B, H, T, dtype=torch.float32, device=q.device)
     if mask is not None:        # (T, L) or (B, 1, T, L) bool -> bytes, batch stride 0 when shared
         mask = flash.as_4d(mask).expand(-1, 1, T, L).to(torch.uint8).contiguous()
-    m_args = (mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2)) if mask is not None else (q, 0, 0)
+    m_args = ((mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2))
+              if mask is not None else (q, 0, 0))
     flash_kernel[(-(-G * T // block_m), B * Hkv, S)](
-        q, k, v, out, lse, m_args[0], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:4],
-        *lse.stride()[:3], *m_args[1:], Hkv, G, T, L, q_start, k_start, window or 0,
-        d ** -0.5 if scale is None else scale, chunk or max(L, 1), D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, WINDOW=window is not None, HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32)
+        q, k, v, out, lse, m_args[0], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:4], *lse.stride()[:3], *m_args[1:], Hkv, G, T, L, q_start, k_start,
+        window or 0, d ** -0.5 if scale is None else scale, chunk or max(L, 1), D=d,
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, WINDOW=window is not None,
+        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32)
     if S == 1:
         return out[0], lse[0]
     out, lse = flash.merge_many(out, lse, dim=0)
     return out.to(q.dtype), lse
 
 
-def triton_decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True, q_start: int | None = None,
-                  k_start: int = 0, window: int | None = None, scale: float | None = None, chunk: int = flash.CHUNK):
+def triton_decode(q, k, v, mask: torch.Tensor | None = None, causal: bool = True,
+                  q_start: int | None = None, k_start: int = 0, window: int | None = None,
+                  scale: float | None = None, chunk: int = flash.CHUNK):
     """flash.decode's arguments and results: flash_kernel with the keys split into chunks."""
     return triton_attention(q, k, v, causal, q_start, k_start, window, mask, scale, chunk=chunk)
 
@@ -208,10 +226,13 @@ def pick_device(name: str | None = None) -> torch.device:
         except RuntimeError:
             raise ValueError(f"unknown device '{name}': use cpu, cuda or mps") from None
         build = "" if torch.backends.cuda.is_built() else " (this torch is a CPU-only build)"
-        if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-            raise ValueError(f"--device {name}: no such CUDA GPU on this machine{build}; use --device cpu")
+        if dev.type == "cuda" and not (torch.cuda.is_available()
+                                       and (dev.index or 0) < torch.cuda.device_count()):
+            raise ValueError(f"--device {name}: no such CUDA GPU on this machine{build}; "
+                             f"use --device cpu")
         if dev.type == "mps" and not torch.backends.mps.is_available():
-            raise ValueError(f"--device {name}: Apple's Metal (MPS) is not available here; use --device cpu")
+            raise ValueError(f"--device {name}: Apple's Metal (MPS) is not available here; "
+                             f"use --device cpu")
         if dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"--device {name}: nanoinfer runs on cpu, cuda or mps")
         return dev
@@ -223,7 +244,8 @@ def pick_device(name: str | None = None) -> torch.device:
 
 
 def pick_dtype(name, device: torch.device) -> torch.dtype:
-    """A dtype by name; auto: bf16 on a GPU (its tensor cores), fp32 on a CPU (the exact reference)."""
+    """A dtype by name; auto: bf16 on a GPU (its tensor cores), fp32 on a CPU (the exact
+    reference)."""
     if isinstance(name, torch.dtype):
         return name
     if name is None or name == "auto":
@@ -240,7 +262,8 @@ def bf16_supported(device: torch.device) -> bool:
 
 
 def synchronize(device: torch.device):
-    """Wait for the device's queued work (a GPU's kernels run after the host moves on): call before reading a clock."""
+    """Wait for the device's queued work (a GPU's kernels run after the host moves on): call before
+    reading a clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -266,12 +289,14 @@ def read_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
 
 
 def busy_machine_hint() -> str | None:
-    """A hint, or None: on a machine whose other processes keep every core busy, OpenMP threads wait for each
-    other whenever one is descheduled (a decode step took 4-37x longer with two threads than with one)."""
+    """A hint, or None: on a machine whose other processes keep every core busy, OpenMP threads wait
+    for each other whenever one is descheduled (a decode step took 4-37x longer with two threads
+    than with one)."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if torch.get_num_threads() > 1 and load > cores:
-        return (f"note: this machine is busy (load {load:.1f} on {cores} cores); with {torch.get_num_threads()} "
-                f"threads every step may stall, --threads 1 runs steadier")
+        return (f"note: this machine is busy (load {load:.1f} on {cores} cores); "
+                f"with {torch.get_num_threads()} threads every step may stall, "
+                f"--threads 1 runs steadier")
     return None
 
 
@@ -279,9 +304,9 @@ def busy_machine_hint() -> str | None:
 # The linear layer: x·Wᵀ on the fastest kernel for the case at hand.
 #
 # Eager fp32 on a CPU: F.linear calls MKL's sgemm; oneDNN's kernel (the one torch uses for bf16, and
-# inductor for its fused linears) took 0.7x its time for a one-token SmolLM2 step on an AMD EPYC, and grew
-# 1.3x for 2 or 3 tokens where MKL's grew 1.75-2.2x. It has no gradient, so only inference uses it.
-# `python kernels.py` measures both on this machine.
+# inductor for its fused linears) took 0.7x its time for a one-token SmolLM2 step on an AMD EPYC,
+# and grew 1.3x for 2 or 3 tokens where MKL's grew 1.75-2.2x. It has no gradient, so only inference
+# uses it. `python kernels.py` measures both on this machine.
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # oneDNN's call has a fixed cost before any work, so below 512×512 F.linear is faster (64×32: 8x).
 ONEDNN_MIN = 512 * 512
@@ -300,11 +325,13 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
         if x.dtype == layer.weight.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0 and \
                 hasattr(torch.ops.nanoinfer, "bf16_mm"):
-            return bf16_mm(x.reshape(-1, x.shape[-1]).contiguous(), layer.weight).view(*x.shape[:-1], -1)
+            return bf16_mm(x.reshape(-1, x.shape[-1]).contiguous(),
+                           layer.weight).view(*x.shape[:-1], -1)
         return matvec_sum(x, layer.weight)
     cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
     packed = packed_weight(layer)
-    if packed is not None and packed.dtype == x.dtype and cpu_inference and not torch.compiler.is_compiling():
+    if packed is not None and packed.dtype == x.dtype and cpu_inference \
+            and not torch.compiler.is_compiling():
         return prepacked_linear(x, packed)
     if x.dtype == layer.weight.dtype == torch.float32 and cpu_inference and ONEDNN and \
             layer.weight.numel() >= ONEDNN_MIN:
@@ -313,7 +340,8 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """An nn.Linear whose product runs on `linear` above; ``onednn``: prepack's copy of its weight."""
+    """An nn.Linear whose product runs on `linear` above; ``onednn``: prepack's copy of its
+    weight."""
     onednn: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x):
@@ -345,8 +373,8 @@ def native_decode(attend):
 
 def compile_decode(llama: model.Llama, build: bool = True) -> model.Llama:
     """Compile the one-token step (with a StaticCache: fixed shapes, one compile): the elementwise
-    work between the matrix products fuses and the eager per-op dispatch goes away (compile_step).
-    A CPU builds it once into cache_root()/compiled (``build=False``: not here) and later starts load
+    work between the matrix products fuses and the eager per-op dispatch goes away (compile_step). A
+    CPU builds it once into cache_root()/compiled (``build=False``: not here) and later starts load
     it (AheadOfTime). The model's Linears run on `linear` (swap_linears) first."""
     swap_linears(llama)
     folder = checkpoint.cache_root() / "compiled"
@@ -355,21 +383,24 @@ def compile_decode(llama: model.Llama, build: bool = True) -> model.Llama:
 
 
 def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) · w (N, K)ᵀ as multiply-and-sum, times ``scale`` (N,) if given: the one-token product inside a
-    compiled step (`linear` for float weights, quantize.Int8Linear for int8 rows and their scales).
-    Inductor fuses it into one vectorized loop that widens each weight to fp32 as it reads it and
-    accumulates in fp32: 1.3x the bandwidth of oneDNN's kernel behind F.linear (8 matrices 5632×2048,
-    bf16, same run). Inductor sums a float reduction longer than 4,096 terms through a cascade helper
-    that is 2x slower here (2048 x 4112 read at 0.47x the bandwidth of 2048 x 4096). So a longer row
-    (TinyLlama's down projection has 5,632) is read as two rows of K/2, each against its half of x, and
-    each pair of partial sums is added: that matrix then takes 0.64x the time."""
+    """x (..., K) · w (N, K)ᵀ as multiply-and-sum, times ``scale`` (N,) if given: the one-token
+    product inside a compiled step (`linear` for float weights, quantize.Int8Linear for int8 rows
+    and their scales). Inductor fuses it into one vectorized loop that widens each weight to fp32 as
+    it reads it and accumulates in fp32: 1.3x the bandwidth of oneDNN's kernel behind F.linear (8
+    matrices 5632×2048, bf16, same run). Inductor sums a float reduction longer than 4,096 terms
+    through a cascade helper that is 2x slower here (2048 x 4112 read at 0.47x the bandwidth of
+    2048 x 4096). So a longer row (TinyLlama's down projection has 5,632) is read as two rows of
+    K/2, each against its half of x, and each pair of partial sums is added: that matrix then takes
+    0.64x the time."""
     n, k = w.shape
     if k <= 4096 or k % 2:
         out = (x.float().unsqueeze(-2) * w.float()).sum(-1)
     else:
         half = k // 2
-        rows = x.reshape(-1, 2, half).float()[:, torch.arange(2 * n, device=w.device) % 2]   # (M, 2N, K/2)
-        partial = (rows * w.view(2 * n, half).float()).sum(-1)                                # (M, 2N)
+        # (M, 2N, K/2)
+        rows = x.reshape(-1, 2, half).float()[:, torch.arange(2 * n, device=w.device) % 2]
+        # (M, 2N)
+        partial = (rows * w.view(2 * n, half).float()).sum(-1)
         out = partial.view(-1, n, 2).sum(-1).reshape(*x.shape[:-1], n)
     return (out if scale is None else out * scale.float()).to(x.dtype)
 
@@ -377,12 +408,12 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 # ----------------------------------------------------------------------------
 # int4, int8 and bf16 weights, one token's attention: C++ kernels (kernels.cpp), built on first use.
 #
-# aten's CPU kernels for int4 and int8 weights are compute-bound (1.16 and 0.55 ns/weight at one row on
-# a 2-core EPYC, where oneDNN streams fp32 at 0.19); ours stream int8 and bf16 near the memory's speed
-# and int4 at ~4.5 cycles per 32 weights (kernels.cpp's header says how, `python kernels.py` measures).
-# Each output is summed in one fixed order whatever the rows and the instruction set, so a pass
-# verifying k+1 positions gives each the bits a one-token step gives it: speculation stays exact.
-# Built with torch.utils.cpp_extension (a C++ compiler and ninja; ~10 s once, cached under
+# aten's CPU kernels for int4 and int8 weights are compute-bound (1.16 and 0.55 ns/weight at one row
+# on a 2-core EPYC, where oneDNN streams fp32 at 0.19); ours stream int8 and bf16 near the memory's
+# speed and int4 at ~4.5 cycles per 32 weights (kernels.cpp's header says how, `python kernels.py`
+# measures). Each output is summed in one fixed order whatever the rows and the instruction set, so
+# a pass verifying k+1 positions gives each the bits a one-token step gives it: speculation stays
+# exact. Built with torch.utils.cpp_extension (a C++ compiler and ninja; ~10 s once, cached under
 # ~/.cache/torch_extensions). Without them: aten's kernels and attend's own path, slower, same math.
 
 NATIVE_SOURCE = Path(__file__).with_name("kernels.cpp")     # the C++ source, read when built
@@ -390,17 +421,21 @@ NATIVE_SOURCE = Path(__file__).with_name("kernels.cpp")     # the C++ source, re
 
 @functools.cache
 def native_kernels(quiet: bool = False) -> bool:
-    """Build (first use, ~10 s) or load the kernels above; False where they cannot be built: not x86,
-    no compiler or ninja, or NANOINFER_NATIVE=0 (how the tests run the aten fallback)."""
+    """Build (first use, ~10 s) or load the kernels above; False where they cannot be built: not
+    x86, no compiler or ninja, or NANOINFER_NATIVE=0 (how the tests run the aten fallback)."""
     if hasattr(torch.ops.nanoinfer, "int4_mm"):
         return True
     if os.environ.get("NANOINFER_NATIVE") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    vector = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw"]}
-    flags = ["-O3", "-fopenmp", *vector.get(torch.backends.cpu.get_cpu_capability(), [])]   # OpenMP: parallel_for
-    key = hashlib.sha256((NATIVE_SOURCE.read_text() + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    vector = {"AVX2": ["-mavx2", "-mfma"],
+              "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw"]}
+    # OpenMP: parallel_for
+    flags = ["-O3", "-fopenmp", *vector.get(torch.backends.cpu.get_cpu_capability(), [])]
+    key = hashlib.sha256((NATIVE_SOURCE.read_text() + " ".join(flags)
+                          + torch.__version__).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache) / f"nanoinfer_native_{key}"  # torch's place
+    # torch's place
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache) / f"nanoinfer_native_{key}"
     so = folder / "nanoinfer_native.so"
     if not so.exists() and not quiet:
         print("building the C++ CPU kernels (once, ~10 s)", file=sys.stderr, flush=True)
@@ -408,54 +443,68 @@ def native_kernels(quiet: bool = False) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if so.exists():       # built before from this source and flags: no ninja check (0.16 s a start)
+            if so.exists():
+                # built before from this source and flags: no ninja check (0.16 s a start)
                 torch.ops.load_library(str(so))
             else:
                 from torch.utils import cpp_extension
                 cpp_extension.load("nanoinfer_native", [str(NATIVE_SOURCE)], is_python_module=False,
-                                   extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
+                                   extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                   build_directory=str(folder))
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
         if not quiet:
-            print(f"no C++ kernels ({str(e).strip().splitlines()[0][:100]}); using aten's, slower (they need "
-                  f"a C++ compiler and ninja)", file=sys.stderr)
+            print(f"no C++ kernels ({str(e).strip().splitlines()[0][:100]}); using aten's, slower "
+                  f"(they need a C++ compiler and ninja)", file=sys.stderr)
         return False
-    torch.library.register_fake("nanoinfer::int4_mm")(lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
-    torch.library.register_fake("nanoinfer::int8_mm")(lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
-    torch.library.register_fake("nanoinfer::decode_attention")(lambda q, k, v, mask: q.new_empty(q.shape))
-    torch.library.register_fake("nanoinfer::bf16_mm")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("nanoinfer::int4_mm")(
+        lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::int8_mm")(
+        lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::decode_attention")(
+        lambda q, k, v, mask: q.new_empty(q.shape))
+    torch.library.register_fake("nanoinfer::bf16_mm")(
+        lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     return True
 
 
-def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group: int) -> torch.Tensor:
+def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+            group: int) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ for W (N, K) int4 as quantize.Int4Linear stores it: q (N, K/2) uint8 (even
-    column in the low nibble), scale and lo (N, K/group) fp32; W = lo + q·s. Needs native_kernels()."""
+    column in the low nibble), scale and lo (N, K/group) fp32; W = lo + q·s. Needs
+    native_kernels()."""
     return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group)
 
 
 def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (M, K) · wᵀ, both bf16, summed in fp32 (int8_mm's order), each result rounded to bf16. Needs native_kernels()."""
+    """x (M, K) · wᵀ, both bf16, summed in fp32 (int8_mm's order), each result rounded to bf16.
+    Needs native_kernels()."""
     return torch.ops.nanoinfer.bf16_mm(x, w)
 
 
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (M, K) fp32 · Wᵀ for W = q (N, K) int8 · scale (N,) fp32, per row. Needs native_kernels()."""
+    """x (M, K) fp32 · Wᵀ for W = q (N, K) int8 · scale (N,) fp32, per row. Needs
+    native_kernels()."""
     return torch.ops.nanoinfer.int8_mm(x, q, scale)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-    """One token's attention (kernels.cpp): q (B, H, 1, d), k, v (B, H_kv, L, d) all fp32 or all bf16 (summed in
-    fp32) on a CPU, mask None or bool
-    (B or 1, 1, 1, L); None where it does not apply or the kernels are not built. model.attend's own decode path
-    (two batched products, a softmax) runs aten's small-M GEMMs: 3 query rows a KV head read K and V at ~8 GB/s.
-    This reads each K/V row once for its query heads, 64 keys at a time (flash.decode's split, in fixed order)."""
-    if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)
+    """One token's attention (kernels.cpp): q (B, H, 1, d), k, v (B, H_kv, L, d) all fp32 or all
+    bf16 (summed in fp32) on a CPU, mask None or bool (B or 1, 1, 1, L); None where it does not
+    apply or the kernels are not built. model.attend's own decode path (two batched products, a
+    softmax) runs aten's small-M GEMMs: 3 query rows a KV head read K and V at ~8 GB/s. This reads
+    each K/V row once for its query heads, 64 keys at a time (flash.decode's split, in fixed
+    order)."""
+    if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.float32, torch.bfloat16)
             and q.shape[2] == 1 and k.stride(-1) == 1
-            and v.stride(-1) == 1 and q.shape[-1] % 8 == 0 and hasattr(torch.ops.nanoinfer, "decode_attention")):
+            and v.stride(-1) == 1 and q.shape[-1] % 8 == 0
+            and hasattr(torch.ops.nanoinfer, "decode_attention")):
         return None
     if mask is not None and not (mask.dtype == torch.bool and mask.shape[-2:] == (1, k.shape[2])
                                  and mask.numel() in (k.shape[2], q.shape[0] * k.shape[2])):
         return None
-    return torch.ops.nanoinfer.decode_attention(q, k, v, None if mask is None else mask.contiguous())
+    return torch.ops.nanoinfer.decode_attention(q, k, v,
+                                                None if mask is None else mask.contiguous())
 
 
 # ----------------------------------------------------------------------------
@@ -463,12 +512,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # hold the same tensors and run the loops above where they apply: fp32 activations on a CPU, rows a
 # multiple of 32 long. From DRAM on 2 cores int8_mm streams at the memory's speed (0.045 ns/weight)
 # and int4_mm at 0.048, against 0.55 and 1.16 for aten's kernels and 0.19 for fp32; and each sums
-# every row in the same order however many positions a pass holds, so speculative decoding stays exact.
+# every row in the same order however many positions a pass holds, so speculative decoding stays
+# exact.
 
 def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bool:
     """Whether a quantized layer runs the C++ kernels: fp32 activations on a CPU, rows a
     multiple of 32 long, and the kernels built (``native`` None: build them if they can be)."""
-    fits = layer.weight.device.type == "cpu" and dtype == torch.float32 and layer.in_features % 32 == 0
+    fits = (layer.weight.device.type == "cpu" and dtype == torch.float32
+            and layer.in_features % 32 == 0)
     return fits and (native_kernels() if native is None else native)
 
 
@@ -542,7 +593,8 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
         for name, child in parent.named_children():
             if type(child) in FAST:
                 if getattr(child, "tiled", None) is not None:
-                    raise ValueError("swap_quantized needs unprepared layers: quantize with prepare=False")
+                    raise ValueError("swap_quantized needs unprepared layers: "
+                                     "quantize with prepare=False")
                 with torch.device("meta"):
                     fast = FAST[type(child)](child.in_features, child.out_features,
                                              *([child.group] if hasattr(child, "group") else []))
@@ -558,19 +610,21 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
 
 def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
     """Lay out a CPU model's weights once: every weight a decode step streams moves to 2 MB pages
-    (huge_pages, below), and with ``copies`` every big Linear also gets a copy in oneDNN's blocked layout
-    for `linear`'s eager inference. Handed a row-major W, oneDNN reorders it on every call over more than
-    one position: a 3072×576 fp32 product over 4 rows took 3.1x one row's time, and 1.3x on a weight
-    reordered once (`python kernels.py`). With the copy, checking 4 speculated guesses costs about one
-    step; the values are bitwise equal. The price is a second copy (+540 MB for SmolLM2 in fp32): the
-    compiled step, quantization and checkpoints read the plain one. A layer keeps its copy only while its
-    weight is the same tensor (tying swaps it: prepack again); in-place changes (an optimizer step) are
-    not noticed, so train with F.linear (grad enabled) or not prepacked."""
+    (huge_pages, below), and with ``copies`` every big Linear also gets a copy in oneDNN's blocked
+    layout for `linear`'s eager inference. Handed a row-major W, oneDNN reorders it on every call
+    over more than one position: a 3072×576 fp32 product over 4 rows took 3.1x one row's time, and
+    1.3x on a weight reordered once (`python kernels.py`). With the copy, checking 4 speculated
+    guesses costs about one step; the values are bitwise equal. The price is a second copy (+540 MB
+    for SmolLM2 in fp32): the compiled step, quantization and checkpoints read the plain one. A
+    layer keeps its copy only while its weight is the same tensor (tying swaps it: prepack again);
+    in-place changes (an optimizer step) are not noticed, so train with F.linear (grad enabled) or
+    not prepacked."""
     bf16_ok, streamed = ONEDNN and bf16_supported(torch.device("cpu")), []
     swap_linears(model)
     for m in model.modules():
         w, native = getattr(m, "weight", None), getattr(m, "native", False)
-        if not (native or isinstance(m, nn.Linear)) or w is None or w.device.type != "cpu" or packed_weight(m) is not None:
+        if not (native or isinstance(m, nn.Linear)) or w is None or w.device.type != "cpu" \
+                or packed_weight(m) is not None:
             continue
         if native:
             # a quantized layer on the C++ kernels (quantize.py): its one-row passes read the small
@@ -580,7 +634,8 @@ def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
                 m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(m.dequantized().float(), 16))
             continue
         streamed.append(w)          # what a compiled step reads
-        if copies and ONEDNN and w.numel() >= ONEDNN_MIN and (w.dtype == torch.float32 or w.dtype == torch.bfloat16
+        if copies and ONEDNN and w.numel() >= ONEDNN_MIN and (w.dtype == torch.float32
+                                                               or w.dtype == torch.bfloat16
                                                                and bf16_ok):
             # the size hint (16 rows) picks the blocking; any number of rows can use it
             m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
@@ -592,18 +647,22 @@ HUGE_PAGE = 2 << 20
 
 
 def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Move CPU tensors (in place: every reference sees the move) into one buffer of 2 MB pages, where Linux's
-    transparent huge pages allow it on request. A decode step streams every weight once, from 4 KB pages:
-    SmolLM2's 108 MB of int4 matrices are 26,000 pages, a TLB miss each and a stop for the hardware
-    prefetcher at each page's end; in 2 MB pages, 54. Alternating processes (Zen 4): SmolLM2's int4 step
-    +8% median tok/s, TinyLlama's bf16 step 19 against 12. Returns the tensors moved."""
+    """Move CPU tensors (in place: every reference sees the move) into one buffer of 2 MB pages,
+    where Linux's transparent huge pages allow it on request. A decode step streams every weight
+    once, from 4 KB pages: SmolLM2's 108 MB of int4 matrices are 26,000 pages, a TLB miss each and a
+    stop for the hardware prefetcher at each page's end; in 2 MB pages, 54. Alternating processes
+    (Zen 4): SmolLM2's int4 step +8% median tok/s, TinyLlama's bf16 step 19 against 12. Returns the
+    tensors moved."""
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
-    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE") or not thp.exists() or "[never]" in thp.read_text():
+    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE") or not thp.exists() \
+            or "[never]" in thp.read_text():
         return []
-    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]     # each 4 KB aligned
+    # each 4 KB aligned
+    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]
     arena = mmap.mmap(-1, sum(sizes) + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena.madvise(mmap.MADV_HUGEPAGE)      # before the first write: pages become huge as they fault in
+    # before the first write: pages become huge as they fault in
+    arena.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(arena, dtype=torch.uint8)     # keeps the mapping alive
     offset = -flat.data_ptr() % HUGE_PAGE
     with torch.no_grad():
@@ -645,9 +704,10 @@ def prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 # to a query at position p (within the window, if any). Quantized pools keep the gather path.
 
 @jit
-def paged_decode_kernel(Q, K, V, Out, Tables, Pos, sq_b, sq_h, sk_blk, sk_slot, sk_h, so_b, so_h, st_b,
-                        Hkv, G, block_size, window, scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+def paged_decode_kernel(Q, K, V, Out, Tables, Pos, sq_b, sq_h, sk_blk, sk_slot, sk_h, so_b, so_h,
+                        st_b, Hkv, G, block_size, window, scale, D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                        IEEE: tl.constexpr):
     b, kv = tl.program_id(0) // Hkv, tl.program_id(0) % Hkv
     g, dims = tl.arange(0, BLOCK_M), tl.arange(0, D)
     h = kv * G + g
@@ -661,30 +721,35 @@ def paged_decode_kernel(Q, K, V, Out, Tables, Pos, sq_b, sq_h, sk_blk, sk_slot, 
         j = start + tl.arange(0, BLOCK_N)
         ok = j <= pos
         block = tl.load(Tables + b * st_b + j // block_size, mask=ok, other=0)
-        at = block * sk_blk + (j % block_size) * sk_slot + kv * sk_h          # K and V share strides
+        # K and V share strides
+        at = block * sk_blk + (j % block_size) * sk_slot + kv * sk_h
         k = tl.load(K + at[:, None] + dims[None, :], mask=ok[:, None], other=0.)
         v = tl.load(V + at[:, None] + dims[None, :], mask=ok[:, None], other=0.)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
         scores = tl.where(ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))             # every row sees key `pos`: m_new is finite
+        # every row sees key `pos`: m_new is finite
+        m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         shrink = tl.exp(m - m_new)
         s = s * shrink + tl.sum(p, 1)
-        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
+        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v,
+                                             input_precision="ieee" if IEEE else "tf32")
         m = m_new
-    tl.store(Out + b * so_b + h[:, None] * so_h + dims[None, :], (acc / s[:, None]).to(Out.dtype.element_ty),
-             mask=g[:, None] < G)
+    tl.store(Out + b * so_b + h[:, None] * so_h + dims[None, :],
+             (acc / s[:, None]).to(Out.dtype.element_ty), mask=g[:, None] < G)
 
 
 def paged_reader(device, codec=None):
-    """How an engine's pool on ``device`` serves a one-token pass (kvcache.PagedKVCache's ``in_place``):
-    paged_decode on CUDA for plain rows with Triton installed, else None (the gather)."""
+    """How an engine's pool on ``device`` serves a one-token pass (kvcache.PagedKVCache's
+    ``in_place``): paged_decode on CUDA for plain rows with Triton installed, else None (the
+    gather)."""
     if torch.device(device).type == "cuda" and codec is None and triton is not None:
         return paged_decode
     return None
 
 
-def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None, block_n: int = 64):
+def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None,
+                 block_n: int = 64):
     """One query per row against a paged pool, in place. q (B, H, 1, d); k_pool, v_pool
     [num_blocks, block_size, H_kv, d] (one layer's, with this step's K/V already written);
     tables (B, n) int block ids; positions (B,) each row's query position -> (B, H, 1, d)."""
@@ -693,39 +758,46 @@ def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None
     block_size, Hkv = k_pool.shape[1], k_pool.shape[2]
     out = torch.empty_like(q)
     paged_decode_kernel[(B * Hkv,)](
-        q, k_pool, v_pool, out, tables, positions, q.stride(0), q.stride(1), *k_pool.stride()[:3], out.stride(0),
-        out.stride(1), tables.stride(0), Hkv, H // Hkv, block_size, window or 0, d ** -0.5, D=d,
-        BLOCK_M=max(16, 1 << (H // Hkv - 1).bit_length()), BLOCK_N=block_n, WINDOW=window is not None,
-        IEEE=q.dtype == torch.float32)
+        q, k_pool, v_pool, out, tables, positions, q.stride(0), q.stride(1),
+        *k_pool.stride()[:3], out.stride(0), out.stride(1), tables.stride(0), Hkv, H // Hkv,
+        block_size, window or 0, d ** -0.5, D=d,
+        BLOCK_M=max(16, 1 << (H // Hkv - 1).bit_length()), BLOCK_N=block_n,
+        WINDOW=window is not None, IEEE=q.dtype == torch.float32)
     return out
 
 
 # ----------------------------------------------------------------------------
 # Compiling a decode step.
 
-CPU_OPTIONS = {"realize_opcount_threshold": 0}     # inductor's settings for a CPU step: compile_step says why
+# inductor's settings for a CPU step: compile_step says why
+CPU_OPTIONS = {"realize_opcount_threshold": 0}
 
 
-def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path | None = None, build: bool = True):
-    """torch.compile a one-token decode step whose shapes never change (a static cache), so it compiles once,
-    for the device its weights are on.
+def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path | None = None,
+                 build: bool = True):
+    """torch.compile a one-token decode step whose shapes never change (a static cache), so it
+    compiles once, for the device its weights are on.
 
-    On CUDA: mode="reduce-overhead": the step's kernels are recorded once as a CUDA graph and replayed with one
-    launch per token (a small model's few hundred launches, ~5 µs each from Python, rival their work); the
-    cache's tensors are marked static (static_address) so writing into them does not stop the replay. cuBLAS
-    does the matrix-vector products there.
+    On CUDA: mode="reduce-overhead": the step's kernels are recorded once as a CUDA graph and
+    replayed with one launch per token (a small model's few hundred launches, ~5 µs each from
+    Python, rival their work); the cache's tensors are marked static (static_address) so writing
+    into them does not stop the replay. cuBLAS does the matrix-vector products there.
 
-    On a CPU inductor emits C++ loops that fuse the elementwise work between matmuls (RMSNorm, RoPE, SiLU·up,
-    residual adds), called from C++ (cpp_wrapper: ~20% of a SmolLM2 bf16 step). realize_opcount_threshold 0
-    stores every reused elementwise result (a few KB per token): otherwise inductor inlines RMSNorm into the
-    next matrix-vector loop and redoes it for every weight row (2.8x slower on that matrix). Not `freezing`
-    (it would fold W.float() into an fp32 copy of every weight), not max_autotune (no faster).
+    On a CPU inductor emits C++ loops that fuse the elementwise work between matmuls (RMSNorm, RoPE,
+    SiLU·up, residual adds), called from C++ (cpp_wrapper: ~20% of a SmolLM2 bf16 step).
+    realize_opcount_threshold 0 stores every reused elementwise result (a few KB per token):
+    otherwise inductor inlines RMSNorm into the next matrix-vector loop and redoes it for every
+    weight row (2.8x slower on that matrix). Not `freezing` (it would fold W.float() into an fp32
+    copy of every weight), not max_autotune (no faster).
 
-    Given a ``folder``, a CPU step is compiled ahead of time instead, with the same settings (AheadOfTime
-    below): built once, loaded by every later start (``build=False``: loaded if built, else eager; another
-    process builds it). Without one, torch.compile compiles it again at every start."""
+    Given a ``folder``, a CPU step is compiled ahead of time instead, with the same settings
+    (AheadOfTime below): built once, loaded by every later start (``build=False``: loaded if built,
+    else eager; another process builds it). Without one, torch.compile compiles it again at every
+    start."""
     if torch.device(device).type == "cuda":
-        graphed, marked = torch.compile(step, mode="reduce-overhead", dynamic=False, fullgraph=True), weakref.WeakSet()
+        graphed, marked = (torch.compile(step, mode="reduce-overhead", dynamic=False,
+                                         fullgraph=True),
+                           weakref.WeakSet())
 
         def replay(tokens, positions, mask, cache, *rest):
             if cache not in marked:     # its K/V are written in place by the replayed graph
@@ -736,22 +808,25 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
         return replay
     if folder is not None and torch.device(device).type == "cpu":
         return AheadOfTime(step, folder, build)
-    compiled = torch.compile(step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, **CPU_OPTIONS})
+    compiled = torch.compile(step, dynamic=False, fullgraph=True,
+                             options={"cpp_wrapper": True, **CPU_OPTIONS})
 
     def call(tokens, positions, mask, cache, *rest):
         live = live_rows(mask, cache)
         if live is False:
             return step(tokens, positions, mask, cache, *rest)
-        if live:                                           # one graph for every length, not one each
+        if live:
+            # one graph for every length, not one each
             torch._dynamo.mark_dynamic(mask, mask.dim() - 1, min=2, max=cache.capacity - 1)
         return compiled(tokens, positions, mask, cache, *rest)
     return call
 
 
 def live_rows(mask: torch.Tensor | None, cache) -> bool | None:
-    """For a static cache whose mask covers its live rows only (kvcache.StaticCache.live): whether this
-    call's length is one a compiled step covers, 2 to all rows but one (export fixes lengths 0 and 1, and
-    all rows make the slice a no-op); those others run the eager step. None for any other call (fixed shapes)."""
+    """For a static cache whose mask covers its live rows only (kvcache.StaticCache.live): whether
+    this call's length is one a compiled step covers, 2 to all rows but one (export fixes lengths 0
+    and 1, and all rows make the slice a no-op); those others run the eager step. None for any other
+    call (fixed shapes)."""
     if mask is None or not getattr(cache, "live", False):
         return None
     return 2 <= mask.shape[-1] < cache.capacity
@@ -760,24 +835,25 @@ def live_rows(mask: torch.Tensor | None, cache) -> bool | None:
 class AheadOfTime:
     """A model's one-token step compiled once into a file that later starts load.
 
-    torch.compile keeps its result in the process: every start traces the step again and rebuilds the
-    wrapper. AOTInductor exports the step (torch.export), compiles it to a shared library with
-    compile_step's settings and packages it as a .pt2 file; a later start dlopens it, and each call runs
-    with no Python guards (`python bench.py compiled-start` measures both). A package holds one set of
-    shapes: each variant of a call (a cache size, last_only, hidden, features) gets its own file, built at
-    its first call.
+    torch.compile keeps its result in the process: every start traces the step again and rebuilds
+    the wrapper. AOTInductor exports the step (torch.export), compiles it to a shared library with
+    compile_step's settings and packages it as a .pt2 file; a later start dlopens it, and each call
+    runs with no Python guards (`python bench.py compiled-start` measures both). A package holds one
+    set of shapes: each variant of a call (a cache size, last_only, hidden, features) gets its own
+    file, built at its first call.
 
-    The weights are not in the package (package_constants_in_so off): the library reads the model's own
-    tensors (user_managed: no copy), so the file is a few MB of code, not a second copy of the weights (540 MB
-    for SmolLM2 in fp32), and one package serves every checkpoint of the same shapes. The library keeps
-    the pointers it was handed at a variant's first call: if a weight is swapped for another tensor later
-    (tying, quantizing), compile again.
+    The weights are not in the package (package_constants_in_so off): the library reads the model's
+    own tensors (user_managed: no copy), so the file is a few MB of code, not a second copy of the
+    weights (540 MB for SmolLM2 in fp32), and one package serves every checkpoint of the same
+    shapes. The library keeps the pointers it was handed at a variant's first call: if a weight is
+    swapped for another tensor later (tying, quantizing), compile again.
 
-    The cache's K/V are inputs the step writes in place, the current ones at each call (a fork replaces
-    them). The file's name is a digest of everything the compiled code depends on, so a different model,
-    dtype, context, attention, cache codec, torch version, CPU or source of the step never loads a wrong
-    one: the call's shapes and flags, every weight's name, shape and dtype, the model's config and module
-    tree, and the source of the step's module and of the project modules it imports."""
+    The cache's K/V are inputs the step writes in place, the current ones at each call (a fork
+    replaces them). The file's name is a digest of everything the compiled code depends on, so a
+    different model, dtype, context, attention, cache codec, torch version, CPU or source of the
+    step never loads a wrong one: the call's shapes and flags, every weight's name, shape and dtype,
+    the model's config and module tree, and the source of the step's module and of the project
+    modules it imports."""
 
     def __init__(self, step, folder: Path, build: bool = True):
         self.step, self.folder, self.build_missing = step, Path(folder), build
@@ -786,19 +862,24 @@ class AheadOfTime:
         self.handed = []            # the weights each runner reads: kept alive
         self.log: list[str] = []    # what each variant cost: loaded or compiled, in seconds
         self.built: list[Path] = []  # the packages this object compiled (the others were loaded)
-        self.missing = {}           # build=False: variant -> the package not on disk; those calls run eagerly
-        self.announce = None        # called with the package's path before a build (minutes): the runner says so
+        # build=False: variant -> the package not on disk; those calls run eagerly
+        self.missing = {}
+        # called with the package's path before a build (minutes): the runner says so
+        self.announce = None
 
     def __call__(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
-        live = live_rows(mask, cache)             # a static cache's live rows: one package for every length
-        keys = None if mask is None else (*mask.shape[:-1], mask.shape[-1] if live is None else "live")
+        # a static cache's live rows: one package for every length
+        live = live_rows(mask, cache)
+        keys = None if mask is None else (*mask.shape[:-1],
+                                          mask.shape[-1] if live is None else "live")
         # the cache's class last: its code is traced into the step too (path reads it)
         variant = (tuple(tokens.shape), keys, cache.k[0].shape,
                    cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
                    None if features is None else (features.shape, features.dtype), type(cache))
         runner = self.runners.get(variant)
-        if runner is None and variant not in self.missing:   # built (or loaded) even by a call that then
-            call = (tokens, positions, mask, cache, last_only, features, hidden)   # runs eagerly: a warm-up's
+        # built (or loaded) even by a call that then runs eagerly: a warm-up's
+        if runner is None and variant not in self.missing:
+            call = (tokens, positions, mask, cache, last_only, features, hidden)
             path = self.path(variant)
             if self.build_missing or path.exists():
                 runner = self.runners[variant] = self.load(variant, call, path)
@@ -809,16 +890,19 @@ class AheadOfTime:
         return runner(tokens, positions, mask, *cache.k, *cache.v, features)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The model's parameters and buffers by the names the package uses (tied ones under each name)."""
+        """The model's parameters and buffers by the names the package uses (tied ones under each
+        name)."""
         found = dict(self.model.named_parameters("model", remove_duplicate=False))
         found.update(self.model.named_buffers("model", remove_duplicate=False))
         return found
 
     def path(self, variant) -> Path:
-        """Where this variant's package lives: its name is the digest of what its code depends on."""
+        """Where this variant's package lives: its name is the digest of what its code depends
+        on."""
         m = self.model
         home = Path(sys.modules[type(m).__module__].__file__).parent
-        config = {k: v for k, v in vars(m.config).items() if k not in ("eos_ids", "bos_id")}  # ids: not in the step
+        # ids: not in the step
+        config = {k: v for k, v in vars(m.config).items() if k not in ("eos_ids", "bos_id")}
         code = step_code(m, variant[-1])
         key = [repr(variant), repr(config), str(m), torch.__version__, platform.machine(),
                torch.backends.cpu.get_cpu_capability()]
@@ -845,14 +929,17 @@ class AheadOfTime:
             runner = torch._inductor.aoti_load_package(str(path))
         weights = self.weights()
         own = [k for k in runner.get_constant_fqns() if k not in weights]
-        if own:     # tensors inductor made at compile time (aten's int4 kernel with bf16 activations does)
-            raise ValueError(f"the compiled step made tensors of its own ({own[0]}, ...), which a package without "
-                             f"weights cannot hold: run this configuration without --compile")
+        if own:
+            # tensors inductor made at compile time (aten's int4 kernel with bf16 activations does)
+            raise ValueError(f"the compiled step made tensors of its own ({own[0]}, ...), "
+                             f"which a package without weights cannot hold: "
+                             f"run this configuration without --compile")
         self.handed.append({k: weights[k] for k in runner.get_constant_fqns()})
         runner.load_constants(self.handed[-1], check_full_update=True, user_managed=True)
         self.log.append(f"compiled step loaded from cache in {time.perf_counter() - t0:.2f} s")
-        # The inputs in the order export flattened them, without the package's own Python call: that one
-        # parses its call spec and walks the 60 K/V tensors as a tree at every step (~0.2 ms of ~8).
+        # The inputs in the order export flattened them, without the package's own Python call: that
+        # one parses its call spec and walks the 60 K/V tensors as a tree at every step
+        # (~0.2 ms of ~8).
         out = torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1])
         return lambda *inputs: torch.utils._pytree.tree_unflatten(
             runner.loader.boxed_run([t for t in inputs if t is not None]), out)
@@ -860,32 +947,38 @@ class AheadOfTime:
     def build(self, path: Path, call):
         """torch.export the step on stand-in tensors of the call's shapes, then AOTInductor."""
         tokens, positions, mask, cache, last_only, features, hidden = call
-        part = path.with_name(f"{path.stem}.{os.getpid()}.pt2")     # another process may build it too
+        # another process may build it too
+        part = path.with_name(f"{path.stem}.{os.getpid()}.pt2")
         path.parent.mkdir(parents=True, exist_ok=True)
         with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)    # torch 2.13 pickles its spec via a deprecated check
-            like = [None if t is None else torch.zeros_like(t) for t in (tokens, positions, mask, features)]
+            # torch 2.13 pickles its spec via a deprecated check
+            warnings.simplefilter("ignore", FutureWarning)
+            like = [None if t is None else torch.zeros_like(t)
+                    for t in (tokens, positions, mask, features)]
             live = None
             if live_rows(mask, cache) is not None:      # the keys read: any length live_rows allows
-                like[2] = mask.new_zeros(*mask.shape[:-1], min(max(mask.shape[-1], 2), cache.capacity - 1))
+                like[2] = mask.new_zeros(*mask.shape[:-1],
+                                         min(max(mask.shape[-1], 2), cache.capacity - 1))
                 live = {mask.dim() - 1: torch.export.Dim("live", min=2, max=cache.capacity - 1)}
-            args = (*like[:3], [torch.zeros_like(t) for t in cache.k], [torch.zeros_like(t) for t in cache.v],
-                    like[3])
+            args = (*like[:3], [torch.zeros_like(t) for t in cache.k],
+                    [torch.zeros_like(t) for t in cache.v], like[3])
             shapes = (None, None, live, [None] * len(cache.k), [None] * len(cache.v), None)
-            program = torch.export.export(StepModule(self.step, cache, last_only, hidden), args, strict=False,
-                                          dynamic_shapes=shapes)
-            torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs={
-                **CPU_OPTIONS, "aot_inductor.package_constants_in_so": False})
+            program = torch.export.export(StepModule(self.step, cache, last_only, hidden), args,
+                                          strict=False, dynamic_shapes=shapes)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(part),
+                inductor_configs={**CPU_OPTIONS, "aot_inductor.package_constants_in_so": False})
         os.replace(part, path)
 
 
 class StepModule(nn.Module):
-    """The step for torch.export: the model a submodule (its weights the package's constants, model.*), the
-    cache's K/V lists the inputs while it runs."""
+    """The step for torch.export: the model a submodule (its weights the package's constants,
+    model.*), the cache's K/V lists the inputs while it runs."""
 
     def __init__(self, step, cache, last_only: bool, hidden: bool):
         super().__init__()
-        self.model, self.step, self.cache, self.flags = step.__self__, step, cache, (last_only, hidden)
+        self.model, self.step, self.cache, self.flags = (step.__self__, step, cache,
+                                                         (last_only, hidden))
 
     def forward(self, tokens, positions, mask, k, v, features):
         cache, kept = self.cache, (self.cache.k, self.cache.v)
@@ -897,29 +990,32 @@ class StepModule(nn.Module):
 
 
 def step_code(llama: nn.Module, cache_type=None) -> list:
-    """What a model's step runs, by the classes and functions that hold the code: every module's class
-    (kernels.Linear, a quantized layer), each layer's attention function and the functions it wraps
-    (native_decode's), and the cache's class."""
+    """What a model's step runs, by the classes and functions that hold the code: every module's
+    class (kernels.Linear, a quantized layer), each layer's attention function and the functions it
+    wraps (native_decode's), and the cache's class."""
     code = {type(m) for m in llama.modules()} | ({cache_type} if cache_type is not None else set())
     todo = [m.attend for m in llama.modules() if callable(getattr(m, "attend", None))]
     while todo:
         f = todo.pop()
         if f not in code and hasattr(f, "__module__") and hasattr(f, "__qualname__"):
             code.add(f)
-            todo += [c.cell_contents for c in (getattr(f, "__closure__", None) or ()) if callable(c.cell_contents)]
+            todo += [c.cell_contents for c in (getattr(f, "__closure__", None) or ())
+                     if callable(c.cell_contents)]
     return sorted(code, key=lambda f: f"{f.__module__}.{f.__qualname__}")
 
 
 def project_sources(module, home: Path) -> set[Path]:
     """The files of ``module`` and of every module in ``home`` that it imports, directly or not: the
-    modules among its globals and those its imported names come from (``from kvcache import StaticCache``)."""
+    modules among its globals and those its imported names come from
+    (``from kvcache import StaticCache``)."""
     found, todo = set(), [module]
     while todo:
         m = todo.pop()
         path = Path(getattr(m, "__file__", None) or "/")
         if path.parent == home and path not in found:
             found.add(path)
-            todo += [v if inspect.ismodule(v) else sys.modules.get(getattr(v, "__module__", None) or "")
+            todo += [v if inspect.ismodule(v)
+                     else sys.modules.get(getattr(v, "__module__", None) or "")
                      for v in vars(m).values()]
     return found
 
@@ -938,8 +1034,8 @@ def quantized_table(n: int = 1536, k: int = 576, stream: int = 64 << 20):
     import results
     q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     s, lo = torch.rand(n, k // 32) * 0.01, torch.rand(n, k // 32) * -0.05
-    tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.stack([q4 & 15, q4 >> 4], -1).reshape(n, k)
-                                                               .to(torch.int32), 1)
+    tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.stack([q4 & 15, q4 >> 4], -1).reshape(n, k).to(torch.int32), 1)
     zeros = torch.stack([s, lo + 8 * s], -1).transpose(0, 1).contiguous()
     q8, s8 = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.01
     fp32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), 16)
@@ -947,21 +1043,24 @@ def quantized_table(n: int = 1536, k: int = 576, stream: int = 64 << 20):
         "fp32, oneDNN prepacked": (4, (fp32,), lambda x, w: prepacked_linear(x, w)),
         "int8, aten": (1, (q8, s8), lambda x, q, sc: torch.ops.aten._weight_int8pack_mm(x, q, sc)),
         "int8, kernels.int8_mm": (1, (q8, s8), int8_mm),
-        "int4, aten": (0.75, (tiled, zeros), lambda x, t, z: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t, 32, z)),
+        "int4, aten": (0.75, (tiled, zeros),
+                       lambda x, t, z: torch.ops.aten._weight_int4pack_mm_for_cpu(x, t, 32, z)),
         "int4, kernels.int4_mm": (0.75, (q4, s, lo), lambda x, q, a, b: int4_mm(x, q, a, b, 32)),
     }
     rows = []
     with torch.inference_mode():
         for name, (size, tensors, call) in kinds.items():
-            copies = [[t.clone() for t in tensors] for _ in range(max(2, int(stream / (size * n * k))))]
+            copies = [[t.clone() for t in tensors]
+                      for _ in range(max(2, int(stream / (size * n * k))))]
             row = [name, size]
             for m in (1, 5):
                 x = torch.randn(m, k)
                 seconds = best_seconds(lambda: [call(x, *c) for c in copies], torch.device("cpu"))
                 row.append(f"{seconds / (len(copies) * n * k) * 1e9:.3f}")
             rows.append(row + [f"{size / float(row[2]):.1f}"])
-    return results.Table(f"x·Wᵀ with W {n}×{k} (SmolLM2's MLP) read from DRAM, ns per weight (best of 5 passes "
-                         f"over {stream >> 20} MB of copies), {torch.get_num_threads()} threads",
+    return results.Table(f"x·Wᵀ with W {n}×{k} (SmolLM2's MLP) read from DRAM, ns per weight "
+                         f"(best of 5 passes over {stream >> 20} MB of copies), "
+                         f"{torch.get_num_threads()} threads",
                          ["kernel", "bytes per weight", "1 row", "5 rows", "GB/s at 1 row"], rows)
 
 
@@ -976,7 +1075,8 @@ if __name__ == "__main__":
         for n in (1, 4, 11):          # one decode step; the passes speculative decoding verifies
             x = torch.randn(n, 2048)
             times = []
-            for fn in (lambda: F.linear(x, layer.weight), lambda: linear(x, layer), lambda: linear(x, packed)):
+            for fn in (lambda: F.linear(x, layer.weight), lambda: linear(x, layer),
+                       lambda: linear(x, packed)):
                 fn()
                 t0 = time.perf_counter()
                 for _ in range(20):

@@ -3,54 +3,59 @@ The KV cache: remember K and V of past tokens instead of recomputing them.
 
 In a decoder, token t attends to the keys and values of tokens 0..t. Those depend only on earlier
 tokens, so once computed they never change. A decoder without a cache re-runs the whole prefix every
-step (step t pushes t positions through every layer); with a cache, step t runs one position and reads t
-cached rows. Generating N tokens drops from N(N+1)/2 position-forwards to N.
+step (step t pushes t positions through every layer); with a cache, step t runs one position and
+reads t cached rows. Generating N tokens drops from N(N+1)/2 position-forwards to N.
 
 The price is memory. Per token and layer the cache holds one K and one V row per KV head:
 
-    bytes per token per layer = 2 · n_kv_heads · d_head · dtype_size Llama-2-7B   (32 KV heads, d_head
-    128, fp16): 16 KiB; × 32 layers = 512 KiB per token, 16 GiB at 32K Llama-3-70B  ( 8 KV heads, GQA):
-    4 KiB; × 80 layers = 10 GiB at 32K, 40 GiB at 128K the same 70B with 64 KV heads (MHA):          80
-    GiB at 32K — GQA is an 8× cache saving SmolLM2-135M ( 3 KV heads, d_head 64, bf16): 768 B; × 30
-    layers = 22.5 KiB per token
+    bytes per token per layer = 2 · n_kv_heads · d_head · dtype_size
+    Llama-2-7B   (32 KV heads, d_head 128, fp16): 16 KiB; × 32 layers = 512 KiB per token,
+                                                  16 GiB at 32K
+    Llama-3-70B  ( 8 KV heads, GQA):               4 KiB; × 80 layers = 10 GiB at 32K,
+                                                  40 GiB at 128K
+    the same 70B with 64 KV heads (MHA):          80 GiB at 32K — GQA is an 8× cache saving
+    SmolLM2-135M ( 3 KV heads, d_head 64, bf16): 768 B; × 30 layers = 22.5 KiB per token
 
 MLA (DeepSeek-V2/V3's multi-head latent attention) caches no per-head K or V. Per token and layer it
-stores one latent vector c, from which every head's K and V are up-projections (folded into the query
-and output matrices at inference, so c is read as it is), plus one RoPE key shared by all heads (a
-rotation by position cannot be folded into a fixed matrix, so it is kept apart):
+stores one latent vector c, from which every head's K and V are up-projections (folded into the
+query and output matrices at inference, so c is read as it is), plus one RoPE key shared by all
+heads (a rotation by position cannot be folded into a fixed matrix, so it is kept apart):
 
-    bytes per token per layer = (d_latent + d_rope) · dtype_size DeepSeek-V3  (latent 512, RoPE key 64,
-    bf16): (512 + 64) · 2 = 1,152 B; × 61 layers = 68.6 KiB per token the same 128 heads as MHA (K 192
-    wide with its RoPE part, V 128): 80 KiB per layer, 71× more
+    bytes per token per layer = (d_latent + d_rope) · dtype_size
+    DeepSeek-V3  (latent 512, RoPE key 64, bf16): (512 + 64) · 2 = 1,152 B; × 61 layers
+                                                  = 68.6 KiB per token
+    the same 128 heads as MHA (K 192 wide with its RoPE part, V 128): 80 KiB per layer, 71× more
 
-`python kvcache.py --config llama2-7b --seq 32768` prints these for any config; `python bench.py
-kv-plot` draws what each kind of cache below holds against the context, in fp16 and int8 (the end of this
-file says why they differ).
+`python kvcache.py --config llama2-7b --seq 32768` prints these for any config;
+`python bench.py kv-plot` draws what each kind of cache below holds against the context, in fp16
+and int8 (the end of this file says why they differ).
 
-Four contiguous caches and a paged one share one interface (quantized and speculative code build on it):
+Four contiguous caches and a paged one share one interface (quantized and speculative code build
+on it):
 
-* ``DynamicCache`` grows as tokens arrive, doubling its capacity, so appending is an amortised O(1) copy
-  rather than a ``torch.cat`` of the whole history.
+* ``DynamicCache`` grows as tokens arrive, doubling its capacity, so appending is an amortised O(1)
+  copy rather than a ``torch.cat`` of the whole history.
 * ``StaticCache`` is preallocated to ``max_len``: every decode step sees the same tensor shapes, so
-  ``torch.compile`` compiles the step once, and the memory is known up front. Unwritten rows are hidden
-  by the mask.
+  ``torch.compile`` compiles the step once, and the memory is known up front. Unwritten rows are
+  hidden by the mask.
 * ``SlidingWindowCache`` (Mistral-style ``sliding_window`` configs) is a ring buffer of the last W
-  positions (plus a little slack so speculative decoding can roll back): memory O(W) however long the
-  conversation.
-* ``OffloadedCache`` keeps the cache in host memory and brings one layer's K/V at a time to the device:
-  capacity for the price of moving the whole cache every step.
+  positions (plus a little slack so speculative decoding can roll back): memory O(W) however long
+  the conversation.
+* ``OffloadedCache`` keeps the cache in host memory and brings one layer's K/V at a time to the
+  device: capacity for the price of moving the whole cache every step.
 * ``PagedKVCache`` is one pool of fixed-size blocks that many sequences share, each reading its rows
   through a block table (paged.py keeps the books; engine.py batches sequences on it).
 
-The interface. A cache has ``layers``; per forward pass the model calls ``cache.begin(positions)`` once
-(host-side bookkeeping: grow, copy-on-write, advance ``length``) which returns the attention mask over
-the keys that each layer's ``update(k, v, positions)`` will return; ``crop(n)`` rolls back to the first
-n tokens (a chat turn that diverges, rejected speculative tokens); ``fork()`` makes a branch that shares
-the prefix until either side writes; ``nbytes`` is the memory the cache's tensors really occupy.
+The interface. A cache has ``layers``; per forward pass the model calls ``cache.begin(positions)``
+once (host-side bookkeeping: grow, copy-on-write, advance ``length``) which returns the attention
+mask over the keys that each layer's ``update(k, v, positions)`` will return; ``crop(n)`` rolls back
+to the first n tokens (a chat turn that diverges, rejected speculative tokens); ``fork()`` makes a
+branch that shares the prefix until either side writes; ``nbytes`` is the memory the cache's tensors
+really occupy.
 
-Any of them can store K and V quantized (``codec``, from quantize.py: int8 or fp8 with a scale per token
-and head): rows of bytes instead of numbers, about half of bf16's, decoded one layer at a time when
-attention reads them.
+Any of them can store K and V quantized (``codec``, from quantize.py: int8 or fp8 with a scale per
+token and head): rows of bytes instead of numbers, about half of bf16's, decoded one layer at a time
+when attention reads them.
 """
 
 from __future__ import annotations
@@ -74,9 +79,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def write_rows(store: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """The write of a static cache and a ring buffer: store (B, H, C, r), rows (T,) long, new (B, H, T, r); row
-    rows[i] of every (batch, head) gets new[:, :, i], in place, and store is returned. The rows stay a tensor
-    (index_copy_): no host sync, and the same graph every step, which a compiled decode step needs."""
+    """The write of a static cache and a ring buffer: store (B, H, C, r), rows (T,) long,
+    new (B, H, T, r); row rows[i] of every (batch, head) gets new[:, :, i], in place, and store is
+    returned.
+    The rows stay a tensor (index_copy_): no host sync, and the same graph every step, which a
+    compiled decode step needs."""
     return store.index_copy_(2, rows, new)
 
 
@@ -88,7 +95,8 @@ class _Shared:
 
 class KVCache:
     """What every contiguous cache has in common; subclasses say how storage grows."""
-    fixed_shape = False     # whether every call sees the same tensor shapes (a compiled step needs it)
+    # whether every call sees the same tensor shapes (a compiled step needs it)
+    fixed_shape = False
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype, device, capacity, window=None,
                  codec=None):
@@ -104,7 +112,8 @@ class KVCache:
     def _alloc(self, capacity):
         b, h, d, dtype, device = self.spec
         if self.codec is not None:
-            return torch.zeros(b, h, capacity, self.codec.row_bytes(d), dtype=torch.uint8, device=device)
+            return torch.zeros(b, h, capacity, self.codec.row_bytes(d), dtype=torch.uint8,
+                               device=device)
         return torch.zeros(b, h, capacity, d, dtype=dtype, device=device)
 
     @property
@@ -158,8 +167,9 @@ class KVCache:
             self._reallocate(self.capacity, rows)
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """Called once per forward pass with the new tokens' positions (T,). Returns the (T, L) mask for the keys
-        that update() will return, or None when every returned key is visible (one new token, no window)."""
+        """Called once per forward pass with the new tokens' positions (T,). Returns the (T, L) mask
+        for the keys that update() will return, or None when every returned key is visible (one new
+        token, no window)."""
         raise NotImplementedError
 
     def _write(self, layer: int, k, v, positions):
@@ -199,7 +209,8 @@ class DynamicCache(KVCache):
         self._start, self.length = self.length, self.length + t
         if t == 1 and self.window is None:
             return None
-        return attention_mask(positions, torch.arange(self.length, device=positions.device), self.window)
+        return attention_mask(positions, torch.arange(self.length, device=positions.device),
+                              self.window)
 
     def _write(self, layer, k, v, positions):
         end = self._start + k.shape[2]
@@ -208,16 +219,19 @@ class DynamicCache(KVCache):
 
 
 class StaticCache(KVCache):
-    """Preallocated to ``max_len``; position p in row p, so a crop is free (stale rows sit past every future query).
-    On a GPU attention reads all rows (fixed shapes for a CUDA graph); on a CPU (``live``) only the live ones: fp32
-    SmolLM2's 2048 rows are 94 MB a step, more than its int4 weights (kernels.AheadOfTime compiles any length)."""
+    """Preallocated to ``max_len``; position p in row p, so a crop is free (stale rows sit past
+    every future query). On a GPU attention reads all rows (fixed shapes for a CUDA graph); on a CPU
+    (``live``) only the live ones: fp32 SmolLM2's 2048 rows are 94 MB a step, more than its int4
+    weights (kernels.AheadOfTime compiles any length)."""
 
     fixed_shape = True
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu",
-                 window=None, codec=None):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window, codec)
-        self.slots, self.live = torch.arange(max_len, device=device), torch.device(device).type == "cpu"
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype=torch.float32,
+                 device="cpu", window=None, codec=None):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, max_len, window,
+                         codec)
+        self.slots, self.live = (torch.arange(max_len, device=device),
+                                 torch.device(device).type == "cpu")
 
     @property
     def limit(self) -> int:
@@ -226,10 +240,12 @@ class StaticCache(KVCache):
     def begin(self, positions):
         t = positions.shape[-1]
         if self.length + t > self.capacity:
-            raise ValueError(f"static cache is full: {self.length} + {t} tokens > max_len {self.capacity}")
+            raise ValueError(f"static cache is full: {self.length} + {t} tokens "
+                             f"> max_len {self.capacity}")
         self._own(self.length)
         self.length += t
-        return attention_mask(positions, self.slots[:self.length] if self.live else self.slots, self.window)
+        return attention_mask(positions, self.slots[:self.length] if self.live else self.slots,
+                              self.window)
 
     def _write(self, layer, k, v, positions):
         return write_rows(self.k[layer], positions, k), write_rows(self.v[layer], positions, v)
@@ -243,9 +259,10 @@ class SlidingWindowCache(KVCache):
     every key it needs. The slack rows keep positions just outside the window,
     so ``crop`` can roll back up to ``slack`` tokens (speculative decoding)."""
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, window, dtype=torch.float32, device="cpu",
-                 slack=64, codec=None):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, window + slack, window, codec)
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, window, dtype=torch.float32,
+                 device="cpu", slack=64, codec=None):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, device, window + slack,
+                         window, codec)
         self.slack = slack
         self.slot_pos = torch.full((window + slack,), -1, dtype=torch.long, device=device)
 
@@ -288,50 +305,63 @@ PCIE_GBPS = 25   # PCIe 4.0 x16, host to GPU: what a copy reaches of its 32 GB/s
 
 
 class OffloadedCache(DynamicCache):
-    """The cache lives in a big, slow memory (the store); each layer's K/V visit the device only while it runs.
+    """The cache lives in a big, slow memory (the store); each layer's K/V visit the device only
+    while it runs.
 
-    On a GPU the store is pinned host memory (the copy engine reads it directly, so copies run on a side stream
-    while the GPU computes) and the device holds two layers' K/V: the one computing and the next one arriving.
-    Before layer i's attention, layer i+1's stored rows are already being copied (prefetch); the rows a pass
-    writes go back to the store. The rest is DynamicCache's: rows, growth, crop, fork, move, the mask.
+    On a GPU the store is pinned host memory (the copy engine reads it directly, so copies run on a
+    side stream while the GPU computes) and the device holds two layers' K/V: the one computing and
+    the next one arriving. Before layer i's attention, layer i+1's stored rows are already being
+    copied (prefetch); the rows a pass writes go back to the store. The rest is DynamicCache's:
+    rows, growth, crop, fork, move, the mask.
 
-    Cost model. Device memory: 2/n_layers of the cache (SmolLM2's 30 layers: 15× the context). Transfers: a pass
-    copies every layer's stored rows in and its new rows out, so
+    Cost model. Device memory: 2/n_layers of the cache (SmolLM2's 30 layers: 15× the context).
+    Transfers: a pass copies every layer's stored rows in and its new rows out, so
 
-        bytes moved per step (``step_moved``) = length after the step · bytes per token (the formula at the top)
+        bytes moved per step (``step_moved``) = length after the step · bytes per token
+                                                (the formula at the top)
 
-    the whole cache, every step. Llama-3-70B at 32K in fp16: 10 GiB per token, 0.43 s at 25 GB/s (PCIe 4 x16),
-    where reading it from HBM at 3.35 TB/s (H100) takes 3.2 ms: it buys capacity and costs time, unless compute
-    as long hides the copy (a big batch, a long prefill; never batch-1 decode).
+    the whole cache, every step. Llama-3-70B at 32K in fp16: 10 GiB per token, 0.43 s at 25 GB/s
+    (PCIe 4 x16), where reading it from HBM at 3.35 TB/s (H100) takes 3.2 ms: it buys capacity and
+    costs time, unless compute as long hides the copy (a big batch, a long prefill; never batch-1
+    decode).
 
-    On a CPU the store is a plain CPU tensor and the working buffers share its RAM: each copy is a memcpy that
-    reads and writes every byte, some GB/s like PCIe, so the slowdown measured (`python bench.py offload`) is
-    that of moving the cache once per step, every byte counted (a memory-mapped file would only add page faults:
-    the page cache serves it from the same RAM). The prefetch is a synchronous copy at the same point in the
-    code: copy and attention share the cores and the memory bus, so a thread buys no overlap."""
+    On a CPU the store is a plain CPU tensor and the working buffers share its RAM: each copy is a
+    memcpy that reads and writes every byte, some GB/s like PCIe, so the slowdown measured
+    (`python bench.py offload`) is that of moving the cache once per step, every byte counted (a
+    memory-mapped file would only add page faults: the page cache serves it from the same RAM). The
+    prefetch is a synchronous copy at the same point in the code: copy and attention share the cores
+    and the memory bus, so a thread buys no overlap."""
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
                  window=None, chunk=256, codec=None):
         self.compute = device = torch.device(device)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # the side stream
+        # the side stream
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         super().__init__(n_layers, batch, n_kv_heads, head_dim, dtype, "cpu", window, chunk, codec)
-        self.work, self.ready = [], [None, None]   # the device's working buffers, and their copies' events
+        # the device's working buffers, and their copies' events
+        self.work, self.ready = [], [None, None]
 
     def _alloc(self, capacity):
-        """Rows outermost ((C, B, H, r) seen as (B, H, C, r)): n rows are one block, one DMA copy; pinned on a GPU."""
+        """Rows outermost ((C, B, H, r) seen as (B, H, C, r)): n rows are one block, one DMA copy;
+        pinned on a GPU."""
         b, h, d, dtype, _ = self.spec
         r, dtype = (d, dtype) if self.codec is None else (self.codec.row_bytes(d), torch.uint8)
-        return torch.zeros(capacity, b, h, r, dtype=dtype, pin_memory=self.stream is not None).permute(1, 2, 0, 3)
+        return torch.zeros(capacity, b, h, r, dtype=dtype,
+                           pin_memory=self.stream is not None).permute(1, 2, 0, 3)
 
     def begin(self, positions):
         mask, self.step_moved = super().begin(positions), 0
-        if not self.work or self.work[0][0].shape[2] < self.capacity:    # (K, V) of 2 layers, grown with the store
-            self.work = [[torch.empty_like(self.k[0], device=self.compute) for _ in "kv"] for _ in range(2)]
-        self._copy(0, slice(0, self._start), to_store=False)     # layer 0's, before anything computes
+        # (K, V) of 2 layers, grown with the store
+        if not self.work or self.work[0][0].shape[2] < self.capacity:
+            self.work = [[torch.empty_like(self.k[0], device=self.compute) for _ in "kv"]
+                         for _ in range(2)]
+        # layer 0's, before anything computes
+        self._copy(0, slice(0, self._start), to_store=False)
         return mask
 
     def _copy(self, layer: int, rows: slice, to_store: bool):
-        """Stored rows -> the layer's working buffer, or (to_store) the buffer's rows -> the store."""
+        """Stored rows -> the layer's working buffer, or (to_store) the buffer's rows -> the
+        store."""
         side, work = self.stream is not None, self.work[layer % 2]
         if side:   # after the main stream's work so far: its last read (or its write) of the buffer
             self.stream.wait_stream(torch.cuda.current_stream(self.compute))
@@ -351,7 +381,8 @@ class OffloadedCache(DynamicCache):
         K[:, :, self._start:end], V[:, :, self._start:end] = k, v
         self._copy(layer, slice(self._start, end), to_store=True)
         if self.stream is not None and layer + 1 == len(self.layers):
-            self.stream.synchronize()      # the store is whole before the host reads it (crop, move, growth)
+            # the store is whole before the host reads it (crop, move, growth)
+            self.stream.synchronize()
         return K[:, :, :end], V[:, :, :end]
 
 
@@ -364,13 +395,15 @@ def new_cache(model: Llama, kind: str = "dynamic", max_len: int | None = None, b
     model's context), sliding (ring buffer; needs a sliding_window config) or offloaded (in host
     memory, one layer at a time on the device). ``codec``: quantized storage (quantize.kv_codec),
     None for the model's dtype."""
-    c, w = model.config, model.norm.weight     # the blocks' dtype (an EAGLE head borrows its embedding)
+    # the blocks' dtype (an EAGLE head borrows its embedding)
+    c, w = model.config, model.norm.weight
     shape = (c.n_layers, batch, c.n_kv_heads, c.head_dim)
     if kind in ("dynamic", "offloaded"):
         grows = DynamicCache if kind == "dynamic" else OffloadedCache
         return grows(*shape, dtype=w.dtype, device=w.device, window=c.sliding_window, codec=codec)
     if kind == "static":
-        return StaticCache(*shape, max_len or c.max_seq_len, w.dtype, w.device, c.sliding_window, codec)
+        return StaticCache(*shape, max_len or c.max_seq_len, w.dtype, w.device, c.sliding_window,
+                           codec)
     if kind == "sliding":
         if c.sliding_window is None:
             raise ValueError("--cache sliding needs a model whose config.json sets sliding_window")
@@ -381,28 +414,32 @@ def new_cache(model: Llama, kind: str = "dynamic", max_len: int | None = None, b
 # ----------------------------------------------------------------------------
 # Paged storage: the tensors behind paged.py's bookkeeping.
 #
-# One pool per layer for K and one for V, each [num_blocks, block_size, n_kv_heads, d_head], allocated
-# once. A forward pass runs a batch of sequences, one per row, each with its own block table:
+# One pool per layer for K and one for V, each [num_blocks, block_size, n_kv_heads, d_head],
+# allocated once. A forward pass runs a batch of sequences, one per row, each with its own block
+# table:
 #
-#   scatter  the new K/V rows go to their slots, table.slot(p) for each new position p, viewing the pool
-#            as [num_blocks * block_size, ...];
-#   gather   each row's keys are read through its table, block by block: pool[block_ids] is [n_blocks,
-#            block_size, ...] = the sequence's tokens in order; rows are padded to the longest table;
-#   mask     key j is visible to a query at position p iff j <= p, so a shorter row's padding (j beyond
-#            its length) and the unwritten tail of its last block are hidden; positions say it all.
+#   scatter  the new K/V rows go to their slots, table.slot(p) for each new position p, viewing
+#            the pool as [num_blocks * block_size, ...];
+#   gather   each row's keys are read through its table, block by block: pool[block_ids] is
+#            [n_blocks, block_size, ...] = the sequence's tokens in order; rows are padded to the
+#            longest table;
+#   mask     key j is visible to a query at position p iff j <= p, so a shorter row's padding
+#            (j beyond its length) and the unwritten tail of its last block are hidden; positions
+#            say it all.
 #
-# The model does not change: the cache keeps the interface above (``begin(positions)`` returns the mask
-# once per pass, each layer's ``update(k, v, positions)`` returns (B, n_kv, L, d) keys and values), and
-# attend() takes a (B, 1, T, L) mask as it takes a (T, L) one.
+# The model does not change: the cache keeps the interface above (``begin(positions)`` returns the
+# mask once per pass, each layer's ``update(k, v, positions)`` returns (B, n_kv, L, d) keys and
+# values), and attend() takes a (B, 1, T, L) mask as it takes a (T, L) one.
 #
-# What the gather costs. It copies every row's K and V once per layer per step: B · L · 2 · n_kv · d ·
-# dtype bytes, L the longest table in tokens. For SmolLM2 in fp32 that is 1.5 KiB per token per layer: a
-# decode step of 16 sequences of ~200 tokens copies 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141 MiB over
-# 30 layers, against 540 MB of weights the step reads anyway. Measured in such a step (one thread): the
-# gathers take 6% of it. On a GPU a decode step reads the blocks in place instead (kernels.paged_decode,
-# a Triton kernel that follows the block table per key): the layer's ``attend`` then replaces update +
-# the model's attention. Prefill and verification passes (T > 1), CPU pools and quantized pools (a
-# codec) keep the gather.
+# What the gather costs. It copies every row's K and V once per layer per step:
+# B · L · 2 · n_kv · d · dtype bytes, L the longest table in tokens. For SmolLM2 in fp32 that is
+# 1.5 KiB per token per layer: a decode step of 16 sequences of ~200 tokens copies
+# 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141 MiB over 30 layers, against 540 MB of weights the
+# step reads anyway.
+# Measured in such a step (one thread): the gathers take 6% of it. On a GPU a decode step reads the
+# blocks in place instead (kernels.paged_decode, a Triton kernel that follows the block table per
+# key): the layer's ``attend`` then replaces update + the model's attention. Prefill and
+# verification passes (T > 1), CPU pools and quantized pools (a codec) keep the gather.
 
 
 class PagedKVCache:
@@ -421,8 +458,9 @@ class PagedKVCache:
     a function that reads the pool where it lies for a one-token pass (kernels.paged_decode's
     arguments: q, one layer's K and V pools, block tables, positions, window); None: the gather."""
 
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=None, device="cpu", window: int | None = None, codec=None, in_place=None):
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
+                 head_dim: int, dtype=None, device="cpu", window: int | None = None, codec=None,
+                 in_place=None):
         self.block_size, self.window, self.codec = block_size, window, codec
         self.in_place, self.reading_in_place = in_place, False
         if codec is not None:
@@ -464,21 +502,27 @@ class PagedKVCache:
             positions = positions[None]
         B, T = positions.shape
         if B != len(self.tables):
-            raise ValueError(f"{B} batch rows but {len(self.tables)} block tables bound; call bind(tables)")
+            raise ValueError(f"{B} batch rows but {len(self.tables)} block tables bound; "
+                             f"call bind(tables)")
         dev, n = self.pool.device, max(len(t.block_ids) for t in self.tables)
-        self._write = torch.tensor([t.slot(p) for t in self.tables for p in range(t.num_tokens - T, t.num_tokens)],
+        self._write = torch.tensor([t.slot(p) for t in self.tables
+                                    for p in range(t.num_tokens - T, t.num_tokens)],
                                    device=dev)
-        # Short tables are padded with block 0: its keys sit past the row's last position, so masked.
-        self._read = torch.tensor([t.block_ids + [0] * (n - len(t.block_ids)) for t in self.tables], device=dev)
+        # Short tables are padded with block 0: its keys sit past the row's last position, so
+        # masked.
+        self._read = torch.tensor([t.block_ids + [0] * (n - len(t.block_ids)) for t in self.tables],
+                                  device=dev)
         self.reading_in_place = self.in_place is not None and T == 1
         if self.reading_in_place:     # each row's query position, for the in-place reader
             self._pos = torch.tensor([t.num_tokens - 1 for t in self.tables], device=dev)
         # key j of a row is its token at position j: the mask is the plain positional one
-        return attention_mask(positions, torch.arange(n * self.block_size, device=dev), self.window)[:, None]
+        return attention_mask(positions, torch.arange(n * self.block_size, device=dev),
+                              self.window)[:, None]
 
     def _scatter(self, layer: int, k, v):
         B, H, T, d = k.shape
-        pool = self.pool[layer]                                       # [2, blocks, block_size, H, d]
+        # [2, blocks, block_size, H, d]
+        pool = self.pool[layer]
         new = torch.stack([k, v]).transpose(2, 3).reshape(2, B * T, H, d)
         new = new.to(pool.dtype) if self.codec is None else self.codec.encode(new)
         pool.view(2, -1, H, new.shape[-1]).index_copy_(1, self._write, new)    # to the slots
@@ -488,8 +532,10 @@ class PagedKVCache:
         B, H = k.shape[:2]
         pool = self._scatter(layer, k, v)
         row = pool.shape[-1]                                          # d, or d + the scale's bytes
-        # Whole blocks in table order, head-major: contiguous (2, H, B, L, row), which model.attend reads as is.
-        kv = pool.permute(0, 3, 1, 2, 4).index_select(2, self._read.flatten()).view(2, H, B, -1, row)
+        # Whole blocks in table order, head-major: contiguous (2, H, B, L, row), which model.attend
+        # reads as is.
+        kv = (pool.permute(0, 3, 1, 2, 4).index_select(2, self._read.flatten())
+              .view(2, H, B, -1, row))
         kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
         return kv[0].transpose(0, 1), kv[1].transpose(0, 1)              # (B, H, L, d) views
 
@@ -525,7 +571,8 @@ PRESETS = {  # name: (layers, KV heads, d_head)
     "tinyllama": (22, 4, 64),
     "smollm2-135m": (30, 3, 64),
 }
-MLA_PRESETS = {"deepseek-v2": (60, 512, 64), "deepseek-v3": (61, 512, 64)}   # (layers, latent, RoPE key width)
+# (layers, latent, RoPE key width)
+MLA_PRESETS = {"deepseek-v2": (60, 512, 64), "deepseek-v3": (61, 512, 64)}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 
 
@@ -542,7 +589,8 @@ def shape_of(config: str) -> tuple[int, int, int]:
     path = Path(config)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
-        raise SystemExit(f"error: no preset or config.json '{config}'; presets: {', '.join(PRESETS)}")
+        raise SystemExit(f"error: no preset or config.json '{config}'; "
+                         f"presets: {', '.join(PRESETS)}")
     c = json.loads(path.read_text())
     heads = c["num_attention_heads"]
     return (c["num_hidden_layers"], c.get("num_key_value_heads") or heads,
@@ -554,13 +602,16 @@ def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | N
     if config in MLA_PRESETS:
         layers, latent, rope = MLA_PRESETS[config]
         per_layer = (latent + rope) * size      # the docstring's MLA formula
-        lines = [f"{config}: {layers} layers, MLA: a {latent}-wide latent + a {rope}-wide RoPE key, {dtype}",
-                 f"  per token per layer: ({latent} + {rope}) · {size} = {per_layer:.0f} B/token/layer"]
+        lines = [f"{config}: {layers} layers, MLA: a {latent}-wide latent "
+                 f"+ a {rope}-wide RoPE key, {dtype}",
+                 f"  per token per layer: ({latent} + {rope}) · {size} "
+                 f"= {per_layer:.0f} B/token/layer"]
     else:
         layers, kv_heads, d_head = shape_of(config)
         per_layer = kv_bytes_per_token(1, kv_heads, d_head, size)
         lines = [f"{config}: {layers} layers, {kv_heads} KV heads, d_head {d_head}, {dtype}",
-                 f"  per token per layer: 2 · {kv_heads} · {d_head} · {size} = {per_layer:.0f} B/token/layer"]
+                 f"  per token per layer: 2 · {kv_heads} · {d_head} · {size} "
+                 f"= {per_layer:.0f} B/token/layer"]
     per_token, total = per_layer * layers, per_layer * layers * seq * batch
     lines += [f"  per token:           {human(per_token)}/token",
               f"  per sequence of {seq}: {human(per_token * seq)}",
@@ -571,7 +622,8 @@ def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | N
         room, fits = gpu_gib * 2**30, int(gpu_gib * 2**30 // (per_token * seq))
         lines += [f"  on a {gpu_gib:g} GiB GPU: the cache alone takes {100 * total / room:.0f}% "
                   f"of memory; at most {fits} sequences of {seq} fit (before weights)",
-                  f"  longest context there, batch {batch}: {int(room // (per_token * batch))} tokens; offloaded "
+                  f"  longest context there, batch {batch}: "
+                  f"{int(room // (per_token * batch))} tokens; offloaded "
                   f"(2 layers on the GPU): {int(room // (2 * per_layer * batch))}"]
     return "\n".join(lines)
 
@@ -585,23 +637,26 @@ def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | N
 #   static    max_len rows from the start, whatever the context
 #   sliding   window + slack rows from the start, never more
 #   paged     whole 16-token blocks: at most 15 rows unused per sequence
-# An int8 row (quantize.py) is d_head values plus an fp16 scale: 66 B for d_head 64, 52% of fp16's 128
-# B.
+# An int8 row (quantize.py) is d_head values plus an fp16 scale: 66 B for d_head 64, 52% of fp16's
+# 128 B.
 
 KINDS = ("dynamic", "static", "sliding", "paged")
 
 
 def row_bytes(head_dim: int, dtype: str) -> int:
-    """One token's K (or V) for one KV head, as a cache stores it. int8 is quantize.py's KV row: d_head int8
-    values, then the fp16 scale of that token and head (the formula is written out here because the caches sit
-    below quantize.py; a test holds the two equal). The calculator above counts int8 values only."""
+    """One token's K (or V) for one KV head, as a cache stores it. int8 is quantize.py's KV row:
+    d_head int8 values, then the fp16 scale of that token and head (the formula is written out here
+    because the caches sit below quantize.py; a test holds the two equal). The calculator above
+    counts int8 values only."""
     return head_dim + 2 if dtype == "int8" else head_dim * DTYPE_BYTES[dtype]
 
 
-def rows_held(kind: str, contexts: list[int], max_len: int, window: int, block_size: int = 16) -> list[int]:
-    """Rows per layer and KV head that a cache of ``kind`` holds once each of ``contexts`` tokens has arrived,
-    one at a time. The contiguous kinds are asked directly: real caches of one layer, one head and d_head 1 on
-    the meta device (no memory, no arithmetic), so the curves follow the classes' own rules."""
+def rows_held(kind: str, contexts: list[int], max_len: int, window: int,
+              block_size: int = 16) -> list[int]:
+    """Rows per layer and KV head that a cache of ``kind`` holds once each of ``contexts`` tokens
+    has arrived, one at a time. The contiguous kinds are asked directly: real caches of one layer,
+    one head and d_head 1 on the meta device (no memory, no arithmetic), so the curves follow the
+    classes' own rules."""
     tiny = dict(dtype=torch.float16, device="meta")
     if kind == "dynamic":
         cache, held = DynamicCache(1, 1, 1, 1, **tiny), {}
@@ -614,7 +669,8 @@ def rows_held(kind: str, contexts: list[int], max_len: int, window: int, block_s
         return [StaticCache(1, 1, 1, 1, max_len, **tiny).capacity] * len(contexts)
     if kind == "sliding":
         return [SlidingWindowCache(1, 1, 1, 1, window, **tiny).capacity] * len(contexts)
-    if kind == "paged":   # the blocks one sequence holds; the pool they come from is shared (paged.py)
+    if kind == "paged":
+        # the blocks one sequence holds; the pool they come from is shared (paged.py)
         return [-(-n // block_size) * block_size for n in contexts]
     raise ValueError(f"unknown cache kind '{kind}': use {', '.join(KINDS)}")
 
@@ -626,15 +682,17 @@ def token_bytes(shape: tuple[int, int, int], dtype: str) -> int:
     return int(kv_bytes_per_token(layers, kv_heads, 1, row_bytes(d_head, dtype)))
 
 
-def held_bytes(kind: str, contexts: list[int], shape: tuple[int, int, int], dtype: str, max_len: int,
-               window: int, block_size: int = 16) -> list[int]:
+def held_bytes(kind: str, contexts: list[int], shape: tuple[int, int, int], dtype: str,
+               max_len: int, window: int, block_size: int = 16) -> list[int]:
     """The bytes a cache of ``kind`` holds at each context, batch 1: the rows it holds
     × token_bytes. Equals a real cache's ``nbytes`` (a test builds them)."""
-    return [rows * token_bytes(shape, dtype) for rows in rows_held(kind, contexts, max_len, window, block_size)]
+    return [rows * token_bytes(shape, dtype)
+            for rows in rows_held(kind, contexts, max_len, window, block_size)]
 
 
 def _main():
-    ap = argparse.ArgumentParser(description="KV cache memory calculator: bytes per token, per sequence, per batch")
+    ap = argparse.ArgumentParser(description="KV cache memory calculator: "
+                                 "bytes per token, per sequence, per batch")
     ap.add_argument("--config", default="smollm2-135m",
                     help=f"config.json path or preset: {', '.join([*PRESETS, *MLA_PRESETS])}")
     ap.add_argument("--seq", type=int, default=32768, help="tokens")

@@ -11,12 +11,15 @@ so that the largest one maps to the edge of the small format, store round(x/s)
 and s, and multiply back when reading. The error of one element is at most half
 a step, s/2, so small groups (one row, one token of one head) keep s small.
 
-    format                     bytes per number               where it is used here
-    bf16                       2                              the reference
-    int8, symmetric            1 + 2/group (an fp16/bf16 s)   weights (a row of W); KV (a token of a head)
-    fp8 e4m3, scaled           1 + 2/group                    KV; 3 mantissa bits: relative error ≤ 2⁻⁴
-    fp8 e4m3, plain cast       1                              KV, for comparison: no scale, range ±448
-    int4, asymmetric, grouped  0.5 + 4/group (s and a zero)   weights, groups of 32-128 along a row
+    format                     bytes per number              where it is used here
+    bf16                       2                             the reference
+    int8, symmetric            1 + 2/group (an fp16/bf16 s)  weights (a row of W);
+                                                             KV (a token of a head)
+    fp8 e4m3, scaled           1 + 2/group                   KV; 3 mantissa bits:
+                                                             relative error ≤ 2⁻⁴
+    fp8 e4m3, plain cast       1                             KV, for comparison:
+                                                             no scale, range ±448
+    int4, asymmetric, grouped  0.5 + 4/group (s and a zero)  weights, groups of 32-128 along a row
 
 For SmolLM2-135M (d_head 64) a KV row of one head costs 128 B in bf16 and
 64 + 2 = 66 B in int8 or scaled fp8: 51.6% of bf16, the scale being 2/64 of the
@@ -91,7 +94,8 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     half of them on a sign the group's values may not use."""
     rows, cols = w.shape
     if cols % group:
-        raise ValueError(f"int4 groups of {group} do not divide a row of {cols}; use --group-size 32")
+        raise ValueError(f"int4 groups of {group} do not divide a row of {cols}; "
+                         f"use --group-size 32")
     g = w.float().reshape(rows, cols // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp(min=TINY)
@@ -138,7 +142,8 @@ class KVCodec:
         if self.name == "fp8":
             q, s = quantize_fp8(x)
             return torch.cat([q.view(torch.uint8), s.view(torch.uint8)], -1)
-        return x.to(FP8).view(torch.uint8)           # fp8-plain: no scale, values beyond ±448 saturate
+        # fp8-plain: no scale, values beyond ±448 saturate
+        return x.to(FP8).view(torch.uint8)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(…, d + extra) uint8 -> (…, d) in ``dtype``."""
@@ -151,7 +156,8 @@ class KVCodec:
         return dequantize_fp8(values.view(FP8), scale, dtype)
 
 
-KV_CODECS = {"int8": KVCodec("int8", 2), "fp8": KVCodec("fp8", 2), "fp8-plain": KVCodec("fp8-plain")}
+KV_CODECS = {"int8": KVCodec("int8", 2), "fp8": KVCodec("fp8", 2),
+             "fp8-plain": KVCodec("fp8-plain")}
 
 
 def kv_codec(name: str | None) -> KVCodec | None:
@@ -214,7 +220,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if x.device.type == "cpu" and rows < PREFILL_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1), self.weight, self.weight_scale)
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1), self.weight,
+                                                   self.weight_scale)
             return y.reshape(*x.shape[:-1], -1)
         # Many rows (a prefill) are compute-bound: widen W once, then the fast matrix-matrix kernel.
         return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
@@ -228,11 +235,14 @@ class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: int = GROUP):
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.dtype = torch.float32            # of the dequantized matrix; prepare() sets the model's
-        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        # of the dequantized matrix; prepare() sets the model's
+        self.dtype = torch.float32
+        self.register_buffer("weight",
+                             torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.ones(out_features, in_features // group))
         self.register_buffer("weight_min", torch.zeros(out_features, in_features // group))
-        self.register_buffer("tiled", None, persistent=False)             # the CPU kernel's layout
+        # the CPU kernel's layout
+        self.register_buffer("tiled", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
 
     @classmethod
@@ -243,19 +253,22 @@ class Int4Linear(nn.Module):
         return layer
 
     def prepare(self, dtype: torch.dtype):
-        """On a CPU: convert to aten's tiled layout and drop the portable copy (it would double the
-        memory). aten computes W = (q - 8)·s + z per group, so z = lo + 8·s gives our lo + q·s."""
+        """On a CPU: convert to aten's tiled layout and drop the portable copy (it would double
+        the memory). aten computes W = (q - 8)·s + z per group, so z = lo + 8·s gives our
+        lo + q·s."""
         self.dtype = dtype
         if self.weight.device.type != "cpu":
             return
         q = split_nibbles(self.weight).to(torch.int32)
         z = self.weight_min + 8 * self.weight_scale
         self.tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.scales_and_zeros = torch.stack([self.weight_scale, z], -1).transpose(0, 1).contiguous().to(dtype)
+        self.scales_and_zeros = (torch.stack([self.weight_scale, z], -1).transpose(0, 1)
+                                 .contiguous().to(dtype))
         self.weight = self.weight_scale = self.weight_min = None
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int4(split_nibbles(self.weight), self.weight_scale, self.weight_min, self.dtype)
+        return dequantize_int4(split_nibbles(self.weight), self.weight_scale, self.weight_min,
+                               self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiled is not None:
@@ -317,7 +330,8 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
     if weights in (None, "auto"):
         return model
     if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
-        raise ValueError("the model is already quantized; load the full-precision checkpoint to quantize again")
+        raise ValueError("the model is already quantized; "
+                         "load the full-precision checkpoint to quantize again")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     for name, lin in quantized_layers(model).items():
         if (scheme := scheme_of(name, weights, head)) == "float":
@@ -335,8 +349,9 @@ def empty_quantized(model: nn.Module, spec: dict):
     quantized layer of the right shape (on the meta device, like the model)."""
     weights, group = spec.get("weights"), spec.get("group_size", GROUP)
     if weights not in WEIGHT_SCHEMES:
-        raise ValueError(f"config.json names quantization scheme '{weights}', which this version does not "
-                         f"know (int8, int4); re-quantize with `python quantize.py`")
+        raise ValueError(f"config.json names quantization scheme '{weights}', "
+                         f"which this version does not know (int8, int4); "
+                         f"re-quantize with `python quantize.py`")
     check_scheme(weights, group)
     for name, lin in quantized_layers(model).items():
         if (scheme := scheme_of(name, weights, spec.get("head"))) == "float":
@@ -350,13 +365,15 @@ def empty_quantized(model: nn.Module, spec: dict):
 def scheme(model: nn.Module) -> dict | None:
     """The model's quantization as a checkpoint's config.json names it ({"weights": "int4",
     "group_size": 32}, …), read off its layers; None for a float model."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))}
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, (Int8Linear, Int4Linear))}
     if not layers:
         return None
     int4 = [m for m in layers.values() if isinstance(m, Int4Linear)]
     spec = {"weights": "int4", "group_size": int4[0].group} if int4 else {"weights": "int8"}
     if "lm_head" not in layers and isinstance(getattr(model, "lm_head", None), nn.Linear):
-        spec["head"] = "float"          # kept as loaded (scheme_of)
+        # kept as loaded (scheme_of)
+        spec["head"] = "float"
     return spec
 
 
@@ -365,10 +382,13 @@ def check_quantized_tensors(state: dict[str, torch.Tensor]):
     a layer's output into garbage: refuse it by name."""
     for name, t in state.items():
         if name.endswith(("weight_scale", "weight_min")):
-            bad = ~torch.isfinite(t) | ((t <= 0) if name.endswith("scale") else torch.zeros_like(t, dtype=torch.bool))
+            bad = ~torch.isfinite(t) | ((t <= 0) if name.endswith("scale")
+                                        else torch.zeros_like(t, dtype=torch.bool))
             if bad.any():
-                raise ValueError(f"corrupt quantized checkpoint: {name} has {int(bad.sum())} invalid values "
-                                 f"(not finite{' or ≤ 0' if name.endswith('scale') else ''}); re-quantize it")
+                raise ValueError(f"corrupt quantized checkpoint: {name} has {int(bad.sum())} "
+                                 f"invalid values "
+                                 f"(not finite{' or ≤ 0' if name.endswith('scale') else ''}); "
+                                 f"re-quantize it")
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -379,7 +399,8 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model holds in parameters and buffers (quantized tensors and their scales included)."""
+    """Bytes the model holds in parameters and buffers (quantized tensors and their scales
+    included)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() not in seen and t.device.type != "meta":
@@ -399,8 +420,8 @@ CONFIG_KEY = QUANTIZATION_KEY
 
 def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, attend=attend,
                     prepare: bool = True):
-    """A checkpoint quantize.py wrote (config.json names its scheme under CONFIG_KEY), loaded as it
-    is stored: model.adopt_checkpoint, with empty quantized layers swapped in on the meta
+    """A checkpoint quantize.py wrote (config.json names its scheme under CONFIG_KEY), loaded as
+    it is stored: model.adopt_checkpoint, with empty quantized layers swapped in on the meta
     device; the scales keep their dtypes and each layer prepares its kernel's layout
     (``prepare=False``: the portable layout, for another kernel to take over)."""
     cfg = cfg or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
@@ -426,17 +447,22 @@ def is_plain(name: str, t: torch.Tensor) -> bool:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    w = torch.randn(2048, 2048) * 0.02          # a weight matrix, the scale of a trained model's
-    print(f"a {w.shape[0]}×{w.shape[1]} weight matrix (normal, σ 0.02); error relative to ‖W‖\n")
+    # a weight matrix, the scale of a trained model's
+    w = torch.randn(2048, 2048) * 0.02
+    print(f"a {w.shape[0]}×{w.shape[1]} weight matrix (normal, σ 0.02); "
+          f"error relative to ‖W‖\n")
     print(f"{'format':24} {'bytes per weight':>16} {'relative error':>15}")
     rows = [("bf16", 2.0, w.bfloat16().float()),
             ("int8, a scale per row", 1 + 2 / w.shape[1], dequantize_int8(*quantize_int8(w)))]
     for g in GROUP_SIZES:
-        rows.append((f"int4, groups of {g}", 0.5 + 4 / g, dequantize_int4(*quantize_int4(w, g))))
+        rows.append((f"int4, groups of {g}", 0.5 + 4 / g,
+                     dequantize_int4(*quantize_int4(w, g))))
     for name, size, back in rows:
         print(f"{name:24} {size:>16.3f} {float((back - w).norm() / w.norm()):>15.2e}")
-    k = torch.randn(1, 3, 512, 64)              # KV rows: batch 1, 3 KV heads, 512 tokens, d_head 64
-    k[..., 0] *= 20                              # real keys have a few large channels
+    # KV rows: batch 1, 3 KV heads, 512 tokens, d_head 64
+    k = torch.randn(1, 3, 512, 64)
+    # real keys have a few large channels
+    k[..., 0] *= 20
     print("\nKV rows (3 heads × 512 tokens, d_head 64, one channel 20× larger)\n")
     print(f"{'format':24} {'bytes per row':>16} {'relative error':>15}")
     print(f"{'bf16':24} {128:>16} {float((k.bfloat16().float() - k).norm() / k.norm()):>15.2e}")

@@ -71,8 +71,9 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint by their Hugging Face names, memory-mapped (no copy until converted or
-    moved). A group convert_gguf stored stacked comes back as its parts: row views of the stacked matrix."""
+    """All tensors of the checkpoint by their Hugging Face names, memory-mapped (no copy until
+    converted or moved). A group convert_gguf stored stacked comes back as its parts: row views
+    of the stacked matrix."""
     state = {}
     for f in weight_files(Path(model_dir)):
         try:
@@ -89,8 +90,8 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def recorded_max_abs(model_dir: Path) -> float | None:
-    """The largest |w| a conversion recorded in its file's header (convert_gguf checks what it writes),
-    or None: a checkpoint from elsewhere, or several files. Reads the header only."""
+    """The largest |w| a conversion recorded in its file's header (convert_gguf checks what it
+    writes), or None: a checkpoint from elsewhere, or several files. Reads the header only."""
     files = weight_files(Path(model_dir))
     if len(files) != 1:
         return None
@@ -108,19 +109,22 @@ def check_llama_config(c: dict) -> tuple[float, dict, str]:
     arch = c.get("model_type")
     if arch not in ("llama", "mistral"):   # Mistral is a Llama with an optional sliding window
         raise ValueError(f"unsupported architecture '{arch}' (config.json model_type): "
-                         f"nanoinfer runs Llama-family checkpoints (model_type \"llama\" or \"mistral\")")
+                         f"nanoinfer runs Llama-family checkpoints "
+                         f"(model_type \"llama\" or \"mistral\")")
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key):
-            raise ValueError(f"unsupported config.json {key}=true: Llama projections here have no bias")
+            raise ValueError(f"unsupported config.json {key}=true: "
+                             f"Llama projections here have no bias")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported config.json hidden_act '{c['hidden_act']}': expected silu")
-    # transformers ≥ 5 writes rope_parameters (theta inside); older files rope_theta + rope_scaling.
+    # transformers ≥ 5 writes rope_parameters (theta inside); older files rope_theta +
+    # rope_scaling.
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope_scaling type '{kind}' (config.json rope_scaling.rope_type): "
-                         f"supported are linear and llama3")
+        raise ValueError(f"unsupported rope_scaling type '{kind}' "
+                         f"(config.json rope_scaling.rope_type): supported are linear and llama3")
     return theta, rope, kind
 
 
@@ -136,8 +140,9 @@ def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple], mo
         if name not in expected:
             raise CheckpointError(f"unexpected tensor '{name}' in {model_dir}: not a plain Llama")
         if tuple(t.shape) != tuple(expected[name]):
-            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)} but config.json implies "
-                                  f"{tuple(expected[name])}: weights and config.json do not belong together")
+            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)} but config.json "
+                                  f"implies {tuple(expected[name])}: "
+                                  f"weights and config.json do not belong together")
 
 
 def check_finite(state: dict[str, torch.Tensor], model_dir):
@@ -153,8 +158,9 @@ def check_finite(state: dict[str, torch.Tensor], model_dir):
         if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float32)):
             bad = int((~torch.isfinite(t)).sum())
             if bad:
-                raise CheckpointError(f"tensor {name} in {model_dir} holds {bad} non-finite values (NaN or inf): "
-                                      f"the checkpoint is corrupt; re-download or re-convert it")
+                raise CheckpointError(f"tensor {name} in {model_dir} holds {bad} non-finite "
+                                      f"values (NaN or inf): the checkpoint is corrupt; "
+                                      f"re-download or re-convert it")
 
 
 # ----------------------------------------------------------------------------
@@ -182,7 +188,8 @@ def back_to_back(parts: list[torch.Tensor]) -> bool:
     one width: then they already are the matrix that stacks them."""
     first, offset = parts[0], parts[0].storage_offset()
     for p in parts:
-        if not (p.dim() and p.is_contiguous() and p.dtype == first.dtype and p.device == first.device
+        if not (p.dim() and p.is_contiguous() and p.dtype == first.dtype
+                and p.device == first.device
                 and p.shape[1:] == first.shape[1:] and p.storage_offset() == offset
                 and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
             return False
@@ -197,7 +204,8 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
     at every start."""
     if not back_to_back(parts):
         return torch.cat(parts)
-    return parts[0].as_strided((sum(len(p) for p in parts), *parts[0].shape[1:]), parts[0].stride())
+    return parts[0].as_strided((sum(len(p) for p in parts), *parts[0].shape[1:]),
+                               parts[0].stride())
 
 
 def cast(state: dict, device, dtype_of) -> dict:
@@ -216,14 +224,16 @@ def cast(state: dict, device, dtype_of) -> dict:
             whole = joined(parts).to(device=device, dtype=dtypes.pop())
             out.update(zip(names, whole.split([len(p) for p in parts])))
         else:
-            out.update((n, state[n].to(device=device, dtype=dtype_of(n, state[n]))) for n in names)
+            out.update((n, state[n].to(device=device, dtype=dtype_of(n, state[n])))
+                       for n in names)
     return {name: out[name] for name in state}
 
 
 def stack(state: dict, n_layers: int) -> tuple[dict, str]:
     """How convert_gguf stores an HF state dict ("model." names): each FUSED group stacked
     into one tensor, and the header entry that names its parts and rows for read_weights."""
-    groups = {f"model.layers.{i}.{fused}.weight": [[f"model.layers.{i}.{p}.weight", 0] for p in parts]
+    groups = {f"model.layers.{i}.{fused}.weight":
+              [[f"model.layers.{i}.{p}.weight", 0] for p in parts]
               for i in range(n_layers) for fused, parts in FUSED.items()}
     for name, parts in groups.items():
         for part in parts:
@@ -232,7 +242,8 @@ def stack(state: dict, n_layers: int) -> tuple[dict, str]:
     return state, json.dumps(groups)
 
 
-def split_fused(state: dict, layout: dict[str, tuple[str, ...]], rows: list[dict[str, list[int]]]) -> dict:
+def split_fused(state: dict, layout: dict[str, tuple[str, ...]],
+                rows: list[dict[str, list[int]]]) -> dict:
     """fuse's inverse: rows[i][fused] lists the row count of each part in layer i."""
     for i, layer_rows in enumerate(rows):
         for fused, parts in layout.items():
@@ -255,13 +266,14 @@ def save(out_dir, tensors: dict[str, torch.Tensor], config: dict, copy_files_fro
     so an interrupted save never looks finished."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    named = {(k if k.startswith("lm_head.") else "model." + k): t.contiguous() for k, t in tensors.items()}
+    named = {(k if k.startswith("lm_head.") else "model." + k): t.contiguous()
+             for k, t in tensors.items()}
     save_file(named, out / "model.safetensors.tmp", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if copy_files_from is not None:
         for f in Path(copy_files_from).iterdir():
-            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".gguf") and f.name != "config.json" \
-                    and not f.name.endswith(".index.json"):
+            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".gguf") \
+                    and f.name != "config.json" and not f.name.endswith(".index.json"):
                 shutil.copy2(f, out / f.name)
     os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
     return out
