@@ -41,6 +41,7 @@ import flash
 import kernels
 import kvcache
 import nanoinfer.load
+import nanoinfer.machine
 import plan
 import quantize
 import speculative
@@ -574,7 +575,7 @@ def main(argv=None) -> int:
     errors, rank = sys.stderr, 0
     try:
         check_flags(args)
-        chosen = plan.plan_for(args.model, kernels.pick_device(args.device), args.ctx,
+        chosen = nanoinfer.machine.plan_for(args.model, kernels.pick_device(args.device), args.ctx,
                                None if args.prompt is None else args.max_new_tokens)
         if args.plan:
             print(plan.describe(chosen))

@@ -71,7 +71,7 @@ import checkpoint
 import engine
 import kernels
 import nanoinfer.load
-import plan
+import nanoinfer.machine
 from sampling import SamplingParams
 from tokenizer import Tokenizer
 
@@ -624,7 +624,7 @@ def build(args) -> Server:
         raise ValueError(f"--kv-gib must be positive, got {args.kv_gib}")
     device = kernels.pick_device(args.device)
     # auto: the plan's dtype (plan.py: bf16 where native and measured faster); the engine stays eager and paged
-    dtype = plan.plan_for(args.model, device).dtype if args.dtype == "auto" else args.dtype
+    dtype = nanoinfer.machine.plan_for(args.model, device).dtype if args.dtype == "auto" else args.dtype
     weights = None if args.weights == "auto" else args.weights
     model, tok = nanoinfer.load.load(args.model, args.device, dtype, weights)
     kv = None if args.kv_dtype == "auto" else args.kv_dtype

@@ -13,6 +13,7 @@ import plan
 import serve_local
 from conftest import run_cli
 import nanoinfer.load as nl
+from nanoinfer import machine
 
 GB = 1 << 30
 
@@ -168,16 +169,16 @@ def test_no_speculation(smol):
 def test_probe_measures_once_and_caches(tmp_path, monkeypatch):
     kernels.native_kernels(quiet=True)       # built (or found) where it lives, not again under tmp_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    m = plan.probe(torch.device("cpu"), (256, 128))
+    m = machine.probe(torch.device("cpu"), (256, 128))
     assert m.device == "cpu" and m.memory > GB and m.bandwidth > 1e8 and m.threads == torch.get_num_threads()
     assert set(m.ns_per_weight) >= {"float32", "int8", "int4"} and all(v > 0 for v in m.ns_per_weight.values())
     [path] = (tmp_path / "nanoinfer" / "plan").glob("*.json")
     assert json.loads(path.read_text())["name"] == m.name
     # the second call reads the cache: it measures nothing (a measurement here would raise)
-    monkeypatch.setattr(plan, "calibrate", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(machine, "calibrate", lambda *a, **k: pytest.fail("measured again"))
     monkeypatch.setattr(kernels, "read_bandwidth", lambda *a, **k: pytest.fail("measured again"))
     t0 = time.perf_counter()
-    assert plan.probe(torch.device("cpu"), (256, 128)) == m and time.perf_counter() - t0 < 0.5
+    assert machine.probe(torch.device("cpu"), (256, 128)) == m and time.perf_counter() - t0 < 0.5
 
 
 @pytest.mark.parametrize("flags", [[], ["--model", "tinyllama", "--ctx", "8192"]])
