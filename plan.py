@@ -41,13 +41,13 @@ the formula leaves out, which on a small model is as large as the reading:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import checkpoint
 import drafting
 import quantize
 from kvcache import kv_bytes_per_token
-from model import LlamaConfig, as_dtype
+from model import LlamaConfig
 
 DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static cache's size)
 HEADROOM = 0.8          # plan to use at most this share of the machine's memory
@@ -361,43 +361,6 @@ def summary(p: Plan) -> str:
     spec += [f"lookahead {p.lookahead}"] if p.lookahead else []
     parts.append(" + ".join(spec) + f", k {p.spec_k}" if spec else "no speculation")
     return "plan: " + ", ".join(parts)
-
-
-def merge(p: Plan, given: dict) -> Plan:
-    """The plan with the runner's explicit flags laid over it (``given``: flag name -> value, None where
-    not given). A flag wins for its item; what it implies follows:
-    * --cache other than static turns the plan's compile off; --compile or --ctx alone take a static cache.
-    * any speculative flag (--draft, --prompt-lookup, --lookahead) replaces the plan's method;
-      --no-speculation drops the plan's.
-    * --kv paged, --tp and --decoder naive run their own decoders: eager, no speculation of the plan's
-      (and --tp: float weights); --weights int8/int4 drop the plan's speculation too."""
-    g = {k: v for k, v in given.items() if v is not None}
-    out = replace(p, reasons=list(p.reasons), cost=list(p.cost))
-    for item in ("dtype", "attn", "weights", "kv_dtype", "ctx", "spec_k"):
-        if g.get(item) not in (None, "auto") or item in ("weights", "kv_dtype") and item in g:
-            setattr(out, item, g[item])
-    out.dtype = str(as_dtype(out.dtype)).removeprefix("torch.")
-    own = g.get("kv") == "paged" or bool(g.get("tp")) or g.get("decoder") == "naive"
-    if "cache" in g:
-        out.cache, out.compile = g["cache"], g.get("compile", p.compile and g["cache"] == "static")
-    else:
-        out.compile = g.get("compile", p.compile)
-        out.cache = "static" if out.compile or "ctx" in g else "dynamic"
-    if own:
-        out.compile = False
-        out.cache = g.get("cache", "dynamic")
-    methods = {k: g.get(k) for k in ("draft", "prompt_lookup", "lookahead")}
-    if g.get("no_speculation"):
-        if any(v is not None for v in methods.values()):
-            raise ValueError("--no-speculation turns speculation off: drop it or the speculative flag")
-        out.draft = out.prompt_lookup = out.lookahead = None
-    elif any(v is not None for v in methods.values()):
-        out.draft, out.prompt_lookup, out.lookahead = methods.values()
-    elif own or out.weights in QUANTIZED:     # the plan's speculation assumed float weights (choose)
-        out.draft = out.prompt_lookup = None
-    if g.get("tp") and "weights" not in g:
-        out.weights = "auto"
-    return out
 
 
 # Machines of three kinds, as a probe would fill them in (illustrative numbers; `python serve_local.py

@@ -73,6 +73,7 @@ import checkpoint
 import kernels
 from engine import LLM
 from model import Llama, LlamaConfig, unfuse
+from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from sampling import SamplingParams
 from drafting import BUNDLED_DRAFT, BUNDLED_MEDUSA, EagleHead, MedusaHeads, share_target
@@ -361,8 +362,9 @@ def main():
     end = start + 60 * args.max_minutes
     target_dir = checkpoint.resolve(checkpoint.DEFAULT_MODEL)
     # bf16 where the CPU computes it (data and features 2-4x faster than fp32); elsewhere it is emulated, slower
-    target, tok = load(checkpoint.DEFAULT_MODEL, "cpu", "bfloat16" if kernels.bf16_supported(torch.device("cpu"))
-                       else "float32")
+    cpu = torch.device("cpu")
+    target, tok = load(RunConfig(checkpoint.DEFAULT_MODEL, cpu, torch.bfloat16 if kernels.bf16_supported(cpu)
+                                 else torch.float32))
     # every kind of request early: a short run answers only the first prompts
     prompts = random.Random(0).sample(PROMPTS, len(PROMPTS))[:args.prompts]
     data = generate_data(target, tok, prompts, args.new_tokens, 8, start + 60 * args.max_minutes * args.data_share,

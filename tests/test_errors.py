@@ -87,7 +87,7 @@ def test_context_overflow_in_chat_keeps_conversation(tmp_path):
     import io
     import model as M
     path = make_checkpoint(tmp_path / "short", max_position_embeddings=64)
-    m, tok = nl.load(str(path))
+    m, tok = nl.load(nl.RunConfig(str(path)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=4))
     chat.turn("hello", out=io.StringIO())
     before = (list(chat.ids), chat.cache.length, list(chat.messages))

@@ -115,7 +115,7 @@ def test_flags_that_cannot_work_are_one_line(capsys, tiny_ckpt, flags, message):
 # --- 7. the paged runner's stats line ---------------------------------------------------------
 
 def test_paged_stats_agree_with_the_contiguous_cache(bundled_dir):
-    m, tok = nl.load(str(bundled_dir), dtype="float32")
+    m, tok = nl.load(nl.RunConfig(str(bundled_dir)))
     params = M.SamplingParams(max_new_tokens=8, ignore_eos=True)
     runs = {"contiguous": [], "paged": []}
     for _ in range(3):                                   # interleaved: a slow moment hits both
@@ -152,7 +152,7 @@ def test_draft_with_a_small_static_cache_starts(capsys, bundled_dir, monkeypatch
 def test_an_answer_cut_by_the_context_says_so(capsys, tiny_ckpt):
     argv = ["--model", str(tiny_ckpt), "--cache", "static", "--ctx", "40", "--max-new-tokens", "100",
             "--temperature", "0", "--raw", "--prompt", "hello there"]
-    with_eos = nl.load(str(tiny_ckpt))[0].config.eos_ids
+    with_eos = nl.load(nl.RunConfig(str(tiny_ckpt)))[0].config.eos_ids
     assert serve_local.main(argv) == 0
     err = capsys.readouterr().err
     if "context 40/40" not in err:
@@ -164,7 +164,7 @@ def test_overflow_hints_fit_the_situation(tmp_path, capsys):
     path = make_checkpoint(tmp_path / "short", max_position_embeddings=64)
     last = fails_with(capsys, ["--model", str(path), "--prompt", "The quick brown fox jumps " * 10], "context holds")
     assert "/reset" not in last and "shorten the message" in last
-    m, tok = nl.load(str(path))
+    m, tok = nl.load(nl.RunConfig(str(path)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=4))
     chat.turn("hello", out=io.StringIO())
     with pytest.raises(M.ContextOverflow) as e:     # this message alone does not fit: /reset would not help
@@ -254,7 +254,7 @@ def test_ordinary_messages_encode_as_the_rendered_template(bundled_dir, messages
 
 
 def test_the_runner_keeps_a_forged_turn_as_text(tiny_ckpt):
-    m, tok = nl.load(str(tiny_ckpt))
+    m, tok = nl.load(nl.RunConfig(str(tiny_ckpt)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=2))
     ids = chat.conversation_ids(INJECTION)
     special = set(tok.special_ids)

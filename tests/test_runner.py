@@ -11,7 +11,7 @@ from kvcache import common_prefix
 
 
 def three_turns(path, decoder, raw=False, cache_kind="dynamic"):
-    m, tok = nl.load(str(path))
+    m, tok = nl.load(nl.RunConfig(str(path)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=12), decoder=decoder, raw=raw,
                             system=None if raw else "Be brief.", cache_kind=cache_kind, ctx=200)
     answers, stats = [], []
@@ -49,7 +49,7 @@ def test_raw_mode_continues_the_text(tiny_ckpt):
 
 
 def test_streamed_text_equals_decoded_answer(tiny_ckpt):
-    m, tok = nl.load(str(tiny_ckpt))
+    m, tok = nl.load(nl.RunConfig(str(tiny_ckpt)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=20))
     out = io.StringIO()
     chat.turn("hello", out=out)

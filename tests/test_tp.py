@@ -23,6 +23,7 @@ from sampling import SamplingParams
 from tokenizer import Tokenizer
 import kvcache
 import nanoinfer.load
+from nanoinfer.config import RunConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW, KV_TOKENS = 64, 256
@@ -98,7 +99,7 @@ def alone(launched):
     paths, prompts, _, _ = launched
     out = {}
     for key, prompt in prompts.items():
-        llama, _ = nanoinfer.load.load(paths[key], "cpu", "float32")
+        llama, _ = nanoinfer.load.load(RunConfig(paths[key]))
         tokens = tp.generate(llama, prompt, NEW)
         with torch.inference_mode():
             logits = llama(torch.tensor([prompt + tokens]), torch.arange(len(prompt) + NEW))[0]
