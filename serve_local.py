@@ -558,7 +558,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         print(f"loading {cfg.model} ...", file=sys.stderr, flush=True)
         if cfg.tp:
-            model, tok = tp.load(cfg.model, device, cfg.dtype, nanoinfer.load.attention(cfg.attn), prepacked=cfg.prepack)
+            model, tok = nanoinfer.load.load_tp(cfg, device)
             print(tp.describe(model), file=sys.stderr)
         else:
             model, tok = nanoinfer.load.load(cfg)

@@ -9,7 +9,8 @@ of swaps on that model, each a lesson's or the device layer's, all of them here:
       -> the CPU's C++ kernels (kernels.native_kernels), prepacked weights (kernels.prepack)
       -> the compiled one-token step (kernels.compile_decode)
 
-The drafts of speculative decoding load here too (proposer, load_draft).
+A tensor-parallel rank's part takes the same swaps (load_tp), and the drafts of speculative
+decoding load here too (proposer, load_draft).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import flash
 import kernels
 import quantize
 import speculative
+import tp
 from model import Llama, LlamaConfig, read_model_dir
 from nanoinfer.config import RunConfig
 from tokenizer import Tokenizer
@@ -69,6 +71,15 @@ def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare:
 def load_compiled(model: Llama) -> Llama:
     """After a background build (cfg.background_compile): the step again, which now loads the package."""
     return kernels.compile_decode(model)
+
+
+def load_tp(cfg: RunConfig, device: torch.device, group=None) -> tuple[Llama, Tokenizer]:
+    """This rank's part of the model on ``device`` (tp.load: read on the CPU, checked against the
+    other ranks, split), then the swaps `build` makes: the CPU's C++ kernels, prepacked weights."""
+    model, tok = tp.load(cfg.model, device, cfg.dtype, attention(cfg.attn), group)
+    if device.type == "cpu":
+        kernels.native_kernels()
+    return kernels.prepack(model, copies=cfg.prepack), tok
 
 
 def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -> bool:
