@@ -363,13 +363,15 @@ def summary(p: Plan) -> str:
     return "plan: " + ", ".join(parts)
 
 
-# Machines of three kinds, as a probe would fill them in (illustrative numbers; `python serve_local.py
-# --plan` measures this one): ns per weight of a one-row product in each format, at SmolLM2's MLP shape.
+# Machines of three kinds, as a probe would fill them in (illustrative numbers; `python
+# serve_local.py --plan` measures this one): ns per weight of a one-row product in each
+# format, at SmolLM2's MLP shape.
 EXAMPLES = [
     Machine("cpu", "an AVX2 laptop (fp32 fastest)", False, False, 16 << 30, 20e9, "g++", 8,
             {"float32": 0.30, "int8": 0.70, "int4": 1.20}, (1536, 576)),
-    Machine("cpu", "a server CPU with native bf16 and a fast int4 kernel", True, False, 64 << 30, 40e9,
-            "g++", 16, {"float32": 0.19, "bfloat16": 0.11, "int8": 0.07, "int4": 0.04}, (1536, 576)),
+    Machine("cpu", "a server CPU with native bf16 and a fast int4 kernel", True, False, 64 << 30,
+            40e9, "g++", 16, {"float32": 0.19, "bfloat16": 0.11, "int8": 0.07, "int4": 0.04},
+            (1536, 576)),
     Machine("cuda", "a GPU", True, True, 80 << 30, 3e12, "g++", 1, {}, None),
 ]
 

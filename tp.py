@@ -230,7 +230,8 @@ def span(r: range, what: str) -> str:
 # ----------------------------------------------------------------------------
 # Joining the ranks, and checking that they agree.
 
-def start(world: int | None, device: torch.device, timeout_s: float = TIMEOUT_S) -> tuple[int, torch.device]:
+def start(world: int | None, device: torch.device,
+          timeout_s: float = TIMEOUT_S) -> tuple[int, torch.device]:
     """Join the process group that torchrun (or `launch`) describes in the environment:
     NCCL with one GPU per rank (``device`` a CUDA one: this rank's is cuda:LOCAL_RANK), gloo
     on CPUs. Returns (rank, this rank's device)."""

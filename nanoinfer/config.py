@@ -3,7 +3,7 @@
 A flag reaches the model one way: the command line's flags -> the plan (plan.choose for this
 machine, nanoinfer/machine.py) -> defaults, laid over each other by `RunConfig.from_flags`, the
 only code that reads flag names. Every consumer (load, the chat, the server's engine, tp) reads
-the RunConfig it returns: a device and a dtype as torch's types, a weight scheme or None, ...
+the RunConfig it returns, in plain types: a torch.device, a torch.dtype, a weight scheme or None.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from plan import QUANTIZED, Plan
 
 @dataclass
 class RunConfig:
+    """One run of the runner or the server; the defaults are a plain fp32 model on the CPU."""
     model: str = checkpoint.DEFAULT_MODEL   # alias, directory or .gguf (checkpoint.resolve)
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
