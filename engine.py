@@ -101,7 +101,7 @@ from typing import Iterator
 import torch
 
 from kvcache import PagedKVCache, kv_bytes_per_token
-from model import Llama, LlamaConfig, load
+from model import Llama, LlamaConfig, count_parameters, load
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable
 from sampling import Finish, SamplingParams, finish_reason, sample, seeded_generator, visible
 
@@ -463,9 +463,10 @@ class Engine:
                      preemptions=s.preemptions)
 
     def describe(self) -> str:
-        """One line for a log: the model's storage, the pool, the batch."""
+        """One line for a log: the model's size and storage, the pool, the batch."""
         w, a = self.model.embed_tokens.weight, self.allocator
-        return (f"{str(w.dtype).removeprefix('torch.')}, {w.device}; KV pool {a.num_blocks} "
+        return (f"{count_parameters(self.model) / 1e6:.0f}M parameters, "
+                f"{str(w.dtype).removeprefix('torch.')}, {w.device}; KV pool {a.num_blocks} "
                 f"blocks of {a.block_size} tokens, batches of up to {self.max_batch}")
 
     def has_work(self) -> bool:

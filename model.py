@@ -535,6 +535,14 @@ class CacheLayer:
         return self.k, self.v
 
 
+def count_parameters(model: nn.Module) -> int:
+    """Numbers the model holds as weights: its parameters, plus the matrices of layers that keep
+    theirs in buffers (quantize.py's: each names its in_features × out_features)."""
+    stored = sum(m.in_features * m.out_features for m in model.modules()
+                 if hasattr(m, "in_features") and not isinstance(m, nn.Linear))
+    return sum(p.numel() for p in model.parameters()) + stored
+
+
 def context_limit(model: Llama, cache=None) -> int:
     """The model's context, or less when the cache is preallocated smaller."""
     limit = model.config.max_seq_len

@@ -5,9 +5,11 @@ Every earlier lesson adds a knob: the dtype (kernels.py), the cache kind and
 size (kvcache.py), a compiled step (kernels.compile_step), speculative
 decoding and its k (speculative.py, drafting.py), weight and KV quantization
 (quantize.py). A user should not need to know six flags to get them, so the
-runner asks this file. It measures the machine once (a few seconds, cached),
-reads the model's config.json (no weights), and applies a handful of rules,
-each one printed with the numbers behind it (`python serve_local.py --plan`).
+runner asks this file. `choose` is a pure function of plain data: a Machine (what
+the product measured: nanoinfer/machine.py probes it once, in a few seconds, and
+caches it), the model's config.json (no weights) and a context; it applies a
+handful of rules, each one printed with the numbers behind it
+(`python serve_local.py --plan` on this machine, `python plan.py` on three kinds).
 
 The cost model. Decoding one token is memory-bound: it reads every weight
 matrix once, plus the KV cache written so far, and does two flops per weight
@@ -39,22 +41,10 @@ the formula leaves out, which on a small model is as large as the reading:
 
 from __future__ import annotations
 
-import copy
-import json
-import math
-import os
-import re
-import shutil
-import time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-
-import torch
-import torch.nn as nn
+from dataclasses import dataclass, field
 
 import checkpoint
 import drafting
-import kernels
 import quantize
 import safetensors_io
 from kvcache import kv_bytes_per_token
@@ -63,7 +53,6 @@ from model import LlamaConfig
 DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static cache's size)
 HEADROOM = 0.8          # plan to use at most this share of the machine's memory
 SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CALIBRATION_BYTES = 64 << 20   # weights streamed per format and pass: twice a big L3 (32 MB), so from DRAM
 QUANTIZED = ("int8", "int4")
 MARGIN = 0.9            # a narrower dtype must beat fp32 by 10%: the calibration's own noise on a shared machine
 
@@ -83,104 +72,6 @@ class Machine:
     threads: int
     ns_per_weight: dict = field(default_factory=dict)   # dtype -> one matrix-vector product's ns per weight
     shape: tuple | None = None  # the (rows, columns) those products had
-
-
-def find_compiler() -> str | None:
-    """The C++ compiler a CPU compile needs: $CXX if set, else g++ or c++ on the PATH."""
-    for name in filter(None, (os.environ.get("CXX"), "g++", "c++")):
-        if shutil.which(name):
-            return name
-    return None
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def cpu_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30          # sysconf is POSIX; assume a small laptop elsewhere
-
-
-def calibrate(shape: tuple[int, int], bf16: bool, reps: int = 5) -> dict[str, float]:
-    """ns per weight of a one-row product with W of ``shape`` (the model's MLP), in fp32, bf16
-    (where native: elsewhere it converts per element and is never chosen), int8 and int4 (each
-    with fp32 activations, as the runner's eager step runs them). Enough copies of W to stream
-    ~64 MB of each format per pass, so the kernel is measured reading DRAM, as in decoding (from a
-    32 MB L3 the int4 kernel measured 0.05 ns/weight, from DRAM 0.08).
-    The dtypes take turns and each call keeps its best of ``reps``: on a shared machine a descheduled
-    thread stalls a call for a whole time slice, and that is the neighbour's cost, not the kernel's."""
-    n, k = shape
-    w, x = torch.randn(n, k) * 0.02, torch.randn(1, k)
-
-    def copies(bytes_per_weight: float) -> int:
-        return max(2, min(256, math.ceil(CALIBRATION_BYTES / (bytes_per_weight * n * k))))
-
-    sets = {}
-    for name in ("float32", "bfloat16") if bf16 else ("float32",):
-        sets[name] = []
-        for _ in range(copies(SIZES[name])):
-            layer = nn.Linear(k, n, bias=False, device="meta")
-            layer.weight = nn.Parameter(w.to(kernels.DTYPES[name], copy=True), requires_grad=False)
-            sets[name].append(kernels.prepack(layer))
-    if k % quantize.GROUP == 0:
-        q8, q4 = quantize.Int8Linear.from_float(w), quantize.Int4Linear.from_float(w, quantize.GROUP)
-        q8.prepare(torch.float32)
-        q4.prepare(torch.float32)
-        sets["int8"] = [copy.deepcopy(q8) for _ in range(copies(1))]
-        sets["int4"] = [copy.deepcopy(q4) for _ in range(copies(0.5 + 8 / quantize.GROUP))]
-    best = {name: [float("inf")] * len(layers) for name, layers in sets.items()}
-    with torch.inference_mode():
-        for rep in range(reps + 1):           # the first round warms up (thread pool, kernel setup)
-            for name, layers in sets.items():
-                xd = x.to(kernels.DTYPES.get(name, torch.float32))
-                for i, layer in enumerate(layers):
-                    t0 = time.perf_counter()
-                    kernels.linear(xd, layer)
-                    if rep:
-                        best[name][i] = min(best[name][i], time.perf_counter() - t0)
-    return {name: sum(t) / (len(t) * n * k) * 1e9 for name, t in best.items()}
-
-
-def probe_path(device: torch.device, name: str, shape) -> Path:
-    key = f"v4-{device.type}-{name}-torch{torch.__version__}-{torch.get_num_threads()}t-{shape[0]}x{shape[1]}"
-    return checkpoint.cache_root() / "plan" / (re.sub(r"[^\w.+-]+", "_", key) + ".json")
-
-
-def probe(device: torch.device, shape: tuple[int, int] = (1536, 576)) -> Machine:
-    """Measure this machine once (CPU: stream ~64 MB per weight format a few times, read 256 MB for
-    the bandwidth: seconds, once) for a model whose MLP matrix is ``shape``;
-    later calls read the result from the cache, keyed by the CPU model or GPU name, the torch version,
-    the thread count and the shape. Delete ~/.cache/nanoinfer/plan to measure again."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    name = torch.cuda.get_device_name(device) if cuda else cpu_name() if device.type == "cpu" else device.type
-    path = probe_path(device, name, shape)
-    try:
-        data = json.loads(path.read_text())
-        return Machine(**{**data, "shape": tuple(data["shape"]) if data.get("shape") else None})
-    except (OSError, ValueError, TypeError):
-        pass
-    bf16 = kernels.bf16_supported(device)
-    memory = torch.cuda.get_device_properties(device).total_memory if cuda else cpu_memory()
-    timings = calibrate(shape, bf16) if device.type == "cpu" else {}
-    bandwidth = kernels.read_bandwidth(device, 2**28)
-    machine = Machine(device.type, name, bf16, cuda, memory, bandwidth, find_compiler(), torch.get_num_threads(),
-                      timings, tuple(shape))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")          # two processes (torchrun) may probe at once
-    tmp.write_text(json.dumps(asdict(machine), indent=1))
-    os.replace(tmp, path)
-    return machine
 
 
 # ----------------------------------------------------------------------------
@@ -450,12 +341,6 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
     return p
 
 
-def plan_for(name: str, device: torch.device, ctx: int | None = None, answer_tokens: int | None = None) -> Plan:
-    """The runner's plan for model ``name``: its config, this machine measured at its MLP's shape, the rules."""
-    info = model_info(name)
-    return choose(probe(device, (info.config.intermediate_size, info.config.hidden_size)), info, ctx, answer_tokens)
-
-
 def describe(p: Plan) -> str:
     """What `serve_local.py --plan` prints: the choices with their reasons, then the cost model."""
     lines = [f"plan for {p.model} on {p.machine} ({p.device}): {summary(p).removeprefix('plan: ')}", "why:"]
@@ -479,51 +364,25 @@ def summary(p: Plan) -> str:
     return "plan: " + ", ".join(parts)
 
 
-def merge(p: Plan, given: dict) -> Plan:
-    """The plan with the runner's explicit flags laid over it (``given``: flag name -> value, None where
-    not given). A flag wins for its item; what it implies follows:
-    * --cache other than static turns the plan's compile off; --compile or --ctx alone take a static cache.
-    * any speculative flag (--draft, --prompt-lookup, --lookahead) replaces the plan's method;
-      --no-speculation drops the plan's.
-    * --kv paged, --tp and --decoder naive run their own decoders: eager, no speculation of the plan's
-      (and --tp: float weights); --weights int8/int4 drop the plan's speculation too."""
-    g = {k: v for k, v in given.items() if v is not None}
-    out = replace(p, reasons=list(p.reasons), cost=list(p.cost))
-    for item in ("dtype", "attn", "weights", "kv_dtype", "ctx", "spec_k"):
-        if g.get(item) not in (None, "auto") or item in ("weights", "kv_dtype") and item in g:
-            setattr(out, item, g[item])
-    out.dtype = str(kernels.pick_dtype(out.dtype, torch.device(p.device))).removeprefix("torch.")
-    own = g.get("kv") == "paged" or bool(g.get("tp")) or g.get("decoder") == "naive"
-    if "cache" in g:
-        out.cache, out.compile = g["cache"], g.get("compile", p.compile and g["cache"] == "static")
-    else:
-        out.compile = g.get("compile", p.compile)
-        out.cache = "static" if out.compile or "ctx" in g else "dynamic"
-    if own:
-        out.compile = False
-        out.cache = g.get("cache", "dynamic")
-    methods = {k: g.get(k) for k in ("draft", "prompt_lookup", "lookahead")}
-    if g.get("no_speculation"):
-        if any(v is not None for v in methods.values()):
-            raise ValueError("--no-speculation turns speculation off: drop it or the speculative flag")
-        out.draft = out.prompt_lookup = out.lookahead = None
-    elif any(v is not None for v in methods.values()):
-        out.draft, out.prompt_lookup, out.lookahead = methods.values()
-    elif own or out.weights in QUANTIZED:     # the plan's speculation assumed float weights (choose)
-        out.draft = out.prompt_lookup = None
-    if g.get("tp") and "weights" not in g:
-        out.weights = "auto"
-    return out
-
+# Machines of three kinds, as a probe would fill them in (illustrative numbers; `python
+# serve_local.py --plan` measures this one): ns per weight of a one-row product in each
+# format, at SmolLM2's MLP shape.
+EXAMPLES = [
+    Machine("cpu", "an AVX2 laptop (fp32 fastest)", False, False, 16 << 30, 20e9, "g++", 8,
+            {"float32": 0.30, "int8": 0.70, "int4": 1.20}, (1536, 576)),
+    Machine("cpu", "a server CPU with native bf16 and a fast int4 kernel", True, False, 64 << 30,
+            40e9, "g++", 16, {"float32": 0.19, "bfloat16": 0.11, "int8": 0.07, "int4": 0.04},
+            (1536, 576)),
+    Machine("cuda", "a GPU", True, True, 80 << 30, 3e12, "g++", 1, {}, None),
+]
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(description="Measure this machine and print the plan for a model.")
+    ap = argparse.ArgumentParser(description="The plan for a model on three kinds of machine.")
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
     ap.add_argument("--ctx", type=int, default=None)
-    ap.add_argument("--device", default=None)
     args = ap.parse_args()
-    t0 = time.perf_counter()
-    chosen = plan_for(args.model, kernels.pick_device(args.device), args.ctx)
-    print(f"measured and planned in {time.perf_counter() - t0:.2f} s")
-    print(describe(chosen))
+    info = model_info(args.model)
+    for machine in EXAMPLES:
+        print(describe(choose(machine, info, args.ctx)) + "\n")
+    print("this machine, measured: python serve_local.py --plan")

@@ -391,13 +391,6 @@ def check_quantized_tensors(state: dict[str, torch.Tensor]):
                                  f"re-quantize it")
 
 
-def count_parameters(model: nn.Module) -> int:
-    """Numbers the model holds as weights: parameters, plus the matrices of quantized layers."""
-    quantized = sum(m.in_features * m.out_features for m in model.modules()
-                    if isinstance(m, (Int8Linear, Int4Linear)))
-    return sum(p.numel() for p in model.parameters()) + quantized
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model holds in parameters and buffers (quantized tensors and their scales
     included)."""

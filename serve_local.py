@@ -46,7 +46,8 @@ import speculative
 import tp
 from kvcache import common_prefix
 from model import (DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
-                   generate_cached, generate_naive)
+                   count_parameters, generate_cached, generate_naive)
+from nanoinfer.config import RunConfig
 from sampling import Finish, SamplingParams, visible
 from tokenizer import Tokenizer
 
@@ -237,35 +238,6 @@ def stats_line(s: GenerationStats, context: int, max_ctx: int, cached: int | Non
 # ----------------------------------------------------------------------------
 # Speculative decoding as the runner sets it up and reports it.
 
-def make_proposer(target: Llama, tok, draft: str | None = None, k: int = 4, adaptive: bool = False,
-                  lookahead: str | None = None, prompt_lookup: int | None = None, device=None, dtype=None,
-                  compile: bool = False, tree: str | None = None):
-    """The runner's flags -> a proposer (or None for plain decoding). One at a time.
-    ``compile`` compiles a draft model's one-token step; ``tree`` "W,M" makes an
-    EAGLE head or Medusa heads draft a tree (EagleDraft.propose_tree, MedusaDraft)."""
-    chosen = [name for name, v in (("--draft", draft), ("--lookahead", lookahead),
-                                   ("--prompt-lookup", prompt_lookup)) if v is not None]
-    if lookahead is not None and len(chosen) > 1:
-        raise ValueError(f"choose one speculative method, not {' and '.join(chosen)} "
-                         f"(only --draft and --prompt-lookup combine)")
-    speculative.check_k(k)
-    shape = speculative.parse_tree(tree) if tree is not None else None
-    if draft is not None:
-        model = nanoinfer.load.load_draft(draft, target, tok, device, dtype, compile)
-        if shape is not None and isinstance(model, Llama) and not model.config.eagle:
-            raise ValueError(f"--spec-tree needs an EAGLE head or Medusa heads as the draft (train.py's `bundled` "
-                             f"or `medusa`); {draft} is a standalone draft model")
-        proposer = drafting.draft_proposer(model, target, k, adaptive, shape)
-        return proposer if prompt_lookup is None else drafting.LookupThenDraft(proposer, prompt_lookup)
-    if shape is not None:
-        raise ValueError("--spec-tree needs --draft with an EAGLE head or Medusa heads (--draft bundled or medusa)")
-    if lookahead is not None:
-        return drafting.Lookahead(*drafting.parse_lookahead(lookahead))
-    if prompt_lookup is not None:
-        return drafting.PromptLookup(prompt_lookup, k)
-    return None
-
-
 def plain_step_s(model: Llama, cache=None, context: int = 64, steps: int = 6) -> float:
     """The time of one plain decode step (median), the runner's baseline for the
     speedup. Pass the runner's own cache: with --compile a static cache's one-token
@@ -387,13 +359,12 @@ def report(chat: Chat, stats: GenerationStats, interactive: bool = True):
 def warm_up(chat: Chat, argv: list[str] | None = None):
     """Compile before the user types: one throwaway decode step through the real cache. On a CPU a compiled
     step is built once and loaded by every later start (kernels.AheadOfTime); its log says which happened.
-    Given the chat's flags (``argv``) and no draft, a step not built yet is built by a child process
-    (--compile-only, ~1 min) while the chat answers on the eager step; take_compiled_step then loads it."""
+    Given the chat's flags (``argv``: RunConfig.background_compile, the step loaded with build=False), a step
+    not built yet is built by a child process (--compile-only, ~1 min) while the chat answers on the eager
+    step; take_compiled_step then loads it."""
     t0 = time.perf_counter()
-    background = argv is not None and chat.proposer is None
-    kernels.compile_decode(chat.model, build=not background)
     draft = getattr(chat.proposer, "draft", chat.proposer)    # LookupThenDraft holds one
-    drafted = isinstance(draft, drafting.DraftModel) and draft.static   # its step is compiled too (make_proposer)
+    drafted = isinstance(draft, drafting.DraftModel) and draft.static   # its step is compiled too (nanoinfer.load.proposer)
     steps = [chat.model.compiled_step] + ([draft.model.compiled_step] if drafted else [])
     ahead = all(isinstance(step, kernels.AheadOfTime) for step in steps)
     for step in steps if ahead else []:
@@ -449,7 +420,7 @@ def take_compiled_step(chat: Chat):
               f"eager step]", file=sys.stderr)
         return
     t0 = time.perf_counter()
-    kernels.compile_decode(chat.model)
+    nanoinfer.load.load_compiled(chat.model)
     step_once(chat.model, chat.new_cache())         # the conversation's cache is live: a scratch one
     print(f"[compiled step ready: loaded in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
 
@@ -563,9 +534,6 @@ def check_flags(args):
             raise ValueError(f"--tp runs the plain decoders on float weights: drop {', '.join(bad)}")
         if args.prompt is None:
             raise ValueError("--tp answers one --prompt (a typed line would reach rank 0 alone): add --prompt")
-    device = kernels.pick_device(args.device)        # a device this machine does not have: say so now
-    if args.attn == "triton":
-        kernels.check_triton(device)
 
 
 def main(argv=None) -> int:
@@ -575,58 +543,51 @@ def main(argv=None) -> int:
     errors, rank = sys.stderr, 0
     try:
         check_flags(args)
-        chosen = plan.plan_for(args.model, kernels.pick_device(args.device), args.ctx,
-                               None if args.prompt is None else args.max_new_tokens)
+        cfg = RunConfig.from_flags(args)       # every flag given overrides the plan's choice
         if args.plan:
-            print(plan.describe(chosen))
+            print(plan.describe(cfg.plan))
             return 0
-        p = plan.merge(chosen, vars(args))        # every flag given overrides the plan's choice
-        dtype, seed = p.dtype, args.seed
-        if args.tp:
-            rank, device = tp.start(args.tp, args.device)
+        seed, device = args.seed, cfg.device
+        if cfg.tp:
+            rank, device = tp.start(cfg.tp, cfg.device)
             if rank:        # rank 0 prints; the others compute the same tokens silently
                 sys.stdout = sys.stderr = open(os.devnull, "w")
             seed = tp.shared_seed(seed)
-        print(f"{plan.summary(p)} — --plan says why", file=sys.stderr)
+        print(f"{plan.summary(cfg.in_effect())} — --plan says why", file=sys.stderr)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   seed=seed, max_new_tokens=args.max_new_tokens)
         t0 = time.perf_counter()
-        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        if args.tp:
-            model, tok = tp.load(args.model, device, dtype, nanoinfer.load.attention(p.attn),
-                                 prepacked=not args.no_prepack)
+        print(f"loading {cfg.model} ...", file=sys.stderr, flush=True)
+        if cfg.tp:
+            model, tok = nanoinfer.load.load_tp(cfg, device)
             print(tp.describe(model), file=sys.stderr)
         else:
-            model, tok = nanoinfer.load.load(args.model, args.device, dtype, p.weights, args.group_size or quantize.GROUP,
-                              attn=p.attn, prepacked=p.prepack and not args.no_prepack, head=p.head)
+            model, tok = nanoinfer.load.load(cfg)
         w = model.embed_tokens.weight
         quant = f", weights {q['weights']}" if (q := quantize.scheme(model)) else ""
         packed = kernels.prepacked_bytes(model)
         packed = f" + {packed / 1e6:.0f} MB of oneDNN-prepacked copies" if packed else ""
-        print(f"loaded in {time.perf_counter() - t0:.1f} s: {quantize.count_parameters(model) / 1e6:.0f}M "
+        print(f"loaded in {time.perf_counter() - t0:.1f} s: {count_parameters(model) / 1e6:.0f}M "
               f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB{packed}, "
               f"{str(w.dtype).removeprefix('torch.')}{quant}, {w.device}", file=sys.stderr)
         raw = args.raw or tok.chat_template is None
-        ctx = p.ctx
-        block_size = 16 if args.block_size is None else args.block_size
-        if not 1 <= block_size <= ctx:
-            raise ValueError(f"--block-size must be between 1 and the context ({ctx} tokens), got {block_size}")
-        proposer = make_proposer(model, tok, p.draft, p.spec_k, args.adaptive_k, p.lookahead,
-                                 p.prompt_lookup, args.device, w.dtype, p.compile, args.spec_tree)
-        if proposer is not None and (args.kv == "paged" or args.decoder != "cached"):
+        if not 1 <= cfg.block_size <= cfg.ctx:
+            raise ValueError(f"--block-size must be between 1 and the context ({cfg.ctx} tokens), "
+                             f"got {cfg.block_size}")
+        proposer = nanoinfer.load.proposer(cfg, model, tok)
+        if proposer is not None and (cfg.kv == "paged" or cfg.decoder != "cached"):
             raise ValueError("speculative decoding runs on the contiguous cached decoder: drop --kv paged "
                              "and --decoder naive")
-        if args.kv == "paged":
-            chat = PagedChat(model, tok, params, args.decoder, raw, args.system, p.cache, ctx, p.kv_dtype,
-                             block_size=block_size)
+        if cfg.kv == "paged":
+            chat = PagedChat(model, tok, params, cfg.decoder, raw, args.system, cfg.cache, cfg.ctx, cfg.kv_dtype,
+                             block_size=cfg.block_size)
         else:
-            chat = Chat(model, tok, params, args.decoder, raw, args.system, p.cache, ctx, p.kv_dtype,
+            chat = Chat(model, tok, params, cfg.decoder, raw, args.system, cfg.cache, cfg.ctx, cfg.kv_dtype,
                         proposer=proposer)
-        if p.compile:       # a chat's first start answers while a child process compiles (warm_up)
-            background = args.prompt is None and not args.compile_only
-            warm_up(chat, (sys.argv[1:] if argv is None else list(argv)) if background else None)
+        if cfg.compile:     # a chat's first start answers while a child process compiles (warm_up)
+            warm_up(chat, (sys.argv[1:] if argv is None else list(argv)) if cfg.background_compile else None)
         if args.compile_only:
-            print("compiled step ready" if p.compile else "nothing to compile: these flags run eagerly",
+            print("compiled step ready" if cfg.compile else "nothing to compile: these flags run eagerly",
                   file=sys.stderr)
             return 0
         if args.prompt is None:

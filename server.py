@@ -71,8 +71,8 @@ import checkpoint
 import engine
 import kernels
 import nanoinfer.load
-import plan
 import quantize
+from nanoinfer.config import RunConfig
 from sampling import Finish, SamplingParams
 from tokenizer import Tokenizer
 
@@ -612,6 +612,7 @@ def parse_args(argv=None):
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
     ap.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
     ap.add_argument("--max-body", type=int, default=1 << 20, help="largest request body, bytes (default: 1 MiB)")
+    ap.set_defaults(kv="paged")     # what RunConfig.from_flags reads: the engine's block pool, eager
     return ap.parse_args(argv)
 
 
@@ -623,15 +624,13 @@ def build(args) -> Server:
             raise ValueError(f"{flag} must be positive, got {value}")
     if not args.kv_gib > 0:
         raise ValueError(f"--kv-gib must be positive, got {args.kv_gib}")
-    device = kernels.pick_device(args.device)
-    # auto: the plan's dtype (plan.py: bf16 where native and measured faster); the engine stays eager and paged
-    dtype = plan.plan_for(args.model, device).dtype if args.dtype == "auto" else args.dtype
-    weights = None if args.weights == "auto" else args.weights
-    model, tok = nanoinfer.load.load(args.model, args.device, dtype, weights)
-    codec = quantize.kv_codec(None if args.kv_dtype == "auto" else args.kv_dtype)
+    # the runner's path: flags -> the plan (auto: its dtype; bf16 where native and measured faster) -> defaults
+    cfg = RunConfig.from_flags(args)
+    model, tok = nanoinfer.load.load(cfg)
+    codec = quantize.kv_codec(cfg.kv_dtype)
     eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), codec=codec,
-                        in_place=kernels.paged_reader(model.norm.weight.device, codec))
-    return Server(eng, tok, Path(str(args.model)).name, args.api_key, args.max_queue, args.max_body)
+                        in_place=kernels.paged_reader(cfg.device, codec))
+    return Server(eng, tok, Path(cfg.model).name, args.api_key, args.max_queue, args.max_body)
 
 
 def main(argv=None) -> int:

@@ -75,7 +75,6 @@ import queue
 import random
 import re
 import socket
-import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -84,7 +83,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
-import kernels
 import kvcache
 import model
 import quantize
@@ -155,15 +153,16 @@ class Comm:
 
 
 class RowParallel(nn.Module):
-    """y = Σ_r x_r · W_rᵀ: this rank's product over its slice of the input features
-    (kernels.linear on the plain Linear it wraps), then the sum over ranks."""
+    """y = Σ_r x_r · W_rᵀ: this rank's product over its slice of the input features (the
+    Linear it wraps: the device layer makes it fast by swapping it, kernels.swap_linears),
+    then the sum over ranks."""
 
     def __init__(self, local: nn.Linear, comm: Comm, group=None):
         super().__init__()
         self.local, self.comm, self.group = local, comm, group
 
     def forward(self, x):
-        y = kernels.linear(x, self.local)
+        y = self.local(x)
         t0 = time.perf_counter()
         collective(dist.all_reduce, y, group=self.group)
         self.comm.calls, self.comm.bytes = self.comm.calls + 1, self.comm.bytes + y.numel() * y.element_size()
@@ -232,9 +231,11 @@ def span(r: range, what: str) -> str:
 # ----------------------------------------------------------------------------
 # Joining the ranks, and checking that they agree.
 
-def start(world: int | None = None, device=None, timeout_s: float = TIMEOUT_S) -> tuple[int, torch.device]:
+def start(world: int | None, device: torch.device,
+          timeout_s: float = TIMEOUT_S) -> tuple[int, torch.device]:
     """Join the process group that torchrun (or `launch`) describes in the environment:
-    NCCL with one GPU per rank, gloo on CPUs. Returns (rank, this rank's device)."""
+    NCCL with one GPU per rank (``device`` a CUDA one: this rank's is cuda:LOCAL_RANK), gloo
+    on CPUs. Returns (rank, this rank's device)."""
     if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
         n = world or 2
         raise ValueError(f"--tp {n} runs one process per rank: launch it with torchrun --nproc-per-node {n} "
@@ -242,11 +243,13 @@ def start(world: int | None = None, device=None, timeout_s: float = TIMEOUT_S) -
     if world is not None and int(os.environ["WORLD_SIZE"]) != world:
         raise ValueError(f"--tp {world} but the launcher started {os.environ['WORLD_SIZE']} processes: "
                          f"use torchrun --nproc-per-node {world}")
-    dev = kernels.pick_device(device)
+    dev = device
     if dev.type == "mps":
         raise ValueError("tensor parallelism runs on CUDA GPUs (NCCL) or CPUs (gloo): use --device cuda or cpu")
     if dev.type == "cuda":
-        dev = kernels.pick_device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}")   # one GPU per rank
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))     # one GPU per rank
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {dev}: no such CUDA GPU on this machine; use --device cpu")
         torch.cuda.set_device(dev)
     collective(dist.init_process_group, "nccl" if dev.type == "cuda" else "gloo",
                timeout=datetime.timedelta(seconds=timeout_s))
@@ -297,20 +300,16 @@ def shared_seed(seed: int | None, group=None) -> int:
     return box[0]
 
 
-def load(name: str, device=None, dtype=None, attend=model.attend, prepacked: bool = True,
+def load(name: str, device: torch.device, dtype: torch.dtype, attend=model.attend,
          group=None) -> tuple[model.Llama, object]:
     """Every rank: read the checkpoint on the CPU (mmap-backed: no device ever holds all of
-    it), check that the ranks agree, keep this rank's part and move it to its device; its
+    it), check that the ranks agree, keep this rank's part and move it to ``device``; its
     layers attend with ``attend`` (model.attend's signature)."""
-    dev = kernels.pick_device(device)
     model_dir, cfg, tok = model.read_model_dir(name)
     part = plan(cfg, dist.get_rank(group), dist.get_world_size(group))      # before reading any weight
-    full = model.Llama.from_pretrained(model_dir, "cpu", kernels.pick_dtype(dtype, dev), cfg, attend)
-    if dev.type == "cpu":
-        kernels.native_kernels()
+    full = model.Llama.from_pretrained(model_dir, "cpu", dtype, cfg, attend)
     check_same(full, str(name), group)
-    mine = shard(full, part, group).to(dev)
-    return kernels.prepack(mine, copies=prepacked), tok
+    return shard(full, part, group).to(device), tok
 
 
 # ----------------------------------------------------------------------------
@@ -356,7 +355,7 @@ def run_rank(fn, rank, world, port, threads, timeout_s, box, args):
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     try:
-        start(world, "cpu", timeout_s)
+        start(world, torch.device("cpu"), timeout_s)
         value = fn(*args)
     except Exception as e:          # sent back as a plain exception: gloo's own may not pickle
         value = e if type(e).__module__ == "builtins" else RuntimeError(f"{type(e).__name__}: {e}")
@@ -370,7 +369,7 @@ def run_rank(fn, rank, world, port, threads, timeout_s, box, args):
 
 
 # ----------------------------------------------------------------------------
-# What one rank does in the demo, the tests and the benchmark.
+# What one rank does in the demo.
 
 def generate(llama: model.Llama, prompt: list[int], new_tokens: int, seed: int | None = None,
              temperature: float = 0.0, cache: str = "static") -> list[int]:
@@ -380,36 +379,8 @@ def generate(llama: model.Llama, prompt: list[int], new_tokens: int, seed: int |
     return list(model.generate_cached(llama, prompt, p, cache=kv))
 
 
-def measure(name: str, dtype: str, prompt_tokens: int, steps: int, split: bool = True) -> dict:
-    """One rank's decode steps on a static cache after a prompt_tokens prefill: the median
-    step, the all-reduce time inside it, and (split) one all-reduce of hidden_size values
-    alone. split=False: the plain model in this one process, for comparison."""
-    llama = load(name, "cpu", dtype)[0] if split else model.load(name, "cpu", dtype)[0]
-    c, stats, times, comm = llama.config, getattr(llama, "comm", Comm()), [], []
-    cache = kvcache.new_cache(llama, "static", prompt_tokens + steps + 1)
-    with torch.inference_mode():
-        llama(torch.arange(prompt_tokens)[None] % c.vocab_size, torch.arange(prompt_tokens), cache, last_only=True)
-        for i in range(steps):
-            pos = torch.tensor([cache.length])
-            before, t0 = stats.seconds, time.perf_counter()
-            llama(pos[None] % c.vocab_size, pos, cache, last_only=True)
-            times.append(time.perf_counter() - t0)
-            comm.append(stats.seconds - before)
-        alone = []
-        if split:
-            x = torch.zeros(1, 1, c.hidden_size, dtype=llama.norm.weight.dtype)
-            for _ in range(200):
-                t0 = time.perf_counter()
-                collective(dist.all_reduce, x)
-                alone.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "comm_s": statistics.median(comm),
-            "calls": stats.calls // (steps + 1), "allreduce_s": statistics.median(alone or [0]),
-            "weights": sum(weight_bytes(llama)), "kv": cache.nbytes, "layers": c.n_layers,
-            "threads": torch.get_num_threads()}
-
-
 def demo_rank(name: str, prompt: list[int], new_tokens: int) -> dict:
-    llama, _ = load(name, "cpu", "float32")
+    llama, _ = load(name, torch.device("cpu"), torch.float32)
     tokens = generate(llama, prompt, new_tokens)
     return {"tokens": tokens, "bytes": weight_bytes(llama), "kv": kvcache.new_cache(llama, "static", 1024).nbytes,
             "comm": llama.comm, "describe": describe(llama)}

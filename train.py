@@ -76,6 +76,7 @@ import kernels
 import safetensors_io
 from engine import LLM
 from model import Llama, LlamaConfig, unfuse
+from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from sampling import SamplingParams
 from drafting import BUNDLED_DRAFT, BUNDLED_MEDUSA, EagleHead, MedusaHeads, share_target
@@ -393,8 +394,9 @@ def main():
     target_dir = checkpoint.resolve(checkpoint.DEFAULT_MODEL)
     # bf16 where the CPU computes it (data and features 2-4x faster than fp32); elsewhere it is
     # emulated, slower
-    target, tok = load(checkpoint.DEFAULT_MODEL, "cpu",
-                       "bfloat16" if kernels.bf16_supported(torch.device("cpu")) else "float32")
+    cpu = torch.device("cpu")
+    target, tok = load(RunConfig(checkpoint.DEFAULT_MODEL, cpu,
+                                 torch.bfloat16 if kernels.bf16_supported(cpu) else torch.float32))
     # every kind of request early: a short run answers only the first prompts
     prompts = random.Random(0).sample(PROMPTS, len(PROMPTS))[:args.prompts]
     data = generate_data(target, tok, prompts, args.new_tokens, 8,

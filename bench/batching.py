@@ -29,6 +29,7 @@ import kernels
 import results
 from kvcache import common_prefix
 from model import Llama
+from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from sampling import SamplingParams
 from bench.common import QUESTIONS, long_system_prompt
@@ -158,7 +159,7 @@ def bench_batching(args):
         torch.set_num_threads(args.threads)
     if hint := kernels.busy_machine_hint():
         print(hint)
-    model, tok = load(args.model, dtype=args.dtype)
+    model, tok = load(RunConfig(args.model, kernels.pick_device(), kernels.DTYPES[args.dtype]))
     if args.long_prompts_only:
         return bench_long_prompts(model, args)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")

@@ -26,6 +26,7 @@ import engine
 import kernels
 import results
 from kvcache import common_prefix
+from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from bench.common import ROOT
 import kvcache
@@ -34,7 +35,7 @@ import kvcache
 def bench_engine_step(args):
     """One batched decode step of engine.Engine, eager against compiled for a fixed
     batch size (one compile per bucket), at each thread count."""
-    model, _ = load(args.model, dtype=args.dtype)
+    model, _ = load(RunConfig(args.model, kernels.pick_device(), kernels.DTYPES[args.dtype]))
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     rows = []
     for threads in args.threads:
@@ -88,7 +89,7 @@ def bench_compiled_start(args):
     and the package, alternating; their greedy tokens; and the runner's second start to its first token."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, _ = load(args.model, dtype=args.dtype)
+    model, _ = load(RunConfig(args.model, kernels.pick_device(), kernels.DTYPES[args.dtype]))
     dtype, cpu = str(model.norm.weight.dtype).removeprefix("torch."), torch.device("cpu")
     prompt = list(range(100, 130))
 

@@ -15,6 +15,7 @@ import kernels
 import results
 from kvcache import kv_bytes_per_token
 from model import GenerationStats, generate_cached
+from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from sampling import SamplingParams
 from bench.common import run_setup
@@ -27,7 +28,7 @@ def bench_naive_vs_cached(name: str, sizes: list[int]) -> Path:
     (GenerationStats: positions pushed through the model, query·key scores) and
     timing it. The counts are exact; the times are this machine's."""
     from model import DECODERS
-    model, tok = load(name)                   # as the runner loads it: fp32 on a CPU, eager
+    model, tok = load(RunConfig(name, kernels.pick_device()))   # fp32, eager
     if min(sizes) < 1 or max(sizes) >= model.config.max_seq_len:
         raise ValueError(f"--tokens must be between 1 and {model.config.max_seq_len - 1}, got {sizes}")
     prompt = [tok.bos_id if tok.bos_id is not None else 0]
@@ -98,7 +99,8 @@ def bench_context(name: str, dtype: str, contexts: list[int], steps: int = 8, re
     The median of ``reps`` runs each."""
     if steps < 1 or reps < 1:
         raise ValueError(f"--steps and --reps must be at least 1, got {steps} and {reps}")
-    model, _ = load(name, dtype=dtype)
+    dtype = torch.float32 if dtype == "auto" else kernels.DTYPES[dtype]
+    model, _ = load(RunConfig(name, kernels.pick_device(), dtype))
     c = model.config
     if min(contexts) < 1 or max(contexts) + steps + 2 > c.max_seq_len:
         raise ValueError(f"--contexts must be between 1 and {c.max_seq_len - steps - 2} (the model's context "

@@ -31,6 +31,7 @@ import results
 import safetensors_io
 from kvcache import kv_bytes_per_token
 from model import GenerationStats, Llama, LlamaConfig, generate_cached
+from nanoinfer.config import RunConfig
 from nanoinfer.load import build
 from sampling import SamplingParams
 from bench.common import RANDOM_TINYLLAMA, measure_in_turn, memory_available, model_dir
@@ -117,7 +118,8 @@ def bench_decode(args):
                 # int8/int4 quantize every Linear first (quantize.py), activations stay in `dtype`.
                 # quantized; no prepacked copies (they serve eager prefills, not the compiled step, and TinyLlama's
                 # four instances would not fit in 24 GB with them)
-                fast = build(path, args.device, dtype, weights, prepacked=False)
+                fast = build(path, RunConfig(str(path), kernels.pick_device(args.device), kernels.DTYPES[dtype],
+                                             None if weights == "auto" else weights, prepack=False))
                 static = kvcache.new_cache(fast, "static", max_len=n_ctx)
                 t0 = time.perf_counter()
                 kernels.compile_decode(fast)
@@ -154,7 +156,8 @@ def bench_decode(args):
             if not copies:
                 notes.append(f"{name} {dtype}: nanoinfer cached without oneDNN's prepacked copies (they would not "
                              "fit in memory beside the group's other rows): slower prefill, the same decode steps")
-            model = build(path, args.device, dtype, prepacked=copies)   # run_ours ignores EOS
+            model = build(path, RunConfig(str(path), kernels.pick_device(args.device), kernels.DTYPES[dtype],
+                                          prepack=copies))   # run_ours ignores EOS
             per_token = bytes_per_token(model, args.prompt_tokens + args.new_tokens // 2)
             impls["nanoinfer cached"] = (dtype, per_token, lambda warmup, model=model: run_ours(
                 model, prompt, 8 if warmup else args.new_tokens))

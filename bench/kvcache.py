@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import kernels
 import kvcache
 import quantize
 import results
 from kvcache import KINDS, common_prefix, held_bytes, human, kv_bytes_per_token, shape_of, token_bytes
 from model import GenerationStats, generate_cached
+from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from sampling import SamplingParams, visible
 from bench.common import HANDBOOK, QUESTIONS, run_setup
@@ -25,7 +27,7 @@ from bench.common import HANDBOOK, QUESTIONS, run_setup
 def bench_prefix(model_name: str = checkpoint.DEFAULT_MODEL, n_answer: int = 24):
     """Seed exercise 2: one prefill of a shared prompt, forked for many questions
     (kvcache.KVCache.fork), against encoding the whole prompt for each."""
-    model, tok = load(model_name)
+    model, tok = load(RunConfig(model_name, kernels.pick_device()))
     system = "You are a helpful assistant. Answer from the handbook below in one short sentence.\n\n" + HANDBOOK
     convs = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
                                                  {"role": "user", "content": q}]), add_bos=False)
@@ -70,7 +72,7 @@ def bench_prefix(model_name: str = checkpoint.DEFAULT_MODEL, n_answer: int = 24)
 
 def bench_kv_bytes(model_name: str = checkpoint.DEFAULT_MODEL, new_tokens: int = 64):
     """The bytes a real cache holds after a generation, against kvcache's formula."""
-    model, tok = load(model_name)
+    model, tok = load(RunConfig(model_name, kernels.pick_device()))
     c = model.config
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about caches."}]),
                         add_bos=False)
@@ -100,7 +102,7 @@ def bench_offload(model_name: str = checkpoint.DEFAULT_MODEL, contexts=(256, 102
     if min(contexts) < 1 or steps < 2 or min(device_gib) <= 0:
         raise ValueError(f"--contexts must be positive, --steps at least 2 and --device-gib positive, got "
                          f"{list(contexts)}, {steps} and {list(device_gib)}")
-    model, _ = load(model_name)
+    model, _ = load(RunConfig(model_name, kernels.pick_device()))
     c, dev = model.config, model.embed_tokens.weight.device
     if max(contexts) + steps + 1 > c.max_seq_len:
         raise ValueError(f"--contexts must leave {steps + 1} tokens of the model's {c.max_seq_len}-token context")

@@ -8,7 +8,8 @@ import torch
 import checkpoint
 import quantize
 import results
-from model import GenerationStats, generate_cached
+from model import GenerationStats, as_dtype, generate_cached
+from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from sampling import SamplingParams
 from bench.common import ROOT
@@ -59,7 +60,7 @@ def quantize_eval(name: str, dtype: str, new_tokens: int, n_prompts: int, speed_
     print(f"{title}\n", flush=True)
     rows, sequences, reference = [], None, None
     for label, weights, kv in CONFIGS:
-        model, tok = load(name, "cpu", dtype, weights=weights)
+        model, tok = load(RunConfig(name, torch.device("cpu"), as_dtype(dtype), weights))
         if sequences is None:   # the full model, first in CONFIGS, writes the continuations
             chats = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                      for p in EVAL_PROMPTS[:n_prompts]]
@@ -102,7 +103,7 @@ def quantize_demo(name: str, dtype: str, n_tokens: int = 512):
     print(f"{'configuration':24} {'weights MB':>10} {'KV B/token':>10} {'perplexity':>10}")
     base = None
     for label, weights, kv in [c for c in CONFIGS if "plain" not in c[0] and "+" not in c[0]]:
-        model, tok = load(name, "cpu", dtype, weights=weights)
+        model, tok = load(RunConfig(name, torch.device("cpu"), as_dtype(dtype), weights))
         ids = tok.encode(text)[:n_tokens]
         ppl = perplexity(model, ids, kv)
         base = base or ppl

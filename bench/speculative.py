@@ -25,6 +25,7 @@ import speculative
 from kvcache import KVCache, common_prefix
 from model import GenerationStats, Llama, generate_cached
 import nanoinfer.load
+from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from sampling import SamplingParams
 from bench.common import CHAT_PROMPTS, HANDBOOK
@@ -129,7 +130,7 @@ def bench_speculative(args):
     decoding against each speculative method, same prompts, same run. Target and
     drafts run eagerly, as the runner runs them; --compile compiles the draft
     models' steps and adds the compiled plain step, as the runner's --compile does."""
-    model, tok = load(args.model, "cpu", args.dtype)
+    model, tok = load(RunConfig(args.model, torch.device("cpu"), kernels.DTYPES[args.dtype]))
 
     def chat(text):
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
@@ -138,7 +139,7 @@ def bench_speculative(args):
     tree = speculative.parse_tree(args.spec_tree) if args.spec_tree else None
     mtree = speculative.parse_tree(args.medusa_tree) if args.medusa_tree else None
     for name in (n for n in (args.draft, args.medusa) if n):
-        draft = nanoinfer.load.load_draft(name, model, tok, "cpu", args.dtype)
+        draft = nanoinfer.load.load_draft(name, model, tok)
         if isinstance(draft, drafting.MedusaHeads):
             mk = args.medusa_k or len(draft.blocks)
             methods[f"medusa {name}, chain k={mk}"] = lambda d=draft, mk=mk: drafting.draft_proposer(d, model, mk)

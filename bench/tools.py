@@ -14,13 +14,14 @@ import kernels
 import quantize
 import results
 import safetensors_io
-from model import unfuse
+from model import as_dtype, unfuse
+from nanoinfer.config import RunConfig
 from nanoinfer.load import build, load
 from sampling import SamplingParams
 
 
 def engine_demo(model_name: str, n: int, max_batch: int):
-    model, tok = load(model_name)
+    model, tok = load(RunConfig(model_name, kernels.pick_device()))
     system = "You are a helpful assistant. Answer in one short sentence."
     questions = ["What is 2+2?", "Name a colour.", "What is the capital of France?", "Say hello.",
                  "What do bees make?", "Name a fruit.", "How many legs has a cat?", "What is ice?"]
@@ -50,7 +51,8 @@ def quantize_write(name: str, weights: str, group_size: int, dtype: str, out_dir
     if weights in (None, "auto"):
         raise ValueError("--out needs --weights int8 or int4")
     source = checkpoint.resolve(name)
-    model = build(source, "cpu", dtype, weights, group_size, prepacked=False, prepare=False)
+    cfg = RunConfig(str(source), torch.device("cpu"), as_dtype(dtype), weights, group_size, prepack=False)
+    model = build(source, cfg, prepare=False)
     config = safetensors_io.read_config(source) | {quantize.CONFIG_KEY: quantize.scheme(model)}
     out = safetensors_io.save(out_dir, unfuse(model), config, copy_files_from=source)
     print(f"wrote {out}: {quantize.weight_bytes(model) / 1e6:.0f} MB of weights ({weights}); "

@@ -3,13 +3,52 @@ all-reduce."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 import checkpoint
 import kernels
+import kvcache
+import model
 import results
 import tp
 from bench.common import RANDOM_TINYLLAMA, model_dir
+from nanoinfer.config import RunConfig
+from nanoinfer.load import load_tp
+
+
+def measure(name: str, dtype: str, prompt_tokens: int, steps: int, split: bool = True) -> dict:
+    """One rank's decode steps on a static cache after a prompt_tokens prefill: the median
+    step, the all-reduce time inside it, and (split) one all-reduce of hidden_size values
+    alone. split=False: the plain model in this one process, for comparison."""
+    cpu = torch.device("cpu")      # split: as the runner's --tp loads a rank (load_tp)
+    llama = load_tp(RunConfig(name, cpu, kernels.DTYPES[dtype]), cpu)[0] if split else \
+        model.load(name, "cpu", dtype)[0]
+    c, stats, times, comm = llama.config, getattr(llama, "comm", tp.Comm()), [], []
+    cache = kvcache.new_cache(llama, "static", prompt_tokens + steps + 1)
+    with torch.inference_mode():
+        llama(torch.arange(prompt_tokens)[None] % c.vocab_size, torch.arange(prompt_tokens), cache, last_only=True)
+        for i in range(steps):
+            pos = torch.tensor([cache.length])
+            before, t0 = stats.seconds, time.perf_counter()
+            llama(pos[None] % c.vocab_size, pos, cache, last_only=True)
+            times.append(time.perf_counter() - t0)
+            comm.append(stats.seconds - before)
+        alone = []
+        if split:
+            x = torch.zeros(1, 1, c.hidden_size, dtype=llama.norm.weight.dtype)
+            for _ in range(200):
+                t0 = time.perf_counter()
+                tp.collective(dist.all_reduce, x)
+                alone.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "comm_s": statistics.median(comm),
+            "calls": stats.calls // (steps + 1), "allreduce_s": statistics.median(alone or [0]),
+            "weights": sum(tp.weight_bytes(llama)), "kv": cache.nbytes, "layers": c.n_layers,
+            "threads": torch.get_num_threads()}
 
 
 def bench_tp(models: list[str], dtype: str, prompt_tokens: int, steps: int) -> Path:
@@ -23,7 +62,7 @@ def bench_tp(models: list[str], dtype: str, prompt_tokens: int, steps: int) -> P
     for name in models:
         base = None
         for label, world, split, threads in runs:
-            out = tp.launch(tp.measure, world, str(model_dir(name)), dtype, prompt_tokens, steps, split,
+            out = tp.launch(measure, world, str(model_dir(name)), dtype, prompt_tokens, steps, split,
                             threads=threads)
             failed = [r for r in out if isinstance(r, Exception)]
             if failed:

@@ -1,28 +1,33 @@
-"""The one way a model is assembled for running.
+"""The one way a model is assembled for running: load(RunConfig).
 
 A lesson builds a Llama in plain PyTorch (model.Llama.from_pretrained); running it fast is a series
-of swaps on that model, each a lesson's or the device layer's:
+of swaps on that model, each a lesson's or the device layer's, all of them here:
 
     checkpoint (model.py, or quantize.py for one it wrote)
       -> attention: flash.py's choice by name, kernels.cpp's one-token kernel under "sdpa"
       -> quantize every Linear (quantize.quantize_model; the LM head per ``head``)
       -> the CPU's C++ kernels (kernels.swap_quantized), prepacked weights (kernels.prepack)
+      -> the compiled one-token step (kernels.compile_decode)
 
-The compiled step (kernels.compile_decode) and the drafts (load_draft) come on top of a built model.
+A tensor-parallel rank's part takes the same swaps (load_tp), and the drafts of speculative
+decoding load here too (proposer, load_draft).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-import checkpoint
 import drafting
 import kernels
 import quantize
 import safetensors_io
+import speculative
+import tp
 from model import Llama, LlamaConfig, read_model_dir
+from nanoinfer.config import RunConfig
 from tokenizer import Tokenizer
 
 
@@ -33,42 +38,52 @@ def attention(name: str = "sdpa"):
     return kernels.native_decode(attend) if name == "sdpa" else attend
 
 
-def build(model_dir, device=None, dtype=None, weights: str | None = None, group_size: int = quantize.GROUP,
-          attn: str = "sdpa", prepacked: bool = True, prepare: bool = True, cfg: LlamaConfig | None = None,
-          head: str | None = None) -> Llama:
-    """A checkpoint directory -> a model ready to run: read it, quantize every Linear if ``weights``
-    (int8/int4) asks (the LM head per ``head``: quantize.scheme_of), build the CPU's C++ kernels,
-    give eager passes their prepacked weights (``prepacked=False``: half the memory, slower
-    several-position passes). ``prepare=False``: quantized layers stay portable (to save)."""
-    quantize.check_scheme(weights, group_size)
-    cfg = cfg or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
-    if cfg.quantization and weights not in (None, "auto"):
-        raise ValueError(f"{model_dir} is already quantized ({cfg.quantization['weights']}); "
+def load(cfg: RunConfig) -> tuple[Llama, Tokenizer]:
+    """cfg.model (alias, directory or .gguf) -> (model, tokenizer): `build` on the resolved
+    directory, with every EOS id either file knows."""
+    model_dir, config, tok = read_model_dir(cfg.model)
+    return build(model_dir, cfg, config), tok
+
+
+def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare: bool = True) -> Llama:
+    """A checkpoint directory -> a model ready to run as ``cfg`` says: read it, quantize every
+    Linear if cfg.weights (int8/int4) asks (the LM head per cfg.head: quantize.scheme_of), build
+    the CPU's C++ kernels, give eager passes their prepacked weights (cfg.prepack False: half the
+    memory, slower several-position passes), compile the one-token step (cfg.compile).
+    ``prepare=False``: quantized layers stay portable (to save)."""
+    config = config or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
+    if config.quantization and cfg.weights is not None:
+        raise ValueError(f"{model_dir} is already quantized ({config.quantization['weights']}); "
                          f"drop --weights or load the full-precision checkpoint")
-    device = kernels.pick_device(device)
-    dtype = kernels.pick_dtype(dtype, device)
-    if cfg.quantization:        # portable layers: swap_quantized prepares them for its kernels
-        model = quantize.from_pretrained(model_dir, device, dtype, cfg, attention(attn), prepare=False)
+    attend = attention(cfg.attn)
+    if config.quantization:     # portable layers: swap_quantized prepares them for its kernels
+        model = quantize.from_pretrained(model_dir, cfg.device, cfg.dtype, config, attend, prepare=False)
     else:
-        model = (drafting.EagleHead if cfg.eagle else Llama).from_pretrained(model_dir, device, dtype,
-                                                                             cfg, attention(attn))
-    if device.type == "cpu":
+        read = (drafting.EagleHead if config.eagle else Llama).from_pretrained
+        model = read(model_dir, cfg.device, cfg.dtype, config, attend)
+    if cfg.device.type == "cpu":
         kernels.native_kernels()
-    quantize.quantize_model(model, weights, group_size, prepare=False, head=head)
+    quantize.quantize_model(model, cfg.weights, cfg.group_size, prepare=False, head=cfg.head)
     if prepare:
-        kernels.swap_quantized(model, dtype)
-    kernels.prepack(model, copies=prepacked)    # a no-op off the CPU
+        kernels.swap_quantized(model, cfg.dtype)
+    kernels.prepack(model, copies=cfg.prepack)    # a no-op off the CPU
+    if cfg.compile:
+        kernels.compile_decode(model, build=not cfg.background_compile)
     return model
 
 
-def load(name: str = checkpoint.DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None,
-         group_size: int = quantize.GROUP, attn: str = "sdpa", prepacked: bool = True,
-         head: str | None = None) -> tuple[Llama, Tokenizer]:
-    """Alias, directory or .gguf -> (model, tokenizer): `build` on the resolved directory, with
-    every EOS id either file knows."""
-    quantize.check_scheme(weights, group_size)
-    model_dir, cfg, tok = read_model_dir(name)
-    return build(model_dir, device, dtype, weights, group_size, attn, prepacked, cfg=cfg, head=head), tok
+def load_compiled(model: Llama) -> Llama:
+    """After a background build (cfg.background_compile): the step again, which now loads the package."""
+    return kernels.compile_decode(model)
+
+
+def load_tp(cfg: RunConfig, device: torch.device, group=None) -> tuple[Llama, Tokenizer]:
+    """This rank's part of the model on ``device`` (tp.load: read on the CPU, checked against the
+    other ranks, split), then the swaps `build` makes: the CPU's C++ kernels, prepacked weights."""
+    model, tok = tp.load(cfg.model, device, cfg.dtype, attention(cfg.attn), group)
+    if device.type == "cpu":
+        kernels.native_kernels()
+    return kernels.prepack(model, copies=cfg.prepack), tok
 
 
 def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -> bool:
@@ -80,34 +95,61 @@ def narrow_draft(stored: str | None, device: torch.device, dtype: torch.dtype) -
     return stored == "bfloat16" and dtype == torch.float32 and device.type == "cpu" and kernels.bf16_supported(device)
 
 
-def load_draft(name: str, target: Llama, target_tok, device=None, dtype=None,
-               compile: bool = False) -> Llama | drafting.MedusaHeads:
+def load_draft(name: str, target: Llama, target_tok, compile: bool = False) -> Llama | drafting.MedusaHeads:
     """--draft MODEL: any model name `load` accepts, `bundled` (train.py's EAGLE
-    head) or `medusa` (train.py --medusa's heads, or any directory it writes);
-    ``compile``: a draft model's one-token step compiled (it then drafts on a static cache).
-    A model directory without tokenizer files (what train.py writes: its drafts use
-    the target's tokenizer by construction) is checked against the target's."""
+    head) or `medusa` (train.py --medusa's heads, or any directory it writes), on the
+    target's device in the target's dtype; ``compile``: a draft model's one-token step
+    compiled (it then drafts on a static cache: drafting.DraftModel). A model directory without tokenizer files
+    (what train.py writes: its drafts use the target's tokenizer by construction) is
+    checked against the target's."""
     if name in drafting.TRAIN:
         where = drafting.BUNDLED_DRAFT if name == "bundled" else drafting.BUNDLED_MEDUSA
         if not (where / "config.json").is_file():
             raise ValueError(f"no trained draft in {where}: run `{drafting.TRAIN[name]} or pass --draft MODEL")
         name = str(where)
-    path = Path(name)
+    path, w = Path(name), target.embed_tokens.weight
     if path.is_dir() and "medusa_heads" in safetensors_io.read_config(path):
-        heads = drafting.MedusaHeads.from_dir(path, target.embed_tokens.weight.dtype, target.embed_tokens.weight.device)
+        heads = drafting.MedusaHeads.from_dir(path, w.dtype, w.device)
         if len(heads.head_ids) and int(heads.head_ids.max()) >= target.config.vocab_size:
             raise ValueError(f"the Medusa heads in {path} score tokens beyond the target's vocabulary "
                              f"({target.config.vocab_size} ids): they were trained for another model")
         return heads.share_target(target)       # MedusaDraft checks their width
+    cfg = RunConfig(name, w.device, w.dtype)
     if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        dev = kernels.pick_device(device)
-        if narrow_draft(safetensors_io.read_config(path).get("torch_dtype"), dev, kernels.pick_dtype(dtype, dev)):
-            dtype = torch.bfloat16
-        draft, tok = build(path, dev, dtype), target_tok
+        if narrow_draft(safetensors_io.read_config(path).get("torch_dtype"), w.device, w.dtype):
+            cfg = replace(cfg, dtype=torch.bfloat16)
+        draft, tok = build(path, cfg), target_tok
     else:
-        draft, tok = load(name, device, dtype)
+        draft, tok = load(cfg)
     drafting.check_same_vocab(target_tok, tok, target, draft)
     if draft.config.eagle:      # its width is checked by EagleDraft, the one way to use it
         drafting.share_target(draft, target)   # a new LM head weight: prepack it
     kernels.prepack(draft)
     return kernels.compile_decode(draft) if compile else draft
+
+
+def proposer(cfg: RunConfig, target: Llama, tok) -> speculative.Proposer | None:
+    """cfg's speculative settings -> a proposer (or None for plain decoding). One at a time.
+    cfg.compile compiles a draft model's one-token step; cfg.spec_tree "W,M" makes an
+    EAGLE head or Medusa heads draft a tree (EagleDraft.propose_tree, MedusaDraft)."""
+    chosen = [name for name, v in (("--draft", cfg.draft), ("--lookahead", cfg.lookahead),
+                                   ("--prompt-lookup", cfg.prompt_lookup)) if v is not None]
+    if cfg.lookahead is not None and len(chosen) > 1:
+        raise ValueError(f"choose one speculative method, not {' and '.join(chosen)} "
+                         f"(only --draft and --prompt-lookup combine)")
+    speculative.check_k(cfg.spec_k)
+    shape = speculative.parse_tree(cfg.spec_tree) if cfg.spec_tree is not None else None
+    if cfg.draft is not None:
+        model = load_draft(cfg.draft, target, tok, cfg.compile)
+        if shape is not None and isinstance(model, Llama) and not model.config.eagle:
+            raise ValueError(f"--spec-tree needs an EAGLE head or Medusa heads as the draft (train.py's `bundled` "
+                             f"or `medusa`); {cfg.draft} is a standalone draft model")
+        found = drafting.draft_proposer(model, target, cfg.spec_k, cfg.adaptive_k, shape)
+        return found if cfg.prompt_lookup is None else drafting.LookupThenDraft(found, cfg.prompt_lookup)
+    if shape is not None:
+        raise ValueError("--spec-tree needs --draft with an EAGLE head or Medusa heads (--draft bundled or medusa)")
+    if cfg.lookahead is not None:
+        return drafting.Lookahead(*drafting.parse_lookahead(cfg.lookahead))
+    if cfg.prompt_lookup is not None:
+        return drafting.PromptLookup(cfg.prompt_lookup, cfg.spec_k)
+    return None

@@ -22,10 +22,6 @@ COURSE = ["model", "kvcache", "flash", "paged", "engine", "speculative", "quanti
           "plan", "kernels"]
 PROGRAMS = ["serve_local", "server", "bench", "train"]
 PRODUCT = ("nanoinfer", "bench")       # packages: the product, the benchmarks
-# Lessons that still reach forward, each what issue 38 has yet to move out: the loader's device
-# choices in tp and the probe's measurements in plan. The list may only shrink: a new forward import
-# fails, and so does a stale entry.
-STILL_FORWARD = {"tp": {"kernels"}, "plan": {"kernels"}}
 
 
 def modules() -> dict[str, Path]:
@@ -96,7 +92,7 @@ def test_lessons_import_only_earlier_lessons_and_ground():
         for m, line, _ in project_imports(modules()[name]):
             if m != name and m not in allowed(name) and m not in PRODUCT:
                 forward.setdefault(name, set()).add(m)
-    assert forward == STILL_FORWARD
+    assert forward == {}
 
 
 def test_no_lesson_imports_the_product_or_bench():

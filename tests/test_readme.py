@@ -48,7 +48,7 @@ COVERED = {
     "python serve_local.py --model ./model.Q4_K_M.gguf": "test_checkpoint.py (GGUF files)",
     "python tokenizer.py PATH": "test_tokenizer.py",
     "python serve_local.py --draft medusa --spec-tree 4,10": "test_drafting.py::test_committed_medusa "
-                                                             "(make_proposer with these flags)",
+                                                             "(nanoinfer.load.proposer with these flags)",
     "python bench.py report": "test_results.py (RESULTS.md is what results/*.json render to)",
     "make serve": "test_server.py::test_sigterm_finishes_streams_and_exits_0 (python server.py)",
     "python server.py": "test_server.py::test_sigterm_finishes_streams_and_exits_0",

@@ -137,8 +137,9 @@ def test_engine_step_table(tmp_path):
 def test_long_prompts_scenario_saves_its_table(tmp_path, capsys):
     """The chunked-prefill scenario run for real on a tiny checkpoint: its table, the same
     tokens with and without chunks, and the decoders' gaps counted."""
+    from nanoinfer.config import RunConfig
     from nanoinfer.load import load
-    model, _ = load(str(make_checkpoint(tmp_path / "tiny", max_position_embeddings=4096)))
+    model, _ = load(RunConfig(str(make_checkpoint(tmp_path / "tiny", max_position_embeddings=4096))))
     args = argparse.Namespace(model="tiny", decoders=2, decode_tokens=12, long_prompts=2, chunks=[0, 256], max_batch=8)
     bench.batching.bench_long_prompts(model, args)
     r = record("chunked-prefill")

@@ -11,7 +11,6 @@ import model as M
 import nanoinfer.load as nl
 import drafting as D
 import sampling
-import serve_local
 import speculative as S
 from conftest import make_checkpoint
 from spec_common import PROMPTS, SMALL, check_cache_lengths, check_greedy, check_sampling, head_subset, plain
@@ -195,7 +194,7 @@ def test_medusa_reads_the_last_feature(models, medusa_heads, tmp_path):
 def test_draft_vocabulary_checked_at_load(tmp_path):
     tgt_dir = make_checkpoint(tmp_path / "t")
     bad_dir = make_checkpoint(tmp_path / "d", vocab_size=352)
-    target, tok = nl.load(str(tgt_dir))
+    target, tok = nl.load(nl.RunConfig(str(tgt_dir)))
     with pytest.raises(ValueError, match="draft's vocabulary .* differs"):
         nl.load_draft(str(bad_dir), target, tok)
     assert nl.load_draft(str(tgt_dir), target, tok).config.vocab_size == 320
@@ -216,7 +215,7 @@ def test_committed_draft(bundled_dir):
     files = list(D.BUNDLED_DRAFT.iterdir())
     assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
                                                                                           "model.safetensors"}
-    target, tok = nl.load(str(bundled_dir), "cpu", "float32")
+    target, tok = nl.load(nl.RunConfig(str(bundled_dir)))
     head = nl.load_draft("bundled", target, tok)
     assert head.config.eagle and head.embed_tokens is target.embed_tokens
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()       # stored in bf16: run in bf16 where the CPU can
@@ -228,7 +227,7 @@ def test_committed_draft(bundled_dir):
     want = list(M.generate_cached(target, prompt, greedy))
     per_forward = []
     for proposer in (D.EagleDraft(head, target, 3), D.LookupThenDraft(D.EagleDraft(head, target, 3), 3),
-                     serve_local.make_proposer(target, tok, "bundled", 3, tree="4,10")):
+                     nl.proposer(nl.RunConfig(draft="bundled", spec_k=3, spec_tree="4,10"), target, tok)):
         spec = S.SpecStats()
         assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == want
         per_forward.append(spec.tokens_per_forward)
@@ -241,7 +240,7 @@ def test_committed_draft_with_int4_weights(bundled_dir):
     """The plan's int4 target (the GGUF's own Q4_1 bits, an int8 LM head): the EAGLE head scores with the
     head's dequantized rows (not its raw int8 codes), so it still guesses well, and with the C++ kernels
     (batch-invariant) the speculative text is the int4 model's own greedy text."""
-    target, tok = nl.load(str(bundled_dir), "cpu", "float32", weights="int4", prepacked=False)
+    target, tok = nl.load(nl.RunConfig(str(bundled_dir), weights="int4", prepack=False))
     head = nl.load_draft("bundled", target, tok)
     text = "Write a short poem about a lighthouse keeper."
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)
@@ -260,7 +259,7 @@ def test_committed_medusa(bundled_dir):
     files = list(D.BUNDLED_MEDUSA.iterdir())
     assert sum(f.stat().st_size for f in files) <= 25e6 and {f.name for f in files} == {"config.json",
                                                                                           "model.safetensors"}
-    target, tok = nl.load(str(bundled_dir), "cpu", "float32")
+    target, tok = nl.load(nl.RunConfig(str(bundled_dir)))
     heads = nl.load_draft("medusa", target, tok)
     assert isinstance(heads, D.MedusaHeads) and len(heads.blocks) == 4
     assert heads.rows.shape == (len(heads.head_ids), target.config.hidden_size) and len(heads.head_ids) < 49152
@@ -269,7 +268,7 @@ def test_committed_medusa(bundled_dir):
     greedy = M.SamplingParams(temperature=0, max_new_tokens=64)
     want = list(M.generate_cached(target, prompt, greedy))
     per_forward = []
-    for proposer in (D.MedusaDraft(heads, target), serve_local.make_proposer(target, tok, "medusa", 4, tree="4,10")):
+    for proposer in (D.MedusaDraft(heads, target), nl.proposer(nl.RunConfig(draft="medusa", spec_k=4, spec_tree="4,10"), target, tok)):
         spec = S.SpecStats()
         assert list(S.generate(target, prompt, greedy, proposer, spec=spec)) == want
         per_forward.append(spec.tokens_per_forward)

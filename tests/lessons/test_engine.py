@@ -180,7 +180,7 @@ def test_sliding_window_model_in_pages(tmp_path):
 
 
 def test_bundled_model_batched_equals_alone(bundled_dir):
-    m, tok = nl.load(str(bundled_dir), dtype="float32")
+    m, tok = nl.load(nl.RunConfig(str(bundled_dir)))
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_bos=False)
                for q in ["What is the capital of France?", "Write a haiku about the sea.",
                          "Name three primes."]]
@@ -611,7 +611,7 @@ class InterruptAfter(io.StringIO):
 
 
 def test_chat_paged_ctrl_c_stops_the_answer_between_steps(tiny_ckpt):
-    m, tok = nl.load(str(tiny_ckpt))
+    m, tok = nl.load(nl.RunConfig(str(tiny_ckpt)))
     chat = serve_local.PagedChat(m, tok, M.SamplingParams(max_new_tokens=30), raw=True, ctx=200)
     m.config.eos_ids = []
     out = InterruptAfter(3)
@@ -627,7 +627,7 @@ def test_chat_paged_ctrl_c_stops_the_answer_between_steps(tiny_ckpt):
 
 
 def test_chat_paged_turns_reuse_blocks(bundled_dir):
-    m, tok = nl.load(str(bundled_dir), dtype="float32")
+    m, tok = nl.load(nl.RunConfig(str(bundled_dir)))
     params = M.SamplingParams(max_new_tokens=8)
     runs = {}
     for kv in ("contiguous", "paged"):

@@ -207,7 +207,7 @@ def test_bundled_model_greedy_flash_equals_naive(bundled_dir):
     prompt = None
     runs = {}
     for attn in ("flash", "naive"):
-        model, tok = nl.load(str(bundled_dir), "cpu", "float32", attn=attn)
+        model, tok = nl.load(nl.RunConfig(str(bundled_dir), attn=attn))
         model.config.eos_ids = []
         prompt = prompt or tok.encode(tok.apply_chat_template(
             [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]), add_bos=False)

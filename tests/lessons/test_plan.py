@@ -1,5 +1,6 @@
 """plan.py: the runner's configuration, chosen from a machine (built by hand here, so every kind of
-machine is testable on any), a model's config and a context, with a reason per choice."""
+machine is testable on any), a model's config and a context, with a reason per choice; the flags
+laid over it (nanoinfer/config.py: RunConfig.from_flags); this machine measured (nanoinfer/machine.py)."""
 
 import json
 import time
@@ -13,6 +14,7 @@ import plan
 import serve_local
 from conftest import run_cli
 import nanoinfer.load as nl
+from nanoinfer import machine
 
 GB = 1 << 30
 
@@ -58,7 +60,7 @@ def test_cpu_without_bf16(smol):
     assert (p.draft, p.prompt_lookup, p.spec_k, p.weights, p.kv_dtype) == ("bundled", 3, 4, "auto", "auto")
     text = plan.describe(p)
     assert "no native bf16" in text and "verify passes would run eagerly" in text and "exact: in fp32" in text
-    q = plan.merge(p, args("--compile"))                   # asked for: compiled, still speculating
+    q = overlay(p, "--compile")                            # asked for: compiled, still speculating
     assert (q.cache, q.compile, q.draft) == ("static", True, "bundled")
     assert "int4 would be the GGUF's own Q4_1 bits, but it computes no faster here (1.200" in text
     tok = smol.token_bytes("float", "float32")
@@ -121,63 +123,83 @@ def test_weights_quantized_when_the_model_does_not_fit(tiny):
     assert plan.choose(CUDA, tiny).weights == "auto"
 
 
-def args(*flags):
-    return vars(serve_local.parse_args(list(flags)))
+def overlay(p, *flags):
+    """The plan in effect under the runner's ``flags``: RunConfig.from_flags lays them over ``p``."""
+    return nl.RunConfig.from_flags(serve_local.parse_args(list(flags)), p).in_effect()
 
 
 def test_explicit_flags_override_the_plan(smol, tiny):
     p = plan.choose(cpu(), smol)
-    assert plan.merge(p, args()) == p
-    q = plan.merge(p, args("--dtype", "bf16", "--weights", "int8", "--kv-dtype", "int8", "--attn", "flash",
-                           "--spec-k", "6", "--ctx", "512", "--draft", "medusa"))
+    assert overlay(p) == p
+    q = overlay(p, "--dtype", "bf16", "--weights", "int8", "--kv-dtype", "int8", "--attn", "flash",
+                "--spec-k", "6", "--ctx", "512", "--draft", "medusa")
     assert (q.dtype, q.weights, q.kv_dtype, q.attn, q.spec_k, q.ctx) == ("bfloat16", "int8", "int8", "flash", 6, 512)
     assert (q.draft, q.prompt_lookup) == ("medusa", None)
     compiled = plan.choose(cpu(), tiny)                    # no draft: compiled
     assert (compiled.cache, compiled.compile, compiled.draft) == ("static", True, None)
     assert "compiles it once" in plan.describe(compiled)
-    q = plan.merge(compiled, args("--cache", "dynamic"))   # an explicit cache turns the plan's compile off
+    q = overlay(compiled, "--cache", "dynamic")            # an explicit cache turns the plan's compile off
     assert (q.cache, q.compile) == ("dynamic", False)
-    q = plan.merge(p, args("--no-compile"))
+    q = overlay(p, "--no-compile")
     assert (q.cache, q.compile) == ("dynamic", False)
     eager = plan.choose(cpu(compiler=None), smol)
-    q = plan.merge(eager, args("--compile"))               # --compile alone takes a static cache
+    q = overlay(eager, "--compile")                        # --compile alone takes a static cache
     assert (q.cache, q.compile) == ("static", True)
-    assert plan.merge(eager, args("--ctx", "256")).cache == "static"
-    q = plan.merge(p, args("--weights", "int4"))            # speculation was planned for float weights
+    assert overlay(eager, "--ctx", "256").cache == "static"
+    q = overlay(p, "--weights", "int4")                    # speculation was planned for float weights
     assert (q.weights, q.draft, q.prompt_lookup) == ("int4", None, None)
-    assert plan.merge(p, args("--weights", "int4", "--draft", "bundled")).draft == "bundled"
-    q = plan.merge(p, args("--prompt-lookup", "2"))         # a method given replaces the plan's
+    assert overlay(p, "--weights", "int4", "--draft", "bundled").draft == "bundled"
+    q = overlay(p, "--prompt-lookup", "2")                 # a method given replaces the plan's
     assert (q.draft, q.prompt_lookup) == (None, 2)
-    q = plan.merge(p, args("--lookahead", "4,3,4"))
+    q = overlay(p, "--lookahead", "4,3,4")
     assert (q.draft, q.prompt_lookup, q.lookahead) == (None, None, "4,3,4")
     for flags in (["--kv", "paged"], ["--decoder", "naive"], ["--tp", "2", "--prompt", "x"]):
-        q = plan.merge(p, args(*flags))
+        q = overlay(p, *flags)
         assert (q.compile, q.cache, q.draft, q.prompt_lookup) == (False, "dynamic", None, None), flags
     with pytest.raises(ValueError, match="--compile needs --cache static"):
         serve_local.check_flags(serve_local.parse_args(["--compile", "--cache", "dynamic"]))
 
 
 def test_no_speculation(smol):
-    p = plan.merge(plan.choose(cpu(), smol), args("--no-speculation"))
+    p = overlay(plan.choose(cpu(), smol), "--no-speculation")
     assert (p.draft, p.prompt_lookup, p.lookahead) == (None, None, None)
     assert "no speculation" in plan.summary(p)
     with pytest.raises(ValueError, match="--no-speculation"):
-        plan.merge(p, args("--no-speculation", "--draft", "bundled"))
+        overlay(p, "--no-speculation", "--draft", "bundled")
 
+
+
+def test_one_run_config_from_either_command(smol):
+    """The runner's and the server's flags become one RunConfig the same way, in torch's types; the
+    server runs the engine (eager and paged: no compile, no speculation) on the plan's dtype."""
+    import server
+    p = plan.choose(cpu(bf16=True, int4=0.05), smol)          # fp32, int4 weights, compiled
+    cfg = nl.RunConfig.from_flags(server.parse_args([]), p)
+    assert (cfg.device, cfg.dtype, cfg.weights, cfg.kv_dtype, cfg.head) == (torch.device("cpu"), torch.float32,
+                                                                             None, None, "float")
+    assert (cfg.kv, cfg.compile, cfg.draft, cfg.prompt_lookup, cfg.attn) == ("paged", False, None, None, "sdpa")
+    cfg = nl.RunConfig.from_flags(server.parse_args(["--dtype", "bf16", "--weights", "int8"]), p)
+    assert (cfg.dtype, cfg.weights) == (torch.bfloat16, "int8")
+    one = nl.RunConfig.from_flags(serve_local.parse_args(["--prompt", "x"]), p)
+    assert (one.dtype, one.weights, one.compile, one.background_compile) == (torch.float32, "int4", True, False)
+    assert nl.RunConfig.from_flags(serve_local.parse_args([]), p).background_compile     # a chat's first start
+    assert not nl.RunConfig.from_flags(serve_local.parse_args(["--compile-only"]), p).background_compile
+    with pytest.raises(ValueError, match="int4 group size must be one of"):
+        nl.RunConfig.from_flags(serve_local.parse_args(["--weights", "int4", "--group-size", "48"]), p)
 
 def test_probe_measures_once_and_caches(tmp_path, monkeypatch):
     kernels.native_kernels(quiet=True)       # built (or found) where it lives, not again under tmp_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    m = plan.probe(torch.device("cpu"), (256, 128))
+    m = machine.probe(torch.device("cpu"), (256, 128))
     assert m.device == "cpu" and m.memory > GB and m.bandwidth > 1e8 and m.threads == torch.get_num_threads()
     assert set(m.ns_per_weight) >= {"float32", "int8", "int4"} and all(v > 0 for v in m.ns_per_weight.values())
     [path] = (tmp_path / "nanoinfer" / "plan").glob("*.json")
     assert json.loads(path.read_text())["name"] == m.name
     # the second call reads the cache: it measures nothing (a measurement here would raise)
-    monkeypatch.setattr(plan, "calibrate", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(machine, "calibrate", lambda *a, **k: pytest.fail("measured again"))
     monkeypatch.setattr(kernels, "read_bandwidth", lambda *a, **k: pytest.fail("measured again"))
     t0 = time.perf_counter()
-    assert plan.probe(torch.device("cpu"), (256, 128)) == m and time.perf_counter() - t0 < 0.5
+    assert machine.probe(torch.device("cpu"), (256, 128)) == m and time.perf_counter() - t0 < 0.5
 
 
 @pytest.mark.parametrize("flags", [[], ["--model", "tinyllama", "--ctx", "8192"]])
@@ -222,9 +244,10 @@ def test_default_plan_is_exact_to_the_file(bundled_dir, smol, one_thread):
     from sampling import SamplingParams
     p = plan.choose(cpu(bf16=True, int4=0.05), smol)
     assert (p.weights, p.head) == ("int4", "float")
-    ours, tok = nl.load(str(bundled_dir), "cpu", p.dtype, p.weights, head=p.head)
+    ours, tok = nl.load(nl.RunConfig(str(bundled_dir), dtype=kernels.DTYPES[p.dtype], weights=p.weights,
+                                     head=p.head))
     assert isinstance(ours.lm_head, torch.nn.Linear) and ours.lm_head.weight.dtype == torch.float32
-    exact, _ = nl.load(str(bundled_dir), "cpu", "float32")
+    exact, _ = nl.load(nl.RunConfig(str(bundled_dir)))
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
     for text in EXACT_PROMPTS:
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)

@@ -155,14 +155,14 @@ def test_saved_checkpoint_matches_on_the_fly(tmp_path, scheme):
                            "--dtype", "float32", "--out", str(tmp_path / "q"))
     assert rc == 0, err
     assert json.loads((tmp_path / "q" / "config.json").read_text())[Q.CONFIG_KEY]["weights"] == scheme
-    loaded, tok = nl.load(str(tmp_path / "q"), "cpu", "float32")
-    fly, _ = nl.load(str(src), "cpu", "float32", weights=scheme, group_size=32)
+    loaded, tok = nl.load(nl.RunConfig(str(tmp_path / "q")))
+    fly, _ = nl.load(nl.RunConfig(str(src), weights=scheme, group_size=32))
     assert isinstance(loaded.layers[0].mlp.down_proj, Q.Int8Linear if scheme == "int8" else Q.Int4Linear)
     assert isinstance(loaded.lm_head, Q.Int8Linear)          # int4 keeps the head in int8
     ids = torch.tensor([PROMPT])
     assert torch.equal(loaded(ids, torch.arange(len(PROMPT))), fly(ids, torch.arange(len(PROMPT))))
     assert decode(loaded, PROMPT, None, 40) == decode(fly, PROMPT, None, 40)
-    assert Q.weight_bytes(loaded) < Q.weight_bytes(nl.load(str(src), "cpu", "float32")[0]) / 2
+    assert Q.weight_bytes(loaded) < Q.weight_bytes(nl.load(nl.RunConfig(str(src)))[0]) / 2
     # the plain lesson loader names the one that reads it
     with pytest.raises(ValueError, match=f"holds {scheme} weights written by quantize.py: load it with "
                                          f"quantize.from_pretrained"):

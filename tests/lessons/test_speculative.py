@@ -219,7 +219,7 @@ def test_static_cache_and_chat_turns(models, tmp_path):
         cache = kvcache.new_cache(target, "static", max_len=128)
         assert list(S.generate(target, prompt, greedy, proposer, cache=cache)) == want
         assert cache.length == len(prompt) + 64 - 1
-    model, tok = nl.load(str(make_checkpoint(tmp_path / "chat")))
+    model, tok = nl.load(nl.RunConfig(str(make_checkpoint(tmp_path / "chat"))))
     model.config.eos_ids = []
     params = M.SamplingParams(temperature=0, max_new_tokens=40)
     chats = [serve_local.Chat(model, tok, params),

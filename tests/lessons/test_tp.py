@@ -23,16 +23,18 @@ from sampling import SamplingParams
 from tokenizer import Tokenizer
 import kvcache
 import nanoinfer.load
+from nanoinfer.config import RunConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW, KV_TOKENS = 64, 256
+CPU = torch.device("cpu")
 
 
 def two_ranks(paths: dict, prompts: dict, other: str) -> dict:
     """Every phase of the main launch, on each rank; rank 0 returns what all ranks saw."""
     rank, out, models = dist.get_rank(), {}, {}
     for key in ("gqa", "bundled"):
-        llama, _ = tp.load(paths[key], "cpu", "float32")
+        llama, _ = nanoinfer.load.load_tp(RunConfig(paths[key]), CPU)     # as the runner loads a rank
         models[key], prompt = llama, prompts[key]
         tokens = tp.generate(llama, prompt, NEW)
         ids = prompt + tokens
@@ -60,7 +62,7 @@ def two_ranks(paths: dict, prompts: dict, other: str) -> dict:
         except ConnectionError as e:
             out["stalled"] = str(e), time.perf_counter() - t0
     try:                                  # rank 1 was given another checkpoint of the same shapes
-        tp.load(paths["gqa"] if rank == 0 else other, "cpu", "float32")
+        nanoinfer.load.load_tp(RunConfig(paths["gqa"] if rank == 0 else other), CPU)
         out["mismatch"] = None
     except ValueError as e:
         out["mismatch"] = str(e)
@@ -98,7 +100,7 @@ def alone(launched):
     paths, prompts, _, _ = launched
     out = {}
     for key, prompt in prompts.items():
-        llama, _ = nanoinfer.load.load(paths[key], "cpu", "float32")
+        llama, _ = nanoinfer.load.load(RunConfig(paths[key]))
         tokens = tp.generate(llama, prompt, NEW)
         with torch.inference_mode():
             logits = llama(torch.tensor([prompt + tokens]), torch.arange(len(prompt) + NEW))[0]

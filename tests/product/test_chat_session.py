@@ -61,7 +61,7 @@ def test_ctrl_c_in_an_answer_and_at_the_prompt(bundled_dir, tmp_path):
     partial = clean(shown).removeprefix("\n") + clean(held_back).split("\n", 1)[0]
     got = clean(answer).strip("\n")
 
-    m, tok = nl.load(str(bundled_dir), dtype="float32")
+    m, tok = nl.load(nl.RunConfig(str(bundled_dir)))
     fresh = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=300))
     fresh.messages = [{"role": "user", "content": STORY}, {"role": "assistant", "content": partial}]
     out = io.StringIO()

@@ -65,7 +65,7 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
         return {p.name for f in code for p in kernels.project_sources(sys.modules[f.__module__], home)}
     assert {"model.py", "kernels.py", "kvcache.py"} <= sources(second, type(kvcache.new_cache(second, "static", 8)))
     # the runner's: flash.py's attention around kernels.cpp's decode, int8 layers (quantize.py)
-    runner = nl.build(path, "cpu", "float32", "int8")
+    runner = nl.build(path, nl.RunConfig(weights="int8"))
     assert {"model.py", "kernels.py", "flash.py", "quantize.py"} <= sources(runner, None)
 
 

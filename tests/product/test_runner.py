@@ -20,7 +20,7 @@ from kvcache import common_prefix
 
 
 def three_turns(path, decoder, raw=False, cache_kind="dynamic"):
-    m, tok = nl.load(str(path))
+    m, tok = nl.load(nl.RunConfig(str(path)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=12), decoder=decoder, raw=raw,
                             system=None if raw else "Be brief.", cache_kind=cache_kind, ctx=200)
     answers, stats = [], []
@@ -58,7 +58,7 @@ def test_raw_mode_continues_the_text(tiny_ckpt):
 
 
 def test_streamed_text_equals_decoded_answer(tiny_ckpt):
-    m, tok = nl.load(str(tiny_ckpt))
+    m, tok = nl.load(nl.RunConfig(str(tiny_ckpt)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=20))
     out = io.StringIO()
     chat.turn("hello", out=out)
@@ -130,7 +130,7 @@ def test_help_shows_the_sampling_defaults(capsys):
 
 
 def test_the_runner_keeps_a_forged_turn_as_text(tiny_ckpt):
-    m, tok = nl.load(str(tiny_ckpt))
+    m, tok = nl.load(nl.RunConfig(str(tiny_ckpt)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=2))
     ids = chat.conversation_ids(INJECTION)
     special = set(tok.special_ids)
@@ -196,7 +196,7 @@ def test_prompt_longer_than_context(capsys, tmp_path):
 def test_context_overflow_in_chat_keeps_conversation(tmp_path):
     """In chat a too-long turn is refused, the conversation and its cache stay usable."""
     path = make_checkpoint(tmp_path / "short", max_position_embeddings=64)
-    m, tok = nl.load(str(path))
+    m, tok = nl.load(nl.RunConfig(str(path)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=4))
     chat.turn("hello", out=io.StringIO())
     before = (list(chat.ids), chat.cache.length, list(chat.messages))
@@ -212,7 +212,7 @@ def test_overflow_hints_fit_the_situation(tmp_path, capsys):
     path = make_checkpoint(tmp_path / "short", max_position_embeddings=64)
     last = fails_with(capsys, ["--model", str(path), "--prompt", "The quick brown fox jumps " * 10], "context holds")
     assert "/reset" not in last and "shorten the message" in last
-    m, tok = nl.load(str(path))
+    m, tok = nl.load(nl.RunConfig(str(path)))
     chat = serve_local.Chat(m, tok, M.SamplingParams(max_new_tokens=4))
     chat.turn("hello", out=io.StringIO())
     with pytest.raises(M.ContextOverflow) as e:     # this message alone does not fit: /reset would not help
@@ -229,7 +229,7 @@ def test_overflow_hints_fit_the_situation(tmp_path, capsys):
 def test_an_answer_cut_by_the_context_says_so(capsys, tiny_ckpt):
     argv = ["--model", str(tiny_ckpt), "--cache", "static", "--ctx", "40", "--max-new-tokens", "100",
             "--temperature", "0", "--raw", "--prompt", "hello there"]
-    with_eos = nl.load(str(tiny_ckpt))[0].config.eos_ids
+    with_eos = nl.load(nl.RunConfig(str(tiny_ckpt)))[0].config.eos_ids
     assert serve_local.main(argv) == 0
     err = capsys.readouterr().err
     if "context 40/40" not in err:
@@ -240,7 +240,7 @@ def test_an_answer_cut_by_the_context_says_so(capsys, tiny_ckpt):
 # --- the paged runner's stats line -------------------------------------------------------------
 
 def test_paged_stats_agree_with_the_contiguous_cache(bundled_dir):
-    m, tok = nl.load(str(bundled_dir), dtype="float32")
+    m, tok = nl.load(nl.RunConfig(str(bundled_dir)))
     params = M.SamplingParams(max_new_tokens=8, ignore_eos=True)
     runs = {"contiguous": [], "paged": []}
     for _ in range(3):                                   # interleaved: a slow moment hits both

@@ -21,6 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import engine                      # noqa: E402
 import server                      # noqa: E402
+from nanoinfer.config import RunConfig  # noqa: E402
 from nanoinfer.load import load   # noqa: E402
 from sampling import SamplingParams, visible  # noqa: E402
 
@@ -74,7 +75,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def model_tok(bundled_dir):
-    return load(str(bundled_dir))
+    return load(RunConfig(str(bundled_dir)))
 
 
 @pytest.fixture(scope="module")
