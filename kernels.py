@@ -243,16 +243,6 @@ def pick_device(name: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(name, device: torch.device) -> torch.dtype:
-    """A dtype by name; auto: bf16 on a GPU (its tensor cores), fp32 on a CPU (the exact
-    reference)."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name is None or name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return model.as_dtype(name)
-
-
 def bf16_supported(device: torch.device) -> bool:
     """Whether this device computes bf16 natively (a CPU: oneDNN's avx512_bf16/AMX kernels).
     Elsewhere bf16 is converted to fp32 per element and gains little."""

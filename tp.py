@@ -185,7 +185,14 @@ def collective(op, *args, **kwargs):
 # ----------------------------------------------------------------------------
 # A rank's model: an ordinary Llama of a narrower config.
 
-def shard(full: model.Llama, part: Part, group=None) -> model.Llama:
+class Rank(model.Llama):
+    """A Llama of this rank's narrower config, with what it holds of the whole (``part``) and
+    the counter its RowParallel layers share (``comm``)."""
+    part: Part | None = None
+    comm: Comm | None = None
+
+
+def shard(full: model.Llama, part: Part, group=None) -> Rank:
     """This rank's model: the same Llama class built from a config with its head and unit
     counts (attention reads them from there, and so does new_cache: the cache holds only
     its KV heads), its slices of each product, and o_proj/down_proj wrapped in RowParallel."""
@@ -197,7 +204,7 @@ def shard(full: model.Llama, part: Part, group=None) -> model.Llama:
     state = {name: slice_tensor(name, t, part, c.head_dim) for name, t in model.unfuse(full).items()}
     state = safetensors_io.fuse(state, model.FUSED, c.n_layers)
     with torch.device("meta"):
-        mine = model.Llama(local, full.attend)
+        mine = Rank(local, full.attend)
     mine.load_state_dict(state, assign=True)
     if c.tie_embeddings and not c.eagle:
         mine.tie_head()

@@ -80,7 +80,7 @@ from nanoinfer.config import RunConfig
 from nanoinfer.load import load
 from sampling import SamplingParams
 from drafting import BUNDLED_DRAFT, BUNDLED_MEDUSA, EagleHead, MedusaHeads, share_target
-from speculative import SUMMARISE
+from drafting import SUMMARISE
 
 # ----------------------------------------------------------------------------
 # The prompts: 12 kinds of request × 40 subjects, plus summaries (the draft must learn to copy).
