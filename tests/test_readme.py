@@ -62,6 +62,7 @@ EXTERNAL = {"python -m sglang.launch_server --model-path TinyLlama/TinyLlama-1.1
 SLOW = {
     "python model.py": "~1 min",
     "python speculative.py": "~1 min",
+    "python drafting.py": "~1 min",
     "python bench.py prefix": "~1 min",
     "python bench.py context": "~2 min",
     "python bench.py naive-vs-cached": "~1 min",
