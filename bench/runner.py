@@ -24,7 +24,7 @@ import torch
 import checkpoint
 import kernels
 import results
-import speculative
+import drafting
 from bench.common import CHAT_PROMPTS, HANDBOOK, ROOT, SETTLE_S
 from bench.peers import LlamaServerSession, llama_server_binary
 
@@ -136,7 +136,7 @@ def bench_runner(args):
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if hint := kernels.busy_machine_hint():
         print(hint)
-    prompts = CHAT_PROMPTS[:args.prompts] + [" ".join((speculative.SUMMARISE + HANDBOOK).split())]
+    prompts = CHAT_PROMPTS[:args.prompts] + [" ".join((drafting.SUMMARISE + HANDBOOK).split())]
     threads = torch.get_num_threads()
     fastest = args.fastest.split()
     if args.model != checkpoint.DEFAULT_MODEL:

@@ -176,7 +176,7 @@ def bench_speculative(args):
         methods["plain, compiled (--cache static --compile)"] = lambda: static
         print(f"plain decode step compiled in {time.perf_counter() - t0:.0f} s (not timed below)", flush=True)
     groups = {f"{args.prompts} chat prompts": [chat(t) for t in CHAT_PROMPTS[:args.prompts]],
-              "summarise-this-text prompt": [chat(speculative.SUMMARISE + HANDBOOK)]}
+              "summarise-this-text prompt": [chat(drafting.SUMMARISE + HANDBOOK)]}
     ending = "EOS ignored" if args.ignore_eos else "answers stopping at EOS"
     how = "drafts compiled" if args.compile else "target and drafts eager, as the runner runs them"
     tables, rows = [], {}
