@@ -68,7 +68,8 @@ from speculative import Proposal, Proposer, SpecStats, check_k, check_tree, gene
 ROOT = Path(__file__).resolve().parent
 BUNDLED_DRAFT = ROOT / "drafts" / "smollm2-135m-draft"   # written by train.py
 BUNDLED_MEDUSA = ROOT / "drafts" / "smollm2-135m-medusa"  # written by train.py --medusa 4
-TRAIN = {"bundled": "python train.py` (distils an EAGLE head from the bundled model, ~45 min on 2 CPU cores)",
+TRAIN = {"bundled": "python train.py` (distils an EAGLE head from the bundled model, "
+                    "~45 min on 2 CPU cores)",
          "medusa": "python train.py --medusa 4` (~30 min on 2 CPU cores)"}
 
 
@@ -173,12 +174,13 @@ class DraftModel(Proposer):
     Greedy drafting takes the argmax of the logits and hands verify no
     distributions."""
 
-    def __init__(self, draft: Llama, target: Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
-                 static: bool | None = None):
+    def __init__(self, draft: Llama, target: Llama, k: int = 4, adaptive: bool = False,
+                 k_max: int = 12, static: bool | None = None):
         check_k(k)
         if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
-                             f"{target.config.vocab_size}: a draft must use the target's tokenizer")
+            raise ValueError(f"the draft's vocabulary has {draft.config.vocab_size} tokens and the "
+                             f"target's {target.config.vocab_size}: a draft must use the target's "
+                             f"tokenizer")
         self.model, self.k, self.adaptive, self.k_max = draft, k, adaptive, max(k, k_max)
         self.static = draft.compiled_step is not None if static is None else static
         self.cache = None if self.static else kvcache.new_cache(draft)
@@ -188,7 +190,8 @@ class DraftModel(Proposer):
         """A static cache that holds n tokens (a new, empty one if the current is too small)."""
         if self.cache is None or self.cache.limit < n:
             size = min(max(512, 1 << (n - 1).bit_length()), self.model.config.max_seq_len)
-            with torch.inference_mode():    # as in propose: the compiled step's guards tell the two apart
+            # as in propose: the compiled step's guards tell the two apart
+            with torch.inference_mode():
                 self.cache = kvcache.new_cache(self.model, "static", max_len=size)
             self.ids = []
 
@@ -208,7 +211,8 @@ class DraftModel(Proposer):
         feed, tokens, rows = context[keep:], [], []
         for _ in range(k):
             pos = torch.arange(self.cache.length, self.cache.length + len(feed), device=dev)
-            logits = self.model(torch.tensor([feed], device=dev), pos, self.cache, last_only=True)[0, -1]
+            logits = self.model(torch.tensor([feed], device=dev), pos, self.cache,
+                                last_only=True)[0, -1]
             tokens.append(self.choose(logits, params, gen, rows))
             feed = tokens[-1:]
         self.ids = context + tokens[:-1]
@@ -266,20 +270,24 @@ class EagleDraft(DraftModel):
     With ``tree=(W, M)`` it drafts a tree instead of a chain (propose_tree)."""
     needs_features = True
 
-    def __init__(self, head: Llama, target: Llama, k: int = 4, adaptive: bool = False, k_max: int = 12,
-                 tree: tuple[int, int] | None = None):
+    def __init__(self, head: Llama, target: Llama, k: int = 4, adaptive: bool = False,
+                 k_max: int = 12, tree: tuple[int, int] | None = None):
         if not head.config.eagle:
-            raise ValueError("EagleDraft needs an EAGLE head (config.json \"eagle\": true); use DraftModel")
+            raise ValueError("EagleDraft needs an EAGLE head (config.json \"eagle\": true); "
+                             "use DraftModel")
         if head.config.hidden_size != target.config.hidden_size:
-            raise ValueError(f"the EAGLE head's width is {head.config.hidden_size} but the target's is "
-                             f"{target.config.hidden_size}: it reads the target's features, so it was trained "
-                             f"for another model")
+            raise ValueError(f"the EAGLE head's width is {head.config.hidden_size} but the "
+                             f"target's is {target.config.hidden_size}: it reads the target's "
+                             f"features, so it was trained for another model")
         if tree is not None:
             check_tree(*tree)
-        # a tree grows level by level with several tokens per head pass: the eager step, a dynamic cache
-        super().__init__(head, target, k, adaptive, k_max, head.compiled_step is not None and tree is None)
+        # a tree grows level by level with several tokens per head pass:
+        # the eager step, a dynamic cache
+        super().__init__(head, target, k, adaptive, k_max,
+                         head.compiled_step is not None and tree is None)
         self.tree = tree
-        self.needs_dynamic_cache = tree is not None      # the target's rows too: tree tokens share positions
+        # the target's rows too: tree tokens share positions
+        self.needs_dynamic_cache = tree is not None
         w = target.embed_tokens.weight
         self.features = torch.zeros(0, target.config.hidden_size, dtype=w.dtype, device=w.device)
 
@@ -287,8 +295,9 @@ class EagleDraft(DraftModel):
         """The target's features (T, hidden) at positions start..start+T-1 of the context."""
         end, have = start + len(features), len(self.features)
         if have < end:
-            self.features = torch.cat([self.features, self.features.new_zeros(max(end, 2 * have) - have,
-                                                                              self.features.shape[1])])
+            self.features = torch.cat([self.features,
+                                       self.features.new_zeros(max(end, 2 * have) - have,
+                                                               self.features.shape[1])])
         self.features[start:end] = features
 
     def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
@@ -296,7 +305,8 @@ class EagleDraft(DraftModel):
         if self.static:
             self.reserve(len(context) + k)
         if len(self.features) < t:   # positions computed without features (a resumed chat): zeros
-            self.observe(len(self.features), self.features.new_zeros(t - len(self.features), self.features.shape[1]))
+            self.observe(len(self.features),
+                         self.features.new_zeros(t - len(self.features), self.features.shape[1]))
         # entry j reads token j+1: entries 0..keep-1 still hold true features of this context
         keep = max(0, min(common_prefix(self.ids, context) - 1, t - 1))
         self.cache.crop(keep)
@@ -305,12 +315,14 @@ class EagleDraft(DraftModel):
         if self.tree is not None:
             return self.propose_tree(feed, feats, t, k, room)
         for _ in range(k):
-            logits, h = self.head_pass(feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
+            logits, h = self.head_pass(
+                feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
             tokens.append(self.choose(logits[0, -1], params, gen, rows))
             feed, feats = tokens[-1:], h[0, -1:].to(self.features.dtype)
         return Proposal([tokens], torch.stack(rows) if rows else None)
 
-    def head_pass(self, tokens: list[int], positions: torch.Tensor, features: torch.Tensor, mask=None):
+    def head_pass(self, tokens: list[int], positions: torch.Tensor, features: torch.Tensor,
+                  mask=None):
         """The head over new entries (token, feature) -> (logits, predicted features);
         without a mask only the last position's logits."""
         dev = features.device
@@ -318,7 +330,8 @@ class EagleDraft(DraftModel):
                           last_only=mask is None, mask=None if mask is None else mask.to(dev),
                           features=features[None], hidden=True)
 
-    def propose_tree(self, feed: list[int], feats: torch.Tensor, t: int, k: int, room: int) -> Proposal:
+    def propose_tree(self, feed: list[int], feats: torch.Tensor, t: int, k: int,
+                     room: int) -> Proposal:
         """A tree of guesses, grown like EAGLE-2: level 1 is the head's top W
         tokens for x_t+1; each next level expands the W most likely nodes of the
         last (likely = the product of the head's probabilities along the path),
@@ -328,7 +341,8 @@ class EagleDraft(DraftModel):
         are fixed functions of the head's scores, so verify treats them as point
         masses, several per depth: exact for sampling as for greedy."""
         W, budget = self.tree
-        logits, h = self.head_pass(feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
+        logits, h = self.head_pass(
+            feed, torch.arange(self.cache.length, self.cache.length + len(feed)), feats)
         # per node: its token, parent (-1: x_t), log-probability of its path, the feature it reads
         tokens, parents, scores, inputs = [], [], [], []
         entry = {}                            # an expanded node -> its row in the head's cache
@@ -357,7 +371,8 @@ class EagleDraft(DraftModel):
             for j, i in enumerate(expand):
                 entry[i] = L + j
                 mask[j, [entry[a] for a in lineage(i)]] = True
-            logits, h = self.head_pass([tokens[i] for i in expand], torch.full((len(expand),), t - 1 + depth),
+            logits, h = self.head_pass([tokens[i] for i in expand],
+                                       torch.full((len(expand),), t - 1 + depth),
                                        torch.stack([inputs[i] for i in expand]), mask)
             level = [n for j, i in enumerate(expand) for n in grow(logits[0, j], i, h[0, j])]
         return Proposal(best_paths(tokens, parents, scores, max(1, min(budget, room))))
@@ -366,7 +381,8 @@ class EagleDraft(DraftModel):
         self.cache.crop(max(0, len(self.ids) - 1))     # entries on predicted features go
 
 
-def best_paths(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> list[list[int]]:
+def best_paths(tokens: list[int], parents: list[int], scores: list[float],
+               budget: int) -> list[list[int]]:
     """A drafted tree's `budget` likeliest nodes (score: the log-probability of the
     path; parent -1 is x_t), as candidates from x_t to each leaf, likeliest first.
     A node is never likelier than its parent, so the chosen nodes form a tree."""
@@ -405,7 +421,8 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(n_heads))
         self.register_buffer("head_ids", head_ids.clone())
-        self.rows: torch.Tensor | None = None      # the target's LM head rows for head_ids (share_target)
+        # the target's LM head rows for head_ids (share_target)
+        self.rows: torch.Tensor | None = None
 
     def share_target(self, target: Llama) -> "MedusaHeads":
         w = quantize.float_weight(target.lm_head)
@@ -444,22 +461,24 @@ class MedusaDraft(Proposer):
     def __init__(self, heads: MedusaHeads, target: Llama, k: int | None = None,
                  tree: tuple[int, int] | None = None):
         if heads.blocks[0].in_features != target.config.hidden_size or heads.rows is None:
-            raise ValueError(f"the Medusa heads' width is {heads.blocks[0].in_features} but the target's is "
-                             f"{target.config.hidden_size}: they read the target's features, so they were "
-                             f"trained for another model")
+            raise ValueError(f"the Medusa heads' width is {heads.blocks[0].in_features} but the "
+                             f"target's is {target.config.hidden_size}: they read the target's "
+                             f"features, so they were trained for another model")
         if tree is not None:
             check_tree(*tree)
         self.heads, self.tree = heads, tree
         self.k = min(k or len(heads.blocks), len(heads.blocks))
         check_k(self.k)
-        self.needs_dynamic_cache = tree is not None      # tree tokens share positions in the target's cache
+        # tree tokens share positions in the target's cache
+        self.needs_dynamic_cache = tree is not None
         self.feature, self.position, self.cache = None, -1, None
 
     def observe(self, start: int, features: torch.Tensor):
         self.feature, self.position = features[-1], start + len(features) - 1
 
     def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
-        if self.position != len(context) - 2 or k < 1:    # no feature of x_t's predecessor: plain step
+        # no feature of x_t's predecessor: plain step
+        if self.position != len(context) - 2 or k < 1:
             return Proposal()
         logp = torch.log_softmax(self.heads(self.feature.to(self.heads.rows.dtype)).float(), -1)[:k]
         if self.tree is None:
@@ -503,7 +522,8 @@ class LookupThenDraft(Proposer):
         # an exact match of all N tokens only (a 1-token match is a weak guess: the
         # draft does better there), and twice the draft's k: a lookup's guesses cost nothing
         self.lookup, self.draft = PromptLookup(ngram, 2 * draft.k, min_ngram=ngram), draft
-        self.needs_features, self.needs_dynamic_cache = draft.needs_features, draft.needs_dynamic_cache
+        self.needs_features, self.needs_dynamic_cache = (draft.needs_features,
+                                                         draft.needs_dynamic_cache)
         self.looked_up = False        # whether this step's guess came from the lookup
 
     @property
@@ -520,7 +540,8 @@ class LookupThenDraft(Proposer):
     def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
         prop = self.lookup.propose(context, min(k, self.lookup.k), room, params, gen)
         self.looked_up = bool(prop.candidates and prop.candidates[0])
-        return prop if self.looked_up else self.draft.propose(context, min(k, self.draft.k), room, params, gen)
+        return prop if self.looked_up else self.draft.propose(context, min(k, self.draft.k), room,
+                                                              params, gen)
 
     def update(self, context, n, k, branch_logits):
         self.draft.sync(context)
@@ -533,10 +554,12 @@ class LookupThenDraft(Proposer):
 
 def check_same_vocab(target_tok, draft_tok, target: Llama, draft: Llama):
     """A draft's token ids must mean what the target's mean."""
-    sizes = (target.config.vocab_size, draft.config.vocab_size, target_tok.vocab_size, draft_tok.vocab_size)
+    sizes = (target.config.vocab_size, draft.config.vocab_size,
+             target_tok.vocab_size, draft_tok.vocab_size)
     if sizes[0] != sizes[1] or sizes[2] != sizes[3]:
-        raise ValueError(f"the draft's vocabulary ({sizes[1]} ids, tokenizer {sizes[3]}) differs from the "
-                         f"target's ({sizes[0]} ids, tokenizer {sizes[2]}): a draft must use the same tokenizer")
+        raise ValueError(f"the draft's vocabulary ({sizes[1]} ids, tokenizer {sizes[3]}) differs "
+                         f"from the target's ({sizes[0]} ids, tokenizer {sizes[2]}): a draft must "
+                         f"use the same tokenizer")
     n = min(sizes[2], sizes[3])
     probe = list(range(0, n, max(1, n // 64)))
     if [target_tok.decode([i]) for i in probe] != [draft_tok.decode([i]) for i in probe]:

@@ -1,5 +1,6 @@
 """
-plan.py — the inference optimizer: given a machine, a model and a context, choose how to run it, and say why.
+plan.py — the inference optimizer: given a machine, a model and a context, choose how
+to run it, and say why.
 
 Every earlier lesson adds a knob: the dtype (kernels.py), the cache kind and
 size (kvcache.py), a compiled step (kernels.compile_step), speculative
@@ -54,7 +55,8 @@ DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static 
 HEADROOM = 0.8          # plan to use at most this share of the machine's memory
 SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTIZED = ("int8", "int4")
-MARGIN = 0.9            # a narrower dtype must beat fp32 by 10%: the calibration's own noise on a shared machine
+# a narrower dtype must beat fp32 by 10%: the calibration's own noise on a shared machine
+MARGIN = 0.9
 
 
 # ----------------------------------------------------------------------------
@@ -70,16 +72,19 @@ class Machine:
     bandwidth: float            # bytes/s a read stream reaches (kernels.read_bandwidth)
     compiler: str | None        # the C++ compiler inductor would call, or None
     threads: int
-    ns_per_weight: dict = field(default_factory=dict)   # dtype -> one matrix-vector product's ns per weight
+    # dtype -> one matrix-vector product's ns per weight
+    ns_per_weight: dict = field(default_factory=dict)
     shape: tuple | None = None  # the (rows, columns) those products had
 
 
 # ----------------------------------------------------------------------------
 # The model, from its config.json alone.
 
-SOURCE = {checkpoint.BUNDLED: "Q4_1"}     # checkpoint.BUNDLED's GGUF: its 210 matrices are Q4_1 (llama.cpp)
-DRAFT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "rope_theta", "max_position_embeddings")   # train.py writes the target's shape into its draft
+# checkpoint.BUNDLED's GGUF: its 210 matrices are Q4_1 (llama.cpp)
+SOURCE = {checkpoint.BUNDLED: "Q4_1"}
+# train.py writes the target's shape into its draft
+DRAFT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "rope_theta", "max_position_embeddings")
 
 
 @dataclass
@@ -87,20 +92,24 @@ class ModelInfo:
     name: str
     config: LlamaConfig
     matrix_params: int          # every Linear, the LM head included: what a decode step reads
-    embed_params: int           # the embedding table (a step reads one row of it), 0 if tied to the head
-    source: str | None = None   # the checkpoint's own quantization: "Q4_1" (GGUF), "int8"/"int4" (quantize.py)
-    drafts: list = field(default_factory=list)   # bundled drafts trained for this model: "bundled", "medusa"
+    # the embedding table (a step reads one row of it), 0 if tied to the head
+    embed_params: int
+    # the checkpoint's own quantization: "Q4_1" (GGUF), "int8"/"int4" (quantize.py)
+    source: str | None = None
+    # bundled drafts trained for this model: "bundled", "medusa"
+    drafts: list = field(default_factory=list)
 
     @property
     def head(self) -> str | None:
-        """The LM head's scheme under quantized weights (quantize.scheme_of): a GGUF's tied head holds the
-        embedding's own bits (the bundled one's Q8_0), which stay as loaded; None: int4 rounds it to int8."""
+        """The LM head's scheme under quantized weights (quantize.scheme_of): a GGUF's tied
+        head holds the embedding's own bits (the bundled one's Q8_0), which stay as loaded;
+        None: int4 rounds it to int8."""
         return "float" if self.source == "Q4_1" else None
 
     def weight_bytes(self, weights: str, dtype: str) -> int:
-        """Bytes of weights held: the matrices per ``weights`` (int4 keeps the LM head in int8 unless it
-        holds its own bits: quantize.scheme_of; a group's scale and minimum travel in ``dtype``), the
-        embedding in ``dtype``."""
+        """Bytes of weights held: the matrices per ``weights`` (int4 keeps the LM head in
+        int8 unless it holds its own bits: quantize.scheme_of; a group's scale and minimum
+        travel in ``dtype``), the embedding in ``dtype``."""
         size, c = SIZES[dtype], self.config
         head = c.vocab_size * c.hidden_size
         per = {"float": size, "int8": 1, "int4": 0.5 + 2 * size / quantize.GROUP}[weights]
@@ -114,17 +123,21 @@ class ModelInfo:
         return self.weight_bytes(weights, dtype) - self.embed_params * SIZES[dtype]
 
     def kv_bytes(self, ctx: int, kv_dtype: str, dtype: str) -> int:
-        """ctx · n_layers · 2 (K and V) · n_kv_heads · bytes of a head's row (int8: d values + a scale)."""
+        """ctx · n_layers · 2 (K and V) · n_kv_heads · bytes of a head's row (int8: d values
+        + a scale)."""
         c = self.config
-        row = quantize.KV_CODECS[kv_dtype].row_bytes(c.head_dim) if kv_dtype != "auto" else c.head_dim * SIZES[dtype]
-        return round(ctx * kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, row / c.head_dim))
+        row = (quantize.KV_CODECS[kv_dtype].row_bytes(c.head_dim) if kv_dtype != "auto"
+               else c.head_dim * SIZES[dtype])
+        return round(ctx * kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim,
+                                              row / c.head_dim))
 
 
 def fitting_drafts(hf: dict) -> list[str]:
     """The bundled drafts (drafts/) whose target has this config's shape: train.py copies the
     target's config into the EAGLE head's (one layer); the Medusa heads record vocab and width."""
     try:
-        eagle = safetensors_io.read_config(drafting.BUNDLED_DRAFT)   # the target's shape, for both
+        # the target's shape, for both
+        eagle = safetensors_io.read_config(drafting.BUNDLED_DRAFT)
     except ValueError:
         return []
     found = []
@@ -134,26 +147,30 @@ def fitting_drafts(hf: dict) -> list[str]:
         except ValueError:
             continue
         keys = ("vocab_size", "hidden_size") if "medusa_heads" in d else DRAFT_KEYS
-        if all(hf.get(k) == d.get(k) for k in keys) and all(hf.get(k) == eagle.get(k) for k in DRAFT_KEYS):
+        if (all(hf.get(k) == d.get(k) for k in keys)
+                and all(hf.get(k) == eagle.get(k) for k in DRAFT_KEYS)):
             found.append(name)
     return found
 
 
-KNOWN_CONFIGS = {"tinyllama": checkpoint.TINYLLAMA_CONFIG}   # hub aliases planned without a download
+# hub aliases planned without a download
+KNOWN_CONFIGS = {"tinyllama": checkpoint.TINYLLAMA_CONFIG}
 
 
 def model_info(name: str) -> ModelInfo:
-    """--model -> ModelInfo without loading a weight: the alias's known config (TinyLlama, offline even when not
-    downloaded), else checkpoint.resolve (the bundled GGUF converts once) and its config.json."""
+    """--model -> ModelInfo without loading a weight: the alias's known config (TinyLlama,
+    offline even when not downloaded), else checkpoint.resolve (the bundled GGUF converts
+    once) and its config.json."""
     key = name.lower()
     hf = KNOWN_CONFIGS.get(key) or safetensors_io.read_config(checkpoint.resolve(name))
     c = LlamaConfig.from_hf(hf)
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    per_layer = (c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+                 + 3 * c.hidden_size * c.intermediate_size)
     head = c.vocab_size * c.hidden_size
     source = SOURCE.get(checkpoint.ALIASES.get(key)) or (c.quantization or {}).get("weights")
-    return ModelInfo(name, c, c.n_layers * per_layer + head, 0 if c.tie_embeddings else head, source,
-                     fitting_drafts(hf))
+    return ModelInfo(name, c, c.n_layers * per_layer + head, 0 if c.tie_embeddings else head,
+                     source, fitting_drafts(hf))
 
 
 # ----------------------------------------------------------------------------
@@ -174,9 +191,11 @@ class Plan:
     lookahead: str | None = None     # only ever the user's (--lookahead)
     spec_k: int = 4
     weights: str = "auto"            # auto (the checkpoint's) / int8 / int4
-    head: str | None = None          # the LM head's scheme under int4 (ModelInfo.head): None int8, "float" kept
+    # the LM head's scheme under int4 (ModelInfo.head): None int8, "float" kept
+    head: str | None = None
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
-    prepack: bool = True             # kernels.prepack's copies (fp32/bf16 weights; quantized ones' prefill copy)
+    # kernels.prepack's copies (fp32/bf16 weights; quantized ones' prefill copy)
+    prepack: bool = True
     reasons: list = field(default_factory=list)
     cost: list = field(default_factory=list)
 
@@ -189,113 +208,141 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tokens: int | None = None) -> Plan:
-    """The plan for ``info`` on ``machine`` at ``ctx`` tokens (None: the runner's default), for a chat
-    (``answer_tokens`` None) or one answer of at most that many tokens. Pure: probe() measures, this decides."""
+def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
+           answer_tokens: int | None = None) -> Plan:
+    """The plan for ``info`` on ``machine`` at ``ctx`` tokens (None: the runner's default),
+    for a chat (``answer_tokens`` None) or one answer of at most that many tokens. Pure:
+    probe() measures, this decides."""
     c, why = info.config, []
     limit = c.max_seq_len
     if ctx is not None and ctx > limit:
-        why.append(f"ctx {limit}: you asked for {ctx}, but {info.name} was trained on {limit} positions "
-                   f"(RoPE beyond them is untrained), so the cache holds {limit}")
+        why.append(f"ctx {limit}: you asked for {ctx}, but {info.name} was trained on {limit} "
+                   f"positions (RoPE beyond them is untrained), so the cache holds {limit}")
     ctx = min(ctx or DEFAULT_CTX, limit)
-    p = Plan(info.name, machine.name, machine.device, "float32", ctx=ctx, head=info.head, reasons=why)
+    p = Plan(info.name, machine.name, machine.device, "float32", ctx=ctx, head=info.head,
+             reasons=why)
     ns = machine.ns_per_weight
 
     # dtype: the fewest bytes per weight this device computes natively, and fast.
     if machine.device == "cuda":
         p.dtype = "bfloat16" if machine.bf16 else "float16"
         why.append(f"dtype {p.dtype}: a GPU's tensor cores compute it natively at half fp32's bytes"
-                   + ("" if machine.bf16 else " (no bf16 on this GPU: fp16, which overflows past 65504)"))
-    elif machine.device == "cpu" and machine.bf16 and ns.get("bfloat16", 1e9) < MARGIN * ns.get("float32", 0):
+                   + ("" if machine.bf16
+                      else " (no bf16 on this GPU: fp16, which overflows past 65504)"))
+    elif (machine.device == "cpu" and machine.bf16
+          and ns.get("bfloat16", 1e9) < MARGIN * ns.get("float32", 0)):
         p.dtype = "bfloat16"
-        why.append(f"dtype bfloat16: this CPU computes bf16 natively and its matrix-vector product took "
-                   f"{ns['bfloat16']:.3f} ns/weight against fp32's {ns['float32']:.3f} (calibrated)")
+        why.append(f"dtype bfloat16: this CPU computes bf16 natively and its matrix-vector product "
+                   f"took {ns['bfloat16']:.3f} ns/weight against fp32's {ns['float32']:.3f} "
+                   f"(calibrated)")
     elif machine.device == "cpu" and machine.bf16:
-        why.append(f"dtype float32: bf16 is native here but calibrated no faster ({ns.get('bfloat16', 0):.3f} "
-                   f"ns/weight against fp32's {ns.get('float32', 0):.3f}); fp32 is also the exact reference")
+        why.append(f"dtype float32: bf16 is native here but calibrated no faster "
+                   f"({ns.get('bfloat16', 0):.3f} ns/weight against fp32's "
+                   f"{ns.get('float32', 0):.3f}); fp32 is also the exact reference")
     else:
-        why.append(f"dtype float32: no native bf16 on this {machine.device} (bf16 would be converted "
-                   f"element by element); fp32 is the exact reference")
+        why.append(f"dtype float32: no native bf16 on this {machine.device} (bf16 would be "
+                   f"converted element by element); fp32 is the exact reference")
     fdt = p.dtype
 
-    why.append("attention sdpa: PyTorch's fused kernel (flash-attention inside on a GPU); flash.py's tiled "
-               "version is the lesson, slower when run op by op")
+    why.append("attention sdpa: PyTorch's fused kernel (flash-attention inside on a GPU); "
+               "flash.py's tiled version is the lesson, slower when run op by op")
 
-    # Weights: full precision unless they do not fit, or the checkpoint's own bits are 4 and int4 is fast here.
+    # Weights: full precision unless they do not fit, or the checkpoint's own bits are 4 and
+    # int4 is fast here.
     room = machine.memory * HEADROOM
-    packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0   # kernels.prepack's copy
+    # kernels.prepack's copy
+    packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
 
-    def held(weights, copy=True):      # a quantized layer's prefill copy is in the model's dtype too
+    # a quantized layer's prefill copy is in the model's dtype too
+    def held(weights, copy=True):
         return info.weight_bytes(weights, fdt) + (packed if copy else 0)
 
     if info.source in QUANTIZED:
         scheme, p.prepack = info.source, held(info.source) <= room
-        why.append(f"weights {info.source}: the checkpoint is stored quantized (quantize.py) and loads as it is"
-                   + ("" if p.prepack or not packed else "; no fp32 copy for prefills (it would not fit)"))
+        why.append(f"weights {info.source}: the checkpoint is stored quantized (quantize.py) and "
+                   f"loads as it is"
+                   + ("" if p.prepack or not packed
+                      else "; no fp32 copy for prefills (it would not fit)"))
     else:
-        scheme = next((w for w in ("float", "int8", "int4") if held(w, w == "float") <= room), "int4")
+        scheme = next((w for w in ("float", "int8", "int4") if held(w, w == "float") <= room),
+                      "int4")
         if scheme != "float":
             p.weights, p.prepack = scheme, held(scheme) <= room
-            why.append(f"weights {scheme}: {fdt} weights need {gb(held('float'))} (with the prepacked copy on a "
-                       f"CPU), more than {HEADROOM:.0%} of {gb(machine.memory)}; {scheme} holds them in "
-                       f"{gb(held(scheme, p.prepack))}" + ("" if held(scheme, False) <= room else
-                                                           " (still too many: expect swapping)")
-                       + ("" if p.prepack or not packed else "; no fp32 copy for prefills (it would not fit): "
+            why.append(f"weights {scheme}: {fdt} weights need {gb(held('float'))} (with the "
+                       f"prepacked copy on a CPU), more than {HEADROOM:.0%} of "
+                       f"{gb(machine.memory)}; {scheme} holds them in "
+                       f"{gb(held(scheme, p.prepack))}"
+                       + ("" if held(scheme, False) <= room else
+                          " (still too many: expect swapping)")
+                       + ("" if p.prepack or not packed
+                          else "; no fp32 copy for prefills (it would not fit): "
                           "each prefill widens a matrix at a time"))
         elif info.source == "Q4_1" and ns.get("int4", 1e9) < MARGIN * ns.get(fdt, 0):
             p.weights, scheme, versus = "int4", "int4", f"{fdt}'s {ns[fdt]:.3f}"
-            if fdt != "float32":       # the int4 kernel was calibrated (and runs) with fp32 activations
-                why.append(f"dtype float32 after all: the int4 weights below run with fp32 activations "
-                           f"(kernels.int4_mm), as calibrated; {fdt} ones would take aten's slower kernel")
+            # the int4 kernel was calibrated (and runs) with fp32 activations
+            if fdt != "float32":
+                why.append(f"dtype float32 after all: the int4 weights below run with fp32 "
+                           f"activations (kernels.int4_mm), as calibrated; {fdt} ones would "
+                           f"take aten's slower kernel")
                 p.dtype = fdt = "float32"
                 packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
-            why.append(f"weights int4: the GGUF holds Q4_1, which round-trips exactly through int4 groups of 32, "
-                       f"so these are the model's own bits (the tied LM head keeps its Q8_0 embedding's, "
-                       f"in {fdt}); calibrated int4 {ns['int4']:.3f} ns/weight against "
+            why.append(f"weights int4: the GGUF holds Q4_1, which round-trips exactly through "
+                       f"int4 groups of 32, so these are the model's own bits (the tied LM head "
+                       f"keeps its Q8_0 embedding's, in {fdt}); calibrated int4 "
+                       f"{ns['int4']:.3f} ns/weight against "
                        f"{versus}" + (f"; prefills run on a {fdt} copy ({gb(packed)}: "
-                                                  f"kernels.prepack)" if packed else ""))
+                                      f"kernels.prepack)" if packed else ""))
         else:
             note = ""
             if info.source == "Q4_1" and "int4" in ns:
-                note = (f"; int4 would be the GGUF's own Q4_1 bits, but it computes no faster here "
-                        f"({ns['int4']:.3f} ns/weight against {fdt}'s {ns.get(fdt, 0):.3f})")
+                note = (f"; int4 would be the GGUF's own Q4_1 bits, but it computes no faster "
+                        f"here ({ns['int4']:.3f} ns/weight against {fdt}'s "
+                        f"{ns.get(fdt, 0):.3f})")
             prepacked = " with kernels.prepack's copy" if packed else ""
-            why.append(f"weights {fdt}: {gb(held('float'))}{prepacked} fits in {gb(machine.memory)}{note}")
+            why.append(f"weights {fdt}: {gb(held('float'))}{prepacked} fits in "
+                       f"{gb(machine.memory)}{note}")
 
     # Compiled step: removes the per-kernel fixed cost, once a compile is paid for.
     if machine.device == "cuda":
         p.compile = True
-        why.append("compiled, static cache: kernels.compile_step records the step as a CUDA graph, one launch "
-                   "per token instead of hundreds of ~5 µs ones")
+        why.append("compiled, static cache: kernels.compile_step records the step as a CUDA graph, "
+                   "one launch per token instead of hundreds of ~5 µs ones")
     elif machine.device != "cpu":
-        why.append(f"eager, dynamic cache: the compiled step is tuned for CPUs and CUDA, not {machine.device}")
+        why.append(f"eager, dynamic cache: the compiled step is tuned for CPUs and CUDA, "
+                   f"not {machine.device}")
     elif machine.compiler is None:
-        why.append("eager, dynamic cache: no C++ compiler ($CXX, g++ or c++) for inductor to compile the step")
+        why.append("eager, dynamic cache: no C++ compiler ($CXX, g++ or c++) for inductor to "
+                   "compile the step")
     elif answer_tokens is not None:
-        why.append(f"eager, dynamic cache: one answer of at most {answer_tokens} tokens does not repay a compile "
-                   f"(minutes the first time, seconds to load its package later); a chat compiles")
+        why.append(f"eager, dynamic cache: one answer of at most {answer_tokens} tokens does not "
+                   f"repay a compile (minutes the first time, seconds to load its package later); "
+                   f"a chat compiles")
     elif "bundled" in info.drafts and scheme not in QUANTIZED:
-        why.append("eager, dynamic cache: the compiled step runs one token, so with this model's draft (below) "
-                   "its verify passes would run eagerly anyway; the eager step with the draft measured as fast "
-                   "in bench.py runner, and starts without a compile (--compile asks for one)")
+        why.append("eager, dynamic cache: the compiled step runs one token, so with this model's "
+                   "draft (below) its verify passes would run eagerly anyway; the eager step with "
+                   "the draft measured as fast in bench.py runner, and starts without a compile "
+                   "(--compile asks for one)")
     else:
         p.compile = True
-        why.append(f"compiled one-token step on a static cache of {ctx} tokens ({machine.compiler} found): "
-                   f"inductor fuses the step's hundreds of small kernels; the first start compiles it once "
-                   f"(minutes: kernels.AheadOfTime), later starts load the package in seconds")
+        why.append(f"compiled one-token step on a static cache of {ctx} tokens "
+                   f"({machine.compiler} found): inductor fuses the step's hundreds of small "
+                   f"kernels; the first start compiles it once (minutes: kernels.AheadOfTime), "
+                   f"later starts load the package in seconds")
     p.cache = "static" if p.compile else "dynamic"
 
-    # KV: the model's dtype unless weights + KV at ctx do not fit; then int8 (half), then say what ctx fits.
+    # KV: the model's dtype unless weights + KV at ctx do not fit; then int8 (half), then say
+    # what ctx fits.
     w_held = held(scheme, p.prepack)
     kv = info.kv_bytes(ctx, "auto", fdt)
     if w_held + kv <= room:
-        why.append(f"KV cache {fdt}: {mb(kv)} at {ctx} tokens, with the weights {gb(w_held + kv)} of "
-                   f"{gb(machine.memory)}")
+        why.append(f"KV cache {fdt}: {mb(kv)} at {ctx} tokens, with the weights "
+                   f"{gb(w_held + kv)} of {gb(machine.memory)}")
     else:
         p.kv_dtype = "int8"
         kv8 = info.kv_bytes(ctx, "int8", fdt)
-        line = (f"KV cache int8: {mb(kv)} in {fdt} at {ctx} tokens does not fit beside {gb(w_held)} of weights "
-                f"in {HEADROOM:.0%} of {gb(machine.memory)}; int8 (a scale per row) holds it in {mb(kv8)}")
+        line = (f"KV cache int8: {mb(kv)} in {fdt} at {ctx} tokens does not fit beside "
+                f"{gb(w_held)} of weights in {HEADROOM:.0%} of {gb(machine.memory)}; int8 (a "
+                f"scale per row) holds it in {mb(kv8)}")
         if w_held + kv8 > room:
             fits = max(0, int((room - w_held) // info.kv_bytes(1, "int8", fdt)))
             line += f", still too much: --ctx {fits} would fit"
@@ -304,46 +351,53 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None, answer_tok
 
     # Speculative decoding: only with a draft trained for this very model.
     if "bundled" in info.drafts and scheme in QUANTIZED:
-        why.append(f"no speculation: with {scheme} weights a step is cheap (a quarter or less of fp32's bytes) "
-                   f"and the fixed costs of speculating are not: a pass verifying 5 positions takes "
-                   f"~3 one-row passes' time in the quantized kernels (`python kernels.py` measures both) and the "
-                   f"head drafts in 4 eager steps, so bench.py runner measured it slower than plain {scheme} "
-                   f"decoding; --draft bundled asks for it anyway")
+        why.append(f"no speculation: with {scheme} weights a step is cheap (a quarter or less of "
+                   f"fp32's bytes) and the fixed costs of speculating are not: a pass verifying 5 "
+                   f"positions takes ~3 one-row passes' time in the quantized kernels (`python "
+                   f"kernels.py` measures both) and the head drafts in 4 eager steps, so bench.py "
+                   f"runner measured it slower than plain {scheme} decoding; --draft bundled asks "
+                   f"for it anyway")
     elif "bundled" in info.drafts:
         p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
-        exact = ("exact: in fp32 the text is the one plain greedy decoding gives" if fdt == "float32" else
-                 f"in {fdt} a pass verifying several positions rounds differently from a one-token step, "
-                 f"so greedy texts may part from plain decoding's after a near-tie (--no-speculation: plain)")
-        why.append(f"speculation: the bundled EAGLE head (drafts/, trained for this model) guesses {p.spec_k} "
-                   f"tokens, prompt lookup (3-grams) copies repeated text first; one target pass checks them; "
-                   f"{exact}")
+        exact = ("exact: in fp32 the text is the one plain greedy decoding gives"
+                 if fdt == "float32" else
+                 f"in {fdt} a pass verifying several positions rounds differently from a "
+                 f"one-token step, so greedy texts may part from plain decoding's after a near-tie "
+                 f"(--no-speculation: plain)")
+        why.append(f"speculation: the bundled EAGLE head (drafts/, trained for this model) "
+                   f"guesses {p.spec_k} tokens, prompt lookup (3-grams) copies repeated text "
+                   f"first; one target pass checks them; {exact}")
     else:
-        why.append("no speculation: no bundled draft was trained for this model (drafts/ holds SmolLM2-135M's); "
-                   "--draft MODEL or --prompt-lookup N ask for one")
+        why.append("no speculation: no bundled draft was trained for this model (drafts/ holds "
+                   "SmolLM2-135M's); --draft MODEL or --prompt-lookup N ask for one")
 
     # The cost model, in this plan's numbers.
     tok = info.token_bytes(scheme, fdt)
     bw = machine.bandwidth
     p.cost = [
-        f"decode reads every weight once per token: {mb(tok)} ({scheme if scheme != 'float' else fdt} matrices; "
-        f"the embedding gives one row)",
+        f"decode reads every weight once per token: {mb(tok)} "
+        f"({scheme if scheme != 'float' else fdt} matrices; the embedding gives one row)",
         f"KV: ctx · {c.n_layers} layers · 2 · {c.n_kv_heads} kv heads · {c.head_dim} dims · "
-        f"{'int8 + scale' if p.kv_dtype == 'int8' else f'{SIZES[fdt]} B'} = {mb(kv)} at {ctx} tokens",
+        f"{'int8 + scale' if p.kv_dtype == 'int8' else f'{SIZES[fdt]} B'} = {mb(kv)} "
+        f"at {ctx} tokens",
         f"bytes per token: {mb(tok)} at an empty context, {mb(tok + kv)} at {ctx} tokens",
-        f"ceiling at the measured {bw / 1e9:.1f} GB/s read bandwidth: {bw / tok:,.0f} tok/s empty, "
-        f"{bw / (tok + kv):,.0f} tok/s at {ctx} tokens (real steps add a fixed cost per kernel call)",
-        f"memory: {gb(w_held)} of weights" + (" (with the prepacked copy)" if packed and p.prepack else "")
+        f"ceiling at the measured {bw / 1e9:.1f} GB/s read bandwidth: {bw / tok:,.0f} tok/s "
+        f"empty, {bw / (tok + kv):,.0f} tok/s at {ctx} tokens (real steps add a fixed cost per "
+        f"kernel call)",
+        f"memory: {gb(w_held)} of weights"
+        + (" (with the prepacked copy)" if packed and p.prepack else "")
         + f" + {mb(kv)} of KV = {(w_held + kv) / machine.memory:.0%} of {gb(machine.memory)}",
     ]
     if p.draft or p.prompt_lookup:
-        p.cost.append(f"speculation: a pass over {p.spec_k + 1} positions reads the weights once, so every "
-                      f"accepted guess is a token above this ceiling")
+        p.cost.append(f"speculation: a pass over {p.spec_k + 1} positions reads the weights once, "
+                      f"so every accepted guess is a token above this ceiling")
     return p
 
 
 def describe(p: Plan) -> str:
     """What `serve_local.py --plan` prints: the choices with their reasons, then the cost model."""
-    lines = [f"plan for {p.model} on {p.machine} ({p.device}): {summary(p).removeprefix('plan: ')}", "why:"]
+    lines = [f"plan for {p.model} on {p.machine} ({p.device}): "
+             f"{summary(p).removeprefix('plan: ')}", "why:"]
     lines += [f"  - {r}" for r in p.reasons] + ["cost model:"] + [f"  - {c}" for c in p.cost]
     return "\n".join(lines)
 
@@ -351,13 +405,15 @@ def describe(p: Plan) -> str:
 def summary(p: Plan) -> str:
     """One line: the plan in effect."""
     names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    parts = [names.get(p.dtype, p.dtype), f"{p.cache} cache" + (f" {p.ctx}" if p.cache == "static" else ""),
+    parts = [names.get(p.dtype, p.dtype),
+             f"{p.cache} cache" + (f" {p.ctx}" if p.cache == "static" else ""),
              "compiled" if p.compile else "eager"]
     if p.attn != "sdpa":
         parts.append(f"attention {p.attn}")
     parts += [f"weights {p.weights}"] if p.weights not in (None, "auto") else []
     parts += [f"KV {p.kv_dtype}"] if p.kv_dtype not in (None, "auto") else []
-    spec = [{"bundled": "EAGLE head", "medusa": "Medusa heads"}.get(p.draft, p.draft)] if p.draft else []
+    spec = ([{"bundled": "EAGLE head", "medusa": "Medusa heads"}.get(p.draft, p.draft)]
+            if p.draft else [])
     spec += [f"prompt lookup {p.prompt_lookup}"] if p.prompt_lookup else []
     spec += [f"lookahead {p.lookahead}"] if p.lookahead else []
     parts.append(" + ".join(spec) + f", k {p.spec_k}" if spec else "no speculation")

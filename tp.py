@@ -106,7 +106,8 @@ class Part:
 
 
 def even(n: int, world: int, rank: int) -> range:
-    """Rank `rank`'s share of n items in `world` contiguous runs; the first n % world get one more."""
+    """Rank `rank`'s share of n items in `world` contiguous runs; the first n % world
+    get one more."""
     size, extra = divmod(n, world)
     lo = rank * size + min(rank, extra)
     return range(lo, lo + size + (rank < extra))
@@ -116,16 +117,18 @@ def plan(cfg: model.LlamaConfig, rank: int, world: int) -> Part:
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of {world}: need 0 <= rank < world size")
     if world > cfg.n_kv_heads:
-        raise ValueError(f"{world} ranks but the model has {cfg.n_kv_heads} KV heads: each rank needs a whole "
-                         f"KV head and its query heads; use --tp {cfg.n_kv_heads} or fewer")
+        raise ValueError(f"{world} ranks but the model has {cfg.n_kv_heads} KV heads: each rank "
+                         f"needs a whole KV head and its query heads; use --tp {cfg.n_kv_heads} "
+                         f"or fewer")
     group, kv = cfg.n_heads // cfg.n_kv_heads, even(cfg.n_kv_heads, world, rank)
-    return Part(rank, world, kv, range(kv.start * group, kv.stop * group), even(cfg.intermediate_size, world, rank))
+    return Part(rank, world, kv, range(kv.start * group, kv.stop * group),
+                even(cfg.intermediate_size, world, rank))
 
 
 # Checkpoint names of the split products, and which of a Part's ranges picks their rows
 # (column-parallel: W's output rows) or their columns (row-parallel: W's input columns).
-COLUMN = {"self_attn.q_proj": "heads", "self_attn.k_proj": "kv_heads", "self_attn.v_proj": "kv_heads",
-          "mlp.gate_proj": "units", "mlp.up_proj": "units"}
+COLUMN = {"self_attn.q_proj": "heads", "self_attn.k_proj": "kv_heads",
+          "self_attn.v_proj": "kv_heads", "mlp.gate_proj": "units", "mlp.up_proj": "units"}
 ROW = {"self_attn.o_proj": "heads", "mlp.down_proj": "units"}
 
 
@@ -135,7 +138,8 @@ def slice_tensor(name: str, t: torch.Tensor, part: Part, head_dim: int) -> torch
     if product not in COLUMN and product not in ROW:
         return t                                          # replicated: embedding, head, norms
     which = (COLUMN | ROW)[product]
-    span, unit = getattr(part, which), 1 if which == "units" else head_dim     # a head: head_dim rows (or columns)
+    # a head: head_dim rows (or columns)
+    span, unit = getattr(part, which), 1 if which == "units" else head_dim
     lo, hi = span.start * unit, span.stop * unit
     return (t[lo:hi] if product in COLUMN else t[:, lo:hi]).clone()
 
@@ -165,7 +169,8 @@ class RowParallel(nn.Module):
         y = self.local(x)
         t0 = time.perf_counter()
         collective(dist.all_reduce, y, group=self.group)
-        self.comm.calls, self.comm.bytes = self.comm.calls + 1, self.comm.bytes + y.numel() * y.element_size()
+        self.comm.calls, self.comm.bytes = (self.comm.calls + 1,
+                                            self.comm.bytes + y.numel() * y.element_size())
         self.comm.seconds += time.perf_counter() - t0
         return y
 
@@ -175,11 +180,13 @@ def collective(op, *args, **kwargs):
     the timeout fails it, and that becomes one line instead of a C++ backtrace."""
     try:
         return op(*args, **kwargs)
-    except RuntimeError as e:       # gloo/NCCL errors (DistBackendError, DistStoreError) are RuntimeErrors
-        detail = re.sub(r"^\[[^]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])   # gloo's [file:line]
+    # gloo/NCCL errors (DistBackendError, DistStoreError) are RuntimeErrors
+    except RuntimeError as e:
+        # gloo's [file:line]
+        detail = re.sub(r"^\[[^]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
         detail = detail.split(". ")[0][:160]
-        raise ConnectionError(f"another rank died or stopped answering ({detail}); the launcher's log says "
-                              f"which one") from None
+        raise ConnectionError(f"another rank died or stopped answering ({detail}); the launcher's "
+                              f"log says which one") from None
 
 
 # ----------------------------------------------------------------------------
@@ -199,9 +206,12 @@ def shard(full: model.Llama, part: Part, group=None) -> Rank:
     c = full.config
     if quantize.scheme(full):
         raise ValueError(f"tensor parallelism splits float weights, and this model is quantized "
-                         f"({quantize.scheme(full)['weights']}): load the full-precision checkpoint")
-    local = replace(c, n_heads=len(part.heads), n_kv_heads=len(part.kv_heads), intermediate_size=len(part.units))
-    state = {name: slice_tensor(name, t, part, c.head_dim) for name, t in model.unfuse(full).items()}
+                         f"({quantize.scheme(full)['weights']}): load the full-precision "
+                         f"checkpoint")
+    local = replace(c, n_heads=len(part.heads), n_kv_heads=len(part.kv_heads),
+                    intermediate_size=len(part.units))
+    state = {name: slice_tensor(name, t, part, c.head_dim)
+             for name, t in model.unfuse(full).items()}
     state = safetensors_io.fuse(state, model.FUSED, c.n_layers)
     with torch.device("meta"):
         mine = Rank(local, full.attend)
@@ -218,7 +228,8 @@ def shard(full: model.Llama, part: Part, group=None) -> Rank:
 
 def weight_bytes(llama: model.Llama) -> tuple[int, int]:
     """(bytes of the seven split products, bytes every rank holds in full)."""
-    split = sum(quantize.weight_bytes(b.self_attn) + quantize.weight_bytes(b.mlp) for b in llama.layers)
+    split = sum(quantize.weight_bytes(b.self_attn) + quantize.weight_bytes(b.mlp)
+                for b in llama.layers)
     return split, quantize.weight_bytes(llama) - split
 
 
@@ -226,8 +237,9 @@ def describe(llama: model.Llama) -> str:
     """One line for the runner: what this rank holds and what it sends."""
     p, c = llama.part, llama.config
     split, whole = weight_bytes(llama)
-    return (f"rank {p.rank} of {p.world}: query {span(p.heads, 'head')}, KV {span(p.kv_heads, 'head')}, MLP "
-            f"{span(p.units, 'unit')}; {split / 1e6:.1f} MB split + {whole / 1e6:.1f} MB replicated; "
+    return (f"rank {p.rank} of {p.world}: query {span(p.heads, 'head')}, "
+            f"KV {span(p.kv_heads, 'head')}, MLP {span(p.units, 'unit')}; "
+            f"{split / 1e6:.1f} MB split + {whole / 1e6:.1f} MB replicated; "
             f"2 all-reduces of {c.hidden_size} values per layer per token")
 
 
@@ -245,14 +257,15 @@ def start(world: int | None, device: torch.device,
     on CPUs. Returns (rank, this rank's device)."""
     if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
         n = world or 2
-        raise ValueError(f"--tp {n} runs one process per rank: launch it with torchrun --nproc-per-node {n} "
-                         f"serve_local.py --tp {n} ...")
+        raise ValueError(f"--tp {n} runs one process per rank: launch it with torchrun "
+                         f"--nproc-per-node {n} serve_local.py --tp {n} ...")
     if world is not None and int(os.environ["WORLD_SIZE"]) != world:
-        raise ValueError(f"--tp {world} but the launcher started {os.environ['WORLD_SIZE']} processes: "
-                         f"use torchrun --nproc-per-node {world}")
+        raise ValueError(f"--tp {world} but the launcher started {os.environ['WORLD_SIZE']} "
+                         f"processes: use torchrun --nproc-per-node {world}")
     dev = device
     if dev.type == "mps":
-        raise ValueError("tensor parallelism runs on CUDA GPUs (NCCL) or CPUs (gloo): use --device cuda or cpu")
+        raise ValueError("tensor parallelism runs on CUDA GPUs (NCCL) or CPUs (gloo): "
+                         "use --device cuda or cpu")
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))     # one GPU per rank
         if dev.index >= torch.cuda.device_count():
@@ -283,7 +296,8 @@ def fingerprint(llama: model.Llama) -> str:
     for name, t in sorted(llama.state_dict().items()):
         flat = t.detach().reshape(-1)
         sample = flat[::max(1, flat.numel() // 4096)][:4096].contiguous().cpu()
-        h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode() + sample.view(torch.uint8).numpy().tobytes())
+        h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode()
+                 + sample.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -295,8 +309,9 @@ def check_same(llama: model.Llama, source: str, group=None):
     odd = [r for r, (fp, _) in enumerate(every) if fp != every[0][0]]
     if odd:
         (fp0, src0), (fp, src) = every[0], every[odd[0]]
-        raise ValueError(f"ranks loaded different models: rank 0 {src0} (fingerprint {fp0[:12]}), rank {odd[0]} "
-                         f"{src} (fingerprint {fp[:12]}); start every rank with the same --model and --dtype")
+        raise ValueError(f"ranks loaded different models: rank 0 {src0} (fingerprint "
+                         f"{fp0[:12]}), rank {odd[0]} {src} (fingerprint {fp[:12]}); start every "
+                         f"rank with the same --model and --dtype")
 
 
 def shared_seed(seed: int | None, group=None) -> int:
@@ -313,7 +328,8 @@ def load(name: str, device: torch.device, dtype: torch.dtype, attend=model.atten
     it), check that the ranks agree, keep this rank's part and move it to ``device``; its
     layers attend with ``attend`` (model.attend's signature)."""
     model_dir, cfg, tok = model.read_model_dir(name)
-    part = plan(cfg, dist.get_rank(group), dist.get_world_size(group))      # before reading any weight
+    # before reading any weight
+    part = plan(cfg, dist.get_rank(group), dist.get_world_size(group))
     full = model.Llama.from_pretrained(model_dir, "cpu", dtype, cfg, attend)
     check_same(full, str(name), group)
     return shard(full, part, group).to(device), tok
@@ -322,7 +338,8 @@ def load(name: str, device: torch.device, dtype: torch.dtype, attend=model.atten
 # ----------------------------------------------------------------------------
 # Launching ranks from Python (tests, bench.py, the demo): what torchrun does.
 
-def launch(fn, world: int, *args, threads: int = 1, timeout_s: float = TIMEOUT_S, limit_s: float = 900) -> list:
+def launch(fn, world: int, *args, threads: int = 1, timeout_s: float = TIMEOUT_S,
+           limit_s: float = 900) -> list:
     """Run fn(*args) in `world` new processes joined in one gloo group (collectives time out
     after timeout_s; ranks still running after limit_s are killed): each rank's return value,
     or the exception it raised, or a ChildProcessError when it died without one. fn must be
@@ -332,7 +349,8 @@ def launch(fn, world: int, *args, threads: int = 1, timeout_s: float = TIMEOUT_S
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     box = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(fn, rank, world, port, threads, timeout_s, box, args))
+    procs = [ctx.Process(target=run_rank,
+                         args=(fn, rank, world, port, threads, timeout_s, box, args))
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -353,13 +371,14 @@ def launch(fn, world: int, *args, threads: int = 1, timeout_s: float = TIMEOUT_S
         if p.is_alive():
             p.kill()
             p.join()
-    return [out[r] if r in out else ChildProcessError(f"rank {r} ended (exit code {p.exitcode}) without a result")
+    return [out[r] if r in out
+            else ChildProcessError(f"rank {r} ended (exit code {p.exitcode}) without a result")
             for r, p in enumerate(procs)]
 
 
 def run_rank(fn, rank, world, port, threads, timeout_s, box, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     try:
         start(world, torch.device("cpu"), timeout_s)
@@ -381,7 +400,8 @@ def run_rank(fn, rank, world, port, threads, timeout_s, box, args):
 def generate(llama: model.Llama, prompt: list[int], new_tokens: int, seed: int | None = None,
              temperature: float = 0.0, cache: str = "static") -> list[int]:
     """new_tokens tokens (EOS ignored) from the cached decoder, on a `cache` sized to fit."""
-    p = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=new_tokens, ignore_eos=True)
+    p = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=new_tokens,
+                       ignore_eos=True)
     kv = kvcache.new_cache(llama, cache, len(prompt) + new_tokens + 1)
     return list(model.generate_cached(llama, prompt, p, cache=kv))
 
@@ -389,7 +409,8 @@ def generate(llama: model.Llama, prompt: list[int], new_tokens: int, seed: int |
 def demo_rank(name: str, prompt: list[int], new_tokens: int) -> dict:
     llama, _ = load(name, torch.device("cpu"), torch.float32)
     tokens = generate(llama, prompt, new_tokens)
-    return {"tokens": tokens, "bytes": weight_bytes(llama), "kv": kvcache.new_cache(llama, "static", 1024).nbytes,
+    return {"tokens": tokens, "bytes": weight_bytes(llama),
+            "kv": kvcache.new_cache(llama, "static", 1024).nbytes,
             "comm": llama.comm, "describe": describe(llama)}
 
 
@@ -411,8 +432,8 @@ if __name__ == "__main__":
     print(f"1 process: {split / 1e6:.1f} MB to split + {whole / 1e6:.1f} MB replicated, KV "
           f"{kvcache.new_cache(one, 'static', 1024).nbytes / 1e6:.1f} MB for 1,024 tokens")
     for r in ranks:
-        print(f"{r['describe']}; KV {r['kv'] / 1e6:.1f} MB for 1,024 tokens; {r['comm'].calls} all-reduces, "
-              f"{r['comm'].bytes / 1e6:.2f} MB sent")
+        print(f"{r['describe']}; KV {r['kv'] / 1e6:.1f} MB for 1,024 tokens; "
+              f"{r['comm'].calls} all-reduces, {r['comm'].bytes / 1e6:.2f} MB sent")
     same = all(r["tokens"] == plain for r in ranks)
     print(f"{args.tokens} greedy tokens, identical to one process on every rank: {same}")
     print(f"text: {tok.decode(plain)!r}")
