@@ -582,12 +582,13 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) in FAST:
-                if getattr(child, "tiled", None) is not None:
+                int4 = isinstance(child, quantize.Int4Linear)
+                if int4 and child.tiled is not None:
                     raise ValueError("swap_quantized needs unprepared layers: "
                                      "quantize with prepare=False")
                 with torch.device("meta"):
                     fast = FAST[type(child)](child.in_features, child.out_features,
-                                             *([child.group] if hasattr(child, "group") else []))
+                                             *([child.group] if int4 else []))
                 for key, buffer in child.named_buffers(recurse=False):
                     setattr(fast, key, buffer)
                 fast.prepare(dtype, native)
