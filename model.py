@@ -243,7 +243,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         # Qwen3 scales each head's q and k to unit RMS (one gain per dimension, shared by the
-        # heads): attention logits cannot grow without bound, which steadies training
+        # heads): q·k is then bounded by those gains, not by the activations (steadier training)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
