@@ -331,7 +331,10 @@ def measure_file(path: Path, prompt: str, args, peer: bool) -> FileRun:
         memory = {name: process_memory(s.proc.pid) for name, s in sessions.items()}
     finally:
         for s in sessions.values():
-            s.close()
+            try:
+                s.close()
+            except (OSError, subprocess.TimeoutExpired):     # it died, or hangs: not to be waited for
+                s.proc.kill()
         if not args.keep_cache:
             shutil.rmtree(home, ignore_errors=True)
     mine = side(first.ready_s, ours.ready_s, compile_s, cache_bytes, memory["ours"],
