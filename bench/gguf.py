@@ -333,7 +333,7 @@ def measure_file(path: Path, prompt: str, args, peer: bool) -> FileRun:
         for s in sessions.values():
             try:
                 s.close()
-            except (OSError, subprocess.TimeoutExpired):     # it died, or hangs: not to be waited for
+            except (OSError, subprocess.TimeoutExpired):     # it died, or hangs: no waiting
                 s.proc.kill()
         if not args.keep_cache:
             shutil.rmtree(home, ignore_errors=True)
@@ -409,15 +409,15 @@ SHAPE_NAMES = {"tinyllama": "TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32/
                "3b": "a 3B Llama's (hidden 3072, 28 layers, 24/8 heads, MLP 8192)"}
 
 
-def setup_line(args, prompt_tokens: int, shapes: list[str], vocab_size: int | None) -> str:
+def setup_line(args, shapes: list[str], vocab_size: int | None) -> str:
     """What the table's title says the numbers ran on; ``shapes``: the random files' (none: the
     files were given)."""
     made = (f"random weights in {' and '.join(SHAPE_NAMES[s] for s in shapes)} with SmolLM2's "
             f"{vocab_size:,}-token vocabulary instead of 32,000, so both sides tokenize English; "
             if shapes else "")
-    return (f"{made}greedy; TTFT: a {prompt_tokens}-token prompt, asked {args.rounds}x; decode: "
-            f"{args.prompts} chat prompts, at most {args.max_new_tokens} new tokens; "
-            f"{torch.get_num_threads()} threads each")
+    return (f"{made}greedy; TTFT: a {args.prompt_tokens}-token prompt (by the file's tokenizer), "
+            f"asked {args.rounds}x; decode: {args.prompts} chat prompts, at most "
+            f"{args.max_new_tokens} new tokens; {torch.get_num_threads()} threads each")
 
 
 def bench_gguf(args):
@@ -445,21 +445,7 @@ def bench_gguf(args):
               "ours alone")
     if hint := kernels.busy_machine_hint():
         print(hint)
-    runs, notes, prompt_tokens = [], [], set()
-    for path in files:
-        prompt = long_prompt(path, args.prompt_tokens)
-        try:
-            runs.append(measure_file(path, prompt, args, peer))
-        except (OSError, subprocess.TimeoutExpired) as e:   # the next file may still run
-            print(f"{path.name}: {e}")
-            notes.append(f"{path.name}: not measured: {e}")
-            continue
-        prompt_tokens.add(runs[-1].ours.prompt_tokens)
-        print(f"  {path.name}: " + ", ".join(f"{n} {'-' if v is None else f'{v:.2f}'}"
-                                             for n, v in ratios(runs[-1]).items()), flush=True)
-    if not runs:
-        raise OSError("no file was measured: " + "; ".join(notes))
-    notes = ([RANDOM_NOTE] if shapes else []) + [
+    method = ([RANDOM_NOTE] if shapes else []) + [
         "ours: first start = launching `serve_local.py --model FILE` until its chat is ready, "
         "with an empty cache folder (XDG_CACHE_HOME; the machine's plan calibration copied in); "
         "then `--compile-only` once (compile s, the load included: what a first chat does in the "
@@ -470,13 +456,36 @@ def bench_gguf(args):
         "RSS = each process's VmHWM (peak resident set) after its answers; KV = f16 K and V for "
         "the context (llama.cpp's default cache): layers × 2 × KV heads × head dim × 2 B × context",
         "TTFT = each side's own prefill time of the long prompt (ours: the stats line's first "
-        "token; llama-server: timings.prompt_ms), the prompt wrapped in the file's chat template; "
-        "decode = tok/s of each chat answer (llama-server: timings.predicted_per_second); the "
-        "sides answer in turn, the order alternating, each after a dropped warm-up answer"] + notes
-    tables = gguf_tables(runs, setup_line(args, max(prompt_tokens), shapes, vocab_size), notes)
+        "token; llama-server: timings.prompt_ms), the prompt wrapped in the file's chat template "
+        "(prompt tokens); decode = tok/s of each chat answer (llama-server: "
+        "timings.predicted_per_second); the sides answer in turn, the order alternating, each "
+        "after a dropped warm-up answer"]
+    runs, failed = [], []
+
+    def save(done: bool) -> tuple[Path, list[results.Table]]:
+        # Saved after every file: a run stopped midway keeps what it measured, and says so.
+        partial = [] if done else [f"partial: the run stopped after {len(runs)} of {len(files)} "
+                                   "files"]
+        tables = gguf_tables(runs, setup_line(args, shapes, vocab_size), method + failed + partial)
+        return results.save("gguf", "runner", tables), tables
+
+    for path in files:
+        prompt = long_prompt(path, args.prompt_tokens)
+        try:
+            runs.append(measure_file(path, prompt, args, peer))
+        except (OSError, subprocess.TimeoutExpired) as e:   # the next file may still run
+            print(f"{path.name}: {e}")
+            failed.append(f"{path.name}: not measured: {e}")
+            continue
+        print(f"  {path.name}: " + ", ".join(f"{n} {'-' if v is None else f'{v:.2f}'}"
+                                             for n, v in ratios(runs[-1]).items()), flush=True)
+        save(done=False)
+    if not runs:
+        raise OSError("no file was measured: " + "; ".join(failed))
+    path, tables = save(done=True)
     for t in tables:
         print(f"\n{t.title}\n\n{t.markdown()}")
-    print(f"saved {results.save('gguf', 'runner', tables)}")
+    print(f"saved {path}")
 
 
 def gguf_args(p):

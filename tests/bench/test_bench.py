@@ -195,11 +195,7 @@ def test_gguf_random_file_reads_back_with_its_weights_and_tokenizer(tmp_path):
     import tokenizer
     from model import LlamaConfig
     from safetensors_io import read_weights
-    write_tiny_tokenizer(tmp_path)
-    shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256}
-    config = bench.gguf.llama_config(shape, 320)
-    path = bench.gguf.write_random_gguf(tmp_path / "random.gguf", config, tmp_path, seed=3)
+    path, config = write_tiny_random_gguf(tmp_path, seed=3)
     back = gguf_hf.convert_gguf(path, tmp_path / "cache")
     weights, c = read_weights(back), LlamaConfig.from_hf(config)
     names = {hf.format(i=i): g.format(i=i)
@@ -223,6 +219,14 @@ def test_gguf_random_file_reads_back_with_its_weights_and_tokenizer(tmp_path):
     assert tok.chat_template and tok.eos_ids
     prompt = bench.gguf.long_prompt(path, 60)
     assert "\n" not in prompt and 60 <= len(tok.encode(prompt, add_bos=False)) < 70
+
+
+def write_tiny_random_gguf(folder, seed=0):
+    write_tiny_tokenizer(folder)
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256}
+    config = bench.gguf.llama_config(shape, 320)
+    return bench.gguf.write_random_gguf(folder / "random.gguf", config, folder, seed), config
 
 
 def fake_side(start_s, cache, peak, ttft, tok_s, next_start=None, compile_s=None):
@@ -259,6 +263,33 @@ def test_gguf_tables_read_off_the_ratios():
     assert sides.rows[1][3:6] == ["-", "-", "-"]
     missed = bench.gguf.short_of({"cache": 1.0, "RSS": 1.0, "decode": 0.9, "TTFT": 1.2})
     assert missed == "decode, TTFT"
+
+
+def test_gguf_bench_saves_after_every_file(tmp_path, monkeypatch):
+    """bench.py gguf on given files, the measuring faked: a record after each file says it is
+    partial, the last one does not; a file that failed is a note, the others still run."""
+    path, _ = write_tiny_random_gguf(tmp_path)
+    mb, seen = 10**6, []
+
+    def measure(p, prompt, args, peer):
+        seen.append(record("gguf")["tables"][0]["notes"][-1] if seen else None)
+        if len(seen) == 2:
+            raise OSError("serve_local.py exited: out of memory")
+        side = fake_side(3.0, 2 * mb, 5 * mb, [50.0], [10.0, 12.0])
+        return bench.gguf.FileRun(p.name, 2 * mb, 256, mb, side, side)
+    monkeypatch.setattr(bench.gguf, "measure_file", measure)
+    ap = argparse.ArgumentParser()
+    bench.gguf.gguf_args(ap)
+    bench.gguf.bench_gguf(ap.parse_args([str(path)] * 3 + ["--no-peer"]))
+    assert seen == [None, "partial: the run stopped after 1 of 3 files",
+                    "partial: the run stopped after 1 of 3 files"]
+    r = record("gguf")
+    assert (r["name"], r["lesson"]) == ("gguf", "runner")
+    ratio_table = r["tables"][0]
+    assert [row[0] for row in ratio_table["rows"]] == ["random.gguf", "random.gguf"]
+    assert ratio_table["notes"][-1] == ("random.gguf: not measured: serve_local.py exited: "
+                                        "out of memory")
+    assert "500-token prompt" in ratio_table["title"]
 
 
 def test_gguf_without_llama_quantize_or_with_a_bad_file_is_one_line(tmp_path, monkeypatch, capsys):
