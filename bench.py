@@ -23,6 +23,8 @@ llama.cpp and transformers, in bench/peers.py); this file is the table of subcom
     python bench.py quantize --weights int4 --out DIR   # write a quantized checkpoint
     python bench.py tp                            # tp.py: decode step with 1 process and 2 ranks, time in all-reduce
     python bench.py serve                         # server.py against llama-server: 1-32 streaming clients
+    python bench.py gguf [FILE...]                # serve_local.py against llama-server on the same GGUFs
+    python bench.py gguf --shapes tinyllama       # ... on random TinyLlama-shaped Q4_K_M, Q8_0, F16 files
 
 Each family's module says what its benchmark measures and how (`python bench.py SUB --help`: its flags).
 """
@@ -32,8 +34,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import (attention, batching, compiled, context, decode, kvcache, paged, quantize_eval, runner,
-                   serve, speculative, tools, tp)
+from bench import (attention, batching, compiled, context, decode, gguf, kvcache, paged, quantize_eval,
+                   runner, serve, speculative, tools, tp)
 
 # name: (the function run with the parsed flags, help, the function adding the flags)
 TABLE = {
@@ -73,6 +75,9 @@ TABLE = {
               serve.serve_args),
     "runner": (runner.bench_runner, "serve_local.py as a user runs it (the plan, plain compiled and eager, "
                "fastest flags) against llama.cpp's defaults on the same GGUF", runner.runner_args),
+    "gguf": (gguf.bench_gguf, "serve_local.py against llama-server on the same GGUF files (or random test "
+             "files it writes): first start, cache on disk, RSS, TTFT, decode tok/s, and their ratios",
+             gguf.gguf_args),
     "compiled-start": (compiled.bench_compiled_start, "kernels.py: the compiled step built once (AOTInductor) "
                        "and loaded by later starts, against torch.compile at every start; step ms; the "
                        "runner's second start", compiled.compiled_start_args),

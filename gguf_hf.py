@@ -208,42 +208,19 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
 # ----------------------------------------------------------------------------
 # HF directory -> GGUF: the way back, so llama.cpp can run our weights.
 
-def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
-    """Write an HF directory as a GGUF file of its architecture (llama; qwen2 where q/k/v have
-    a bias, qwen3 where q and k are normalised): the inverse of `convert_gguf`.
+def gguf_arch(c) -> str:
+    """The GGUF architecture of a model.LlamaConfig: qwen3 where q and k are normalised, qwen2
+    where q/k/v have a bias, else llama."""
+    return "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else "llama"
 
-    Why: bench.py compares us with llama.cpp, and that comparison is only fair
-    on the very same weights, not on some other file's rounding or quantization.
-    So we write them ourselves: {arch}.* metadata from config.json, tensors
-    renamed by GGUF_NAMES, a llama's Q/K rows permuted to llama.cpp's order, matrices
-    stored as ``dtype`` ("f32", "f16", "bf16" or "q8_0"; norms and biases stay f32, as
-    llama.cpp's own converter does). The vocabulary comes from the directory's
-    byte-level BPE tokenizer.json; a directory without one (a random benchmark
-    checkpoint) gets a synthetic vocabulary of the right size, enough for
-    llama.cpp to load the file and run token ids — but not to tokenize text.
-    ``c`` is the directory's parsed config (model.LlamaConfig): config.json is
-    parsed in one place, above this module, so the caller passes it down.
-    """
-    import warnings
 
+def llama_writer(c, file_type) -> "gguf.GGUFWriter":
+    """A GGUFWriter holding the {arch}.* metadata of ``c`` (model.LlamaConfig; gguf_arch) and the
+    file type (gguf.LlamaFileType): what every Llama-family file we write starts with."""
     import gguf
-    from gguf.quants import quantize
 
-    Q, T = gguf.GGMLQuantizationType, gguf.TokenType
-    formats = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
-               "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
-               "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
-               "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
-    if dtype not in formats:
-        raise ValueError(f"unknown GGUF dtype '{dtype}': use one of {', '.join(formats)}")
-    qtype, file_type = formats[dtype]
-    model_dir, out_path = Path(model_dir), Path(out_path)
     scaling = (c.rope_scaling or {}).get("rope_type")
-    if scaling not in (None, "linear"):
-        raise CheckpointError(f"exporting rope scaling '{scaling}' to GGUF is not supported")
-
-    arch = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else "llama"
-    w = gguf.GGUFWriter(None, arch)     # its add_* methods write {arch}.* keys
+    w = gguf.GGUFWriter(None, gguf_arch(c))     # its add_* methods write {arch}.* keys
     w.add_block_count(c.n_layers)
     w.add_context_length(c.max_seq_len)
     w.add_embedding_length(c.hidden_size)
@@ -262,7 +239,19 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     w.add_vocab_size(c.vocab_size)
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return w
 
+
+def add_vocabulary(w, model_dir: Path, vocab_size: int) -> None:
+    """The vocabulary of ``model_dir`` into the writer ``w``: its byte-level BPE tokenizer.json
+    (and tokenizer_config.json: BOS, EOS, chat template); a directory without one gets a
+    synthetic sentencepiece-style vocabulary that runs token ids but tokenizes no text."""
+    import warnings
+
+    import gguf
+
+    T = gguf.TokenType
+    model_dir = Path(model_dir)
     # The vocabulary: llama.cpp needs exactly vocab_size tokens, one per embedding row.
     spec = (json.loads((model_dir / "tokenizer.json").read_text())
             if (model_dir / "tokenizer.json").is_file() else {})
@@ -270,11 +259,11 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     if bpe.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
         t = tokenizer.Tokenizer.from_dir(model_dir)
         vocab = {**bpe["vocab"], **{a["content"]: a["id"] for a in added}}
-        if max(vocab.values()) >= c.vocab_size:
+        if max(vocab.values()) >= vocab_size:
             raise CheckpointError(f"{model_dir}/tokenizer.json has ids beyond "
-                                  f"vocab_size={c.vocab_size}")
-        tokens = [f"[PAD{i}]" for i in range(c.vocab_size)]        # rows the tokenizer never uses
-        types = [T.UNUSED] * c.vocab_size
+                                  f"vocab_size={vocab_size}")
+        tokens = [f"[PAD{i}]" for i in range(vocab_size)]        # rows the tokenizer never uses
+        types = [T.UNUSED] * vocab_size
         for piece, i in vocab.items():
             tokens[i], types[i] = piece, T.NORMAL
         for a in added:
@@ -306,19 +295,56 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
         # A sentencepiece-style vocabulary: <unk> <s> </s>, the 256 byte pieces llama.cpp looks up
         # (e.g. <0x0A> for newline), then filler up to vocab_size.
         tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
-        if c.vocab_size < len(tokens):
-            raise CheckpointError(f"vocab_size={c.vocab_size} is too small "
+        if vocab_size < len(tokens):
+            raise CheckpointError(f"vocab_size={vocab_size} is too small "
                                   f"for a synthetic GGUF vocabulary")
         types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
-        types += [T.UNUSED] * (c.vocab_size - len(tokens))
-        tokens += [f"<unused{i}>" for i in range(len(tokens), c.vocab_size)]
+        types += [T.UNUSED] * (vocab_size - len(tokens))
+        tokens += [f"<unused{i}>" for i in range(len(tokens), vocab_size)]
         w.add_tokenizer_model("llama")
         w.add_token_list(tokens)
         w.add_token_types(types)
-        w.add_token_scores([0.0] * c.vocab_size)
+        w.add_token_scores([0.0] * vocab_size)
         w.add_unk_token_id(0)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
+
+
+def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
+    """Write an HF directory as a GGUF file of its architecture (llama; qwen2 where q/k/v have
+    a bias, qwen3 where q and k are normalised): the inverse of `convert_gguf`.
+
+    Why: bench.py compares us with llama.cpp, and that comparison is only fair
+    on the very same weights, not on some other file's rounding or quantization.
+    So we write them ourselves: {arch}.* metadata from config.json, tensors
+    renamed by GGUF_NAMES, a llama's Q/K rows permuted to llama.cpp's order, matrices
+    stored as ``dtype`` ("f32", "f16", "bf16" or "q8_0"; norms and biases stay f32, as
+    llama.cpp's own converter does). The vocabulary comes from the directory's
+    byte-level BPE tokenizer.json; a directory without one (a random benchmark
+    checkpoint) gets a synthetic vocabulary of the right size, enough for
+    llama.cpp to load the file and run token ids — but not to tokenize text.
+    ``c`` is the directory's parsed config (model.LlamaConfig): config.json is
+    parsed in one place, above this module, so the caller passes it down.
+    """
+    import gguf
+    from gguf.quants import quantize
+
+    Q = gguf.GGMLQuantizationType
+    formats = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
+               "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+               "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+               "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+    if dtype not in formats:
+        raise ValueError(f"unknown GGUF dtype '{dtype}': use one of {', '.join(formats)}")
+    qtype, file_type = formats[dtype]
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    scaling = (c.rope_scaling or {}).get("rope_type")
+    if scaling not in (None, "linear"):
+        raise CheckpointError(f"exporting rope scaling '{scaling}' to GGUF is not supported")
+
+    arch = gguf_arch(c)
+    w = llama_writer(c, file_type)
+    add_vocabulary(w, model_dir, c.vocab_size)
 
     to_gguf = {hf.format(i=i): name.format(i=i)
                for name, hf in GGUF_NAMES.items() for i in range(c.n_layers)}

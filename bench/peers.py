@@ -113,12 +113,12 @@ class LlamaServerSession:
     """llama.cpp's defaults on ``gguf`` (llama-server: its own chat template, greedy, stops at EOS),
     asked as RunnerSession is; each answer's numbers are from its own timings."""
 
-    def __init__(self, gguf: Path, max_new_tokens: int, threads: int):
+    def __init__(self, gguf: Path, max_new_tokens: int, threads: int, ctx: int = 4096):
         binary, self.port, self.max_new_tokens = llama_server_binary(), free_port(), max_new_tokens
         log = checkpoint.cache_root() / "bench" / "llama-server-runner.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        self.proc = start_server(llama_server_command(binary, gguf, threads, 1, 4096) + ["--port", str(self.port)],
+        self.proc = start_server(llama_server_command(binary, gguf, threads, 1, ctx) + ["--port", str(self.port)],
                                  self.port, log)
         self.ready_s = time.perf_counter() - t0
         self.loaded_s = self.compile_s = None

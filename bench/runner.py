@@ -40,11 +40,11 @@ class RunnerSession:
     writes and flushes the answer before the stats line, so once that line arrives the
     whole answer already sits in the stdout pipe and a non-blocking read takes it."""
 
-    def __init__(self, flags: list[str], max_new_tokens: int, timeout: float = 900):
+    def __init__(self, flags: list[str], max_new_tokens: int, timeout: float = 900, env: dict | None = None):
         self.t0, self.timeout = time.perf_counter(), timeout
         self.proc = subprocess.Popen([sys.executable, "serve_local.py", "--temperature", "0", "--max-new-tokens",
                                       str(max_new_tokens), *flags], cwd=ROOT, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         for f in (self.proc.stdout, self.proc.stderr):
             os.set_blocking(f.fileno(), False)
         self.err, self.log = b"", []

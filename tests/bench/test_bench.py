@@ -10,18 +10,20 @@ import sys
 from collections import Counter
 
 import pytest
+import torch
 
 import bench.batching
 import bench.common
 import bench.compiled
 import bench.decode
+import bench.gguf
 import bench.kvcache
 import bench.quantize_eval
 import bench.runner
 import bench.speculative
 import results
 import speculative as S
-from conftest import make_checkpoint
+from conftest import make_checkpoint, write_tiny_tokenizer
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -184,3 +186,125 @@ def test_runner_rounds_become_one_answer_per_prompt_and_zero_rounds_is_one_line(
     assert bench.runner.per_prompt(rounds[:2] + [rounds[2] | {"text": "b"}])["text"] == "texts differ between rounds"
     rc, out, err = run_cli("bench.py", "runner", "--rounds", "0", timeout=120)
     assert rc == 1 and err.strip() == "error: --rounds must be at least 1, got 0" and out == ""
+
+
+def test_gguf_random_file_reads_back_with_its_weights_and_tokenizer(tmp_path):
+    """bench.py gguf's test-file writer on a tiny shape: convert_gguf reads the very f16 weights
+    back (Q and K in HF's row order again), and the vocabulary tokenizes a sentence and back."""
+    import gguf_hf
+    import tokenizer
+    from model import LlamaConfig
+    from safetensors_io import read_weights
+    path, config = write_tiny_random_gguf(tmp_path, seed=3)
+    back = gguf_hf.convert_gguf(path, tmp_path / "cache")
+    weights, c = read_weights(back), LlamaConfig.from_hf(config)
+    names = {hf.format(i=i): g.format(i=i)
+             for g, hf in gguf_hf.GGUF_NAMES.items() for i in range(2)}
+    specs = {name: (i, shape)
+             for i, (name, shape) in enumerate(bench.gguf.random_tensors(c))}
+    assert len(weights) == len(specs) == 2 + 2 * 9 + 1
+    for name, w in weights.items():
+        i, shape = specs[names[name]]
+        expected = bench.gguf.random_tensor(i, shape, seed=3)
+        if name.endswith("q_proj.weight"):
+            expected = gguf_hf.unpermute_rows(expected, c.n_heads)
+        elif name.endswith("k_proj.weight"):
+            expected = gguf_hf.unpermute_rows(expected, c.n_kv_heads)
+        assert torch.equal(w, torch.from_numpy(expected.astype("float32"))), name
+    assert bench.gguf.random_tensor(0, (64, 8), seed=3).dtype.name == "float16"
+    assert bench.gguf.random_tensor(1, (64,), seed=3).tolist() == [1.0] * 64
+    tok = tokenizer.Tokenizer.from_dir(back)
+    sentence = "The quick brown fox jumps over the lazy dog."
+    assert tok.decode(tok.encode(sentence, add_bos=False)) == sentence
+    assert tok.chat_template and tok.eos_ids
+    prompt = bench.gguf.long_prompt(path, 60)
+    assert "\n" not in prompt and 60 <= len(tok.encode(prompt, add_bos=False)) < 70
+
+
+def write_tiny_random_gguf(folder, seed=0):
+    write_tiny_tokenizer(folder)
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256}
+    config = bench.gguf.llama_config(shape, 320)
+    return bench.gguf.write_random_gguf(folder / "random.gguf", config, folder, seed), config
+
+
+def fake_side(start_s, cache, peak, ttft, tok_s, next_start=None, compile_s=None):
+    return bench.gguf.Side(start_s, next_start, compile_s, cache, peak, peak - 10**6, ttft, 530,
+                           tok_s, [64] * 3)
+
+
+def test_gguf_tables_read_off_the_ratios():
+    """The acceptance's four ratios per file: cache / file, peak RSS / (file + KV), decode and
+    TTFT over llama-server's (medians), and the ones short of their bound; a file without
+    llama-server."""
+    mb = 10**6
+    ours = fake_side(30.0, 1050 * mb, 1400 * mb, [90.0, 110.0], [12.0, 10.0, 11.0], 5.0, 60.0)
+    ok = bench.gguf.FileRun("a-Q4_K_M.gguf", 1000 * mb, 2048, 100 * mb, ours,
+                            fake_side(1.0, None, 1100 * mb, [120.0], [10.0, 9.0, 10.5]))
+    bad = bench.gguf.FileRun("b-F16.gguf", 1000 * mb, 2048, 100 * mb,
+                             fake_side(30.0, 4000 * mb, 5000 * mb, [300.0], [2.0, 3.0, 4.0]), None)
+    assert bench.gguf.ratios(ok) == pytest.approx(
+        {"cache": 1.05, "RSS": 1400 / 1100, "decode": 11 / 10, "TTFT": 100 / 120})
+    ratio_table, sides = bench.gguf.gguf_tables([ok, bad], "setup", ["a note"])
+    assert ratio_table.columns == [
+        "file", "file MB", "KV MB (context)", "our cache / file (≤ 1.1)",
+        "our peak RSS / (file + KV) (≤ 1.3)", "decode × llama-server (≥ 1.0)",
+        "TTFT × llama-server (≤ 1.0)", "short of"]
+    assert ratio_table.rows == [
+        ["a-Q4_K_M.gguf", "1000", "100 (2048)", "1.05", "1.27", "1.10", "0.83", "none"],
+        ["b-F16.gguf", "1000", "100 (2048)", "4.00", "4.55", "-", "-", "cache, RSS"]]
+    assert ratio_table.notes == ["a note"] and ratio_table.title.endswith("; setup")
+    assert [r[:2] for r in sides.rows] == [["a-Q4_K_M.gguf", "serve_local.py"],
+                                           ["a-Q4_K_M.gguf", "llama-server"],
+                                           ["b-F16.gguf", "serve_local.py"]]
+    assert sides.rows[0][2:] == ["30.0", "5.0", "60", "1050", "1400", "1399", "1.27", "100", 530,
+                                 "11.0", "10.0–12.0", "64"]
+    assert sides.rows[1][3:6] == ["-", "-", "-"]
+    missed = bench.gguf.short_of({"cache": 1.0, "RSS": 1.0, "decode": 0.9, "TTFT": 1.2})
+    assert missed == "decode, TTFT"
+
+
+def test_gguf_bench_saves_after_every_file(tmp_path, monkeypatch):
+    """bench.py gguf on given files, the measuring faked: a record after each file says it is
+    partial, the last one does not; a file that failed is a note, the others still run."""
+    path, _ = write_tiny_random_gguf(tmp_path)
+    mb, seen = 10**6, []
+
+    def measure(p, prompt, args, peer):
+        seen.append(record("gguf")["tables"][0]["notes"][-1] if seen else None)
+        if len(seen) == 2:
+            raise OSError("serve_local.py exited: out of memory")
+        side = fake_side(3.0, 2 * mb, 5 * mb, [50.0], [10.0, 12.0])
+        return bench.gguf.FileRun(p.name, 2 * mb, 256, mb, side, side)
+    monkeypatch.setattr(bench.gguf, "measure_file", measure)
+    ap = argparse.ArgumentParser()
+    bench.gguf.gguf_args(ap)
+    bench.gguf.bench_gguf(ap.parse_args([str(path)] * 3 + ["--no-peer"]))
+    assert seen == [None, "partial: the run stopped after 1 of 3 files",
+                    "partial: the run stopped after 1 of 3 files"]
+    r = record("gguf")
+    assert (r["name"], r["lesson"]) == ("gguf", "runner")
+    ratio_table = r["tables"][0]
+    assert [row[0] for row in ratio_table["rows"]] == ["random.gguf", "random.gguf"]
+    assert ratio_table["notes"][-1] == ("random.gguf: not measured: serve_local.py exited: "
+                                        "out of memory")
+    assert "500-token prompt" in ratio_table["title"]
+
+
+def test_gguf_without_llama_quantize_or_with_a_bad_file_is_one_line(tmp_path, monkeypatch, capsys):
+    """The quantized test files need llama-quantize beside llama-server: without it, one line saying
+    how to build it, before anything is written; a missing file and a non-GGUF, one line each."""
+    from conftest import run_cli
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "bin" / "llama-server"))
+    with pytest.raises(OSError) as e:
+        bench.gguf.bench_files([("tinyllama", "Q4_K_M")], tmp_path / "files")
+    assert "scripts/build_llama_server.sh" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "files").exists()
+    (tmp_path / "not.gguf").write_text("hello")
+    rc, out, err = run_cli("bench.py", "gguf", str(tmp_path / "missing.gguf"),
+                           str(tmp_path / "not.gguf"), timeout=120)
+    assert rc == 1 and out == "" and err.strip().count("\n") == 0
+    assert "missing.gguf: no such file" in err
+    rc, out, err = run_cli("bench.py", "gguf", str(tmp_path / "not.gguf"), timeout=120)
+    assert rc == 1 and err.strip().count("\n") == 0 and "is not a GGUF file" in err
