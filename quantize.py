@@ -53,7 +53,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import safetensors_io
-from model import QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype, attend
+from model import (FUSED, QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype,
+                   attend)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                   # the largest finite e4m3 number
@@ -290,8 +291,8 @@ GROUP_SIZES = (32, 64, 128)
 
 
 def check_scheme(weights: str | None, group: int = GROUP):
-    if weights not in (None, "auto") + WEIGHT_SCHEMES:
-        raise ValueError(f"unknown --weights '{weights}': use auto, int8 or int4")
+    if weights not in (None, "auto", "float") + WEIGHT_SCHEMES:
+        raise ValueError(f"unknown --weights '{weights}': use auto, float, int8 or int4")
     if weights == "int4" and group not in GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group}")
 
@@ -327,7 +328,7 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
     ``head``: the LM head's scheme (scheme_of), "float" to keep it as loaded.
     ``prepare=False`` keeps the portable layout only, for saving."""
     check_scheme(weights, group)
-    if weights in (None, "auto"):
+    if weights in (None, "auto", "float"):
         return model
     if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
         raise ValueError("the model is already quantized; "
@@ -346,7 +347,13 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
 
 def empty_quantized(model: nn.Module, spec: dict):
     """For loading a quantized checkpoint: swap every Linear for an empty
-    quantized layer of the right shape (on the meta device, like the model)."""
+    quantized layer of the right shape (on the meta device, like the model). A GGUF
+    conversion names each layer's layout (gguf_hf.Packed); quantize.py's, one scheme."""
+    if spec.get("weights") == "gguf":
+        for name, lin in quantized_layers(model).items():
+            if (layout := gguf_layout(spec["layers"], name)) is not None:
+                replace_layer(model, name, stored_layer(layout, lin.in_features, lin.out_features))
+        return
     weights, group = spec.get("weights"), spec.get("group_size", GROUP)
     if weights not in WEIGHT_SCHEMES:
         raise ValueError(f"config.json names quantization scheme '{weights}', "
@@ -360,6 +367,23 @@ def empty_quantized(model: nn.Module, spec: dict):
             replace_layer(model, name, Int8Linear(lin.in_features, lin.out_features))
         else:
             replace_layer(model, name, Int4Linear(lin.in_features, lin.out_features, group))
+
+
+def gguf_layout(layers: dict[str, dict], name: str) -> dict | None:
+    """A model layer's layout in a GGUF conversion's map (by checkpoint names): a fused layer
+    (model.FUSED) has its parts', which the conversion made one (gguf_hf.common_layout)."""
+    prefix, _, fused = name.rpartition(".")
+    parts = FUSED.get(f"{prefix.rpartition('.')[2]}.{fused}") if prefix else None
+    return layers.get(f"{prefix.rpartition('.')[0]}.{parts[0]}" if parts else name)
+
+
+def stored_layer(layout: dict, in_features: int, out_features: int) -> nn.Module:
+    """An empty layer holding one GGUF layout: int4 or int8 groups, or 16-bit weights."""
+    if layout["kind"] == "int4":
+        return Int4Linear(in_features, out_features, layout["group"])
+    if layout["kind"] == "int8":
+        return Int8Linear(in_features, out_features, layout["group"], layout["min"])
+    return HalfLinear(in_features, out_features, getattr(torch, layout["dtype"]))
 
 
 def scheme(model: nn.Module) -> dict | None:
@@ -422,7 +446,11 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     with torch.device("meta"):
         model = Llama(cfg, attend)
         empty_quantized(model, cfg.quantization)
-    adopt_checkpoint(model, model_dir, device, dtype, is_plain)
+    # a GGUF conversion stores its vectors and table in fp32 and 16-bit layers' weights as the
+    # file does: those stay 16-bit
+    gguf = cfg.quantization["weights"] == "gguf"
+    plain = (lambda name, t: is_plain(name, t) and t.dtype == torch.float32) if gguf else is_plain
+    adopt_checkpoint(model, model_dir, device, dtype, plain, widen=False)
     check_quantized_tensors(dict(model.named_buffers()))
     for layer in model.modules():
         if prepare and isinstance(layer, (Int8Linear, Int4Linear)):
