@@ -3,9 +3,11 @@ GGUF <-> a Hugging Face directory: llama.cpp's format, converted once each way.
 
 A GGUF file (llama.cpp's format) is one file holding metadata (architecture, vocabulary,
 chat template) and tensors, usually block-quantized (Q4_1 keeps 32 weights in 16 bytes of
-nibbles + an fp16 scale and minimum = 5 bits per weight). llama.cpp's converter also
-reorders the rows of W_q and W_k so its RoPE can rotate adjacent pairs instead of the two
-halves; we undo that.
+nibbles + an fp16 scale and minimum = 5 bits per weight). Its ``general.architecture`` names
+the family, and its metadata keys carry that name (``qwen2.block_count``). For the llama
+architecture llama.cpp's converter also reorders the rows of W_q and W_k so its RoPE can rotate
+adjacent pairs instead of the two halves; we undo that. Qwen2 and Qwen3 files keep HF's order:
+llama.cpp runs them with the rotation of halves (its NEOX RoPE).
 
 convert_gguf turns a GGUF file once into an HF directory (safetensors_io.py's layout) under
 a cache folder the caller names, so the rest of the project knows a single layout; a later
@@ -53,11 +55,22 @@ GGUF_NAMES = {  # llama.cpp tensor name -> Hugging Face name ("{i}" is the layer
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",        # qwen2
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # qwen3
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+
+# general.architecture -> config.json's architectures entry (its model_type is the same name)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+# the architectures whose W_q, W_k rows (and biases, were there any) llama.cpp stores permuted
+PERMUTED = ("llama",)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -68,8 +81,8 @@ def hf_name(gguf_name: str) -> str:
             return GGUF_NAMES[key].format(i=layer)
     elif gguf_name in GGUF_NAMES:
         return GGUF_NAMES[gguf_name]
-    raise CheckpointError(f"GGUF tensor '{gguf_name}' has no Llama counterpart; "
-                          f"this file is not a plain Llama")
+    raise CheckpointError(f"GGUF tensor '{gguf_name}' has no counterpart in the models "
+                          f"nanoinfer runs ({', '.join(ARCHITECTURES)})")
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -92,36 +105,38 @@ def gguf_config(reader) -> dict:
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise CheckpointError(f"unsupported GGUF architecture '{arch}' (general.architecture): "
-                              f"nanoinfer runs the llama family")
+                              f"nanoinfer runs {', '.join(ARCHITECTURES)}")
+    # every family spells its keys alike after its name: qwen2.block_count -> block_count
+    meta = {k.removeprefix(f"{arch}."): v for k, v in meta.items()}
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise CheckpointError("this GGUF stores llama3 rope scaling as a rope_freqs tensor, "
                               "which is not supported yet; "
                               "use the model's Hugging Face directory instead")
-    n_heads = meta["llama.attention.head_count"]
-    hidden = meta["llama.embedding_length"]
-    n_vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    n_heads = meta["attention.head_count"]
+    hidden = meta["embedding_length"]
+    n_vocab = meta.get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": meta["llama.feed_forward_length"],
-        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": n_heads,
-        "num_key_value_heads": meta.get("llama.attention.head_count_kv", n_heads),
-        "head_dim": meta.get("llama.attention.key_length", hidden // n_heads),
-        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": meta.get("llama.context_length", 2048),
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "hidden_size": hidden, "intermediate_size": meta["feed_forward_length"],
+        "num_hidden_layers": meta["block_count"], "num_attention_heads": n_heads,
+        "num_key_value_heads": meta.get("attention.head_count_kv", n_heads),
+        "head_dim": meta.get("attention.key_length", hidden // n_heads),
+        "rms_norm_eps": float(meta["attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": meta.get("context_length", 2048),
         "vocab_size": n_vocab, "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": "float32",
     }
-    scaling = meta.get("llama.rope.scaling.type")
+    scaling = meta.get("rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear",
-                               "factor": float(meta["llama.rope.scaling.factor"])}
+                               "factor": float(meta["rope.scaling.factor"])}
     elif scaling not in (None, "none"):
         raise CheckpointError(f"unsupported GGUF rope scaling '{scaling}' "
-                              f"(llama.rope.scaling.type)")
+                              f"({arch}.rope.scaling.type)")
     ids = {key: int(reader.fields[f"tokenizer.ggml.{key}_token_id"].contents())
            for key in ("bos", "eos", "eot", "eom")
            if f"tokenizer.ggml.{key}_token_id" in reader.fields}
@@ -358,26 +373,27 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
     except Exception as e:  # gguf raises bare ValueError/struct errors on bad files
         raise CheckpointError(f"cannot read GGUF file {path} ({e}); is it complete?") from None
     cfg = gguf_config(reader)
-    heads = {"attn_q.weight": cfg["num_attention_heads"],
-             "attn_k.weight": cfg["num_key_value_heads"]}
     out.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename: an interrupted conversion never looks finished.
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
         state, matrices = {}, {}
         for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
-            name = hf_name(t.name).removeprefix("model.").removesuffix(".weight")
-            if len(t.shape) == 1 or name == "embed_tokens":
+            name = hf_name(t.name).removeprefix("model.")
+            if len(t.shape) == 1 or name == "embed_tokens.weight":     # norms, biases, the table
                 w = dequantize(t.data, t.tensor_type).astype(np.float32)
-                state[f"{name}.weight"] = torch.from_numpy(
+                state[name] = torch.from_numpy(
                     np.ascontiguousarray(w.reshape(tuple(reversed(t.shape.tolist())))))
-                if name == "embed_tokens" and cfg["tie_word_embeddings"]:
+                if name == "embed_tokens.weight" and cfg["tie_word_embeddings"]:
                     matrices["lm_head"] = packed(t)     # the tied head keeps the table's bits
                 continue
             p = packed(t)
-            if n := next((n for k, n in heads.items() if t.name.endswith(k)), None):
-                p = p.rows(torch.from_numpy(unpermute_rows(np.arange(len(p.q)), n)))
-            matrices[name] = p
+            product = t.name.split(".")[-2]       # blk.3.attn_q.weight -> attn_q
+            if cfg["model_type"] in PERMUTED and product in ("attn_q", "attn_k"):
+                rows = unpermute_rows(np.arange(len(p.q)), cfg["num_attention_heads" if
+                                      product == "attn_q" else "num_key_value_heads"])
+                p = p.rows(torch.from_numpy(rows))
+            matrices[name.removesuffix(".weight")] = p
         for i in range(cfg["num_hidden_layers"]):
             for parts in FUSED.values():
                 names = [f"layers.{i}.{part}" for part in parts]
@@ -419,14 +435,14 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
 # HF directory -> GGUF: the way back, so llama.cpp can run our weights.
 
 def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
-    """Write an HF Llama directory as a llama-architecture GGUF file: the inverse of
-    `convert_gguf`.
+    """Write an HF directory as a GGUF file of its architecture (llama; qwen2 where q/k/v have
+    a bias, qwen3 where q and k are normalised): the inverse of `convert_gguf`.
 
     Why: bench.py compares us with llama.cpp, and that comparison is only fair
     on the very same weights, not on some other file's rounding or quantization.
-    So we write them ourselves: llama.* metadata from config.json, tensors
-    renamed by GGUF_NAMES, Q/K rows permuted to llama.cpp's order, matrices
-    stored as ``dtype`` ("f32", "f16", "bf16" or "q8_0"; norms stay f32, as
+    So we write them ourselves: {arch}.* metadata from config.json, tensors
+    renamed by GGUF_NAMES, a llama's Q/K rows permuted to llama.cpp's order, matrices
+    stored as ``dtype`` ("f32", "f16", "bf16" or "q8_0"; norms and biases stay f32, as
     llama.cpp's own converter does). The vocabulary comes from the directory's
     byte-level BPE tokenizer.json; a directory without one (a random benchmark
     checkpoint) gets a synthetic vocabulary of the right size, enough for
@@ -452,7 +468,8 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     if scaling not in (None, "linear"):
         raise CheckpointError(f"exporting rope scaling '{scaling}' to GGUF is not supported")
 
-    w = gguf.GGUFWriter(None, "llama")
+    arch = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else "llama"
+    w = gguf.GGUFWriter(None, arch)     # its add_* methods write {arch}.* keys
     w.add_block_count(c.n_layers)
     w.add_context_length(c.max_seq_len)
     w.add_embedding_length(c.hidden_size)
@@ -536,12 +553,11 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
             continue   # tied: llama.cpp reads the output projection from token_embd
         if name not in to_gguf:
             raise CheckpointError(f"tensor '{name}' in {model_dir} has no GGUF counterpart: "
-                                  f"not a plain Llama")
+                                  f"not a {arch} model")
         a = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
-            a = permute_rows(a, c.n_heads)
-        elif name.endswith("k_proj.weight"):
-            a = permute_rows(a, c.n_kv_heads)
+        product = name.split(".")[-2]       # model.layers.3.self_attn.q_proj.weight -> q_proj
+        if arch in PERMUTED and product in ("q_proj", "k_proj"):
+            a = permute_rows(a, c.n_heads if product == "q_proj" else c.n_kv_heads)
         if a.ndim == 1 or qtype == Q.F32:
             w.add_tensor(to_gguf[name], np.ascontiguousarray(a, dtype=np.float32))
         elif qtype == Q.F16:

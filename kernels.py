@@ -303,7 +303,8 @@ ONEDNN_MIN = 512 * 512
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """x·Wᵀ for a Linear layer (a quantized layer brings its own forward).
+    """x·Wᵀ (+ b, a layer with a bias: Qwen2's q/k/v) for a Linear layer (a quantized layer
+    brings its own forward).
 
     * Inside a compiled one-token step on a CPU: bf16 weights on kernels.cpp's
       bf16_mm (Zen 4: inductor's speed, 1.2x on SmolLM2's rows; Xeon: 1.4-1.8x aten's),
@@ -312,26 +313,29 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     * Everywhere else (training, GPUs): F.linear, the right kernel there."""
     if not isinstance(layer, nn.Linear):
         return layer(x)
+    bias = layer.bias
     if x.shape[-2] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
         if x.dtype == layer.weight.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0 and \
                 hasattr(torch.ops.nanoinfer, "bf16_mm"):
-            return bf16_mm(x.reshape(-1, x.shape[-1]).contiguous(),
-                           layer.weight).view(*x.shape[:-1], -1)
-        return matvec_sum(x, layer.weight)
+            y = bf16_mm(x.reshape(-1, x.shape[-1]).contiguous(),
+                        layer.weight).view(*x.shape[:-1], -1)
+        else:
+            y = matvec_sum(x, layer.weight)
+        return y if bias is None else y + bias
     cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
     packed = packed_weight(layer)
     if packed is not None and packed.dtype == x.dtype and cpu_inference \
             and not torch.compiler.is_compiling():
-        return prepacked_linear(x, packed)
+        return prepacked_linear(x, packed, bias)
     if x.dtype == layer.weight.dtype == torch.float32 and cpu_inference and ONEDNN and \
             layer.weight.numel() >= ONEDNN_MIN:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
-    return F.linear(x, layer.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, bias, "none", [], "")
+    return F.linear(x, layer.weight, bias)
 
 
 class Linear(nn.Linear):
-    """An nn.Linear whose product runs on `linear` above; ``onednn``: prepack's copy of its
-    weight."""
+    """An nn.Linear whose product (and bias, if it has one) runs on `linear` above; ``onednn``:
+    prepack's copy of its weight."""
     onednn: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x):
@@ -344,9 +348,10 @@ def swap_linears(module: nn.Module) -> nn.Module:
     layers bring their own. Idempotent."""
     for parent in list(module.modules()):
         for name, child in parent.named_children():
-            if type(child) is nn.Linear and child.bias is None:
-                fast = Linear(child.in_features, child.out_features, bias=False, device="meta")
-                fast.weight = child.weight
+            if type(child) is nn.Linear:
+                fast = Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                              device="meta")
+                fast.weight, fast.bias = child.weight, child.bias
                 setattr(parent, name, fast)
     return module
 
@@ -677,9 +682,10 @@ def prepacked_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in packed if p is not None)
 
 
-def prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x·Wᵀ on prepack's blocked copy of W (oneDNN)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def prepacked_linear(x: torch.Tensor, packed: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·Wᵀ (+ bias) on prepack's blocked copy of W (oneDNN)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 # ----------------------------------------------------------------------------

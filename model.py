@@ -15,6 +15,11 @@ A Llama is a stack of identical blocks over token embeddings:
   smaller than with one K/V per query head (MHA).
 * The MLP is SwiGLU: down(silu(gate(x)) * up(x)).
 
+The same class runs the Llama family's close relatives, each one field of LlamaConfig read from
+config.json's model_type: Mistral attends over a sliding window of recent positions, Qwen2/2.5
+adds a learned bias to the q, k and v projections, and Qwen3 normalises each head's q and k
+(RMSNorm) before RoPE.
+
 Generating is a loop: run the model, pick the next token from the last
 position's logits, append it, repeat. The naive loop re-runs the whole prefix
 every step: the step that produces token t pushes t positions through every
@@ -75,6 +80,8 @@ class LlamaConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     sliding_window: int | None = None   # Mistral-style: attend to the last W positions only
+    qkv_bias: bool = False              # Qwen2: q, k and v projections add a learned bias
+    qk_norm: bool = False               # Qwen3: an RMSNorm over each head's q and k before RoPE
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     quantization: dict | None = None    # a checkpoint written by quantize.py:
@@ -87,8 +94,11 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaConfig":
         theta, rope, kind = safetensors_io.check_llama_config(c)
-        eos = c.get("eos_token_id")
+        eos, family = c.get("eos_token_id"), c.get("model_type")
         n_heads = c["num_attention_heads"]
+        # Mistral's window is on unless switched off; Qwen's is off unless switched on
+        # (check_llama_config refuses it on: it covers only some of Qwen's layers)
+        windowed = c.get("use_sliding_window", family in ("llama", "mistral"))
         try:
             return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
                 intermediate_size=c["intermediate_size"], n_layers=c["num_hidden_layers"],
@@ -98,8 +108,8 @@ class LlamaConfig:
                 rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
                 max_seq_len=c.get("max_position_embeddings", 2048),
                 tie_embeddings=c.get("tie_word_embeddings", False), bos_id=c.get("bos_token_id"),
-                sliding_window=(c.get("sliding_window") if c.get("use_sliding_window", True)
-                                else None),
+                sliding_window=c.get("sliding_window") if windowed else None,
+                qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
                 eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
                 quantization=c.get(QUANTIZATION_KEY), head_vocab=c.get("draft_vocab_size"),
                 eagle=bool(c.get("eagle", False)))
@@ -229,14 +239,21 @@ class Attention(nn.Module):
         # W_q, W_k, W_v stacked into one matrix: one matmul call instead of three (see FUSED)
         self.split = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
                       cfg.n_kv_heads * cfg.head_dim]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
+        # Qwen2's q, k and v add a bias: stacked like their rows, one vector for the three
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3 scales each head's q and k to unit RMS (one gain per dimension, shared by the
+        # heads): q·k is then bounded by those gains, not by the activations (steadier training)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, mask, cache_layer=None, positions=None):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # a paged decode step on a GPU (kvcache.py)
         in_place = getattr(cache_layer, "in_place", False)

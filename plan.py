@@ -236,7 +236,9 @@ class Plan:
     prompt_lookup: int | None = None
     lookahead: str | None = None     # only ever the user's (--lookahead)
     spec_k: int = 4
-    weights: str = "auto"            # auto (the checkpoint's) / int8 / int4
+    # auto (the checkpoint's) / float (a GGUF's, widened) / int8 / int4
+    weights: str = "auto"
+    stored: str | None = None        # "gguf": the checkpoint holds a GGUF's own bits, which auto keeps
     # the LM head's scheme under int4 (ModelInfo.head): None int8, "float" kept
     head: str | None = None
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
@@ -303,15 +305,23 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
     def held(weights, copy=True):
         return info.weight_bytes(weights, fdt) + (packed if copy else 0)
 
-    if info.source in QUANTIZED:
+    if info.source in ("int8", "int4"):
         scheme, p.prepack = info.source, held(info.source) <= room
         why.append(f"weights {info.source}: the checkpoint is stored quantized (quantize.py) and "
                    f"loads as it is"
                    + ("" if p.prepack or not packed
                       else "; no fp32 copy for prefills (it would not fit)"))
+    elif info.source == "gguf" and machine.device != "cpu":
+        p.weights, scheme, p.stored = "float", "float", "gguf"
+        why.append(f"weights {fdt}: the GGUF's own bits ({describe_layouts(info)}) run on the CPU's "
+                   f"kernels; here they are widened to {fdt} once at load for the tensor cores "
+                   f"(--dtype fp32: the file's exact values)")
     elif info.source == "gguf":
         kind, layouts = info.main_kind, describe_layouts(info)
         fast = kind == "half" or ns.get(kind, 1e9) < MARGIN * ns.get(fdt, 0)
+        speed = (f"calibrated {kind} {ns[kind]:.3f} ns/weight against {fdt}'s "
+                 f"{ns.get(fdt, 0):.3f}" if kind in ns else "half the bytes of fp32")
+        p.stored = "gguf"
         if fdt != "float32":
             # exact to the file: its values are fp32 numbers (lo + q·s), and its kernels take fp32
             why.append(f"dtype float32 after all: the GGUF's weights are exact in fp32 (a "
@@ -320,8 +330,6 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
             packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
         if fast or held("float") > room:
             scheme, p.prepack = "gguf", held("gguf") <= room
-            speed = (f"calibrated {kind} {ns[kind]:.3f} ns/weight against {fdt}'s "
-                     f"{ns.get(fdt, 0):.3f}" if kind in ns else "half the bytes of fp32")
             why.append(f"weights as the GGUF holds them ({layouts}): the file's own bits, exact "
                        f"(gguf_hf.Packed); {speed}"
                        + (f"; prefills run on a {fdt} copy ({gb(packed)}: kernels.prepack)"
@@ -330,8 +338,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
         else:
             p.weights, scheme = "float", "float"
             why.append(f"weights {fdt}: the GGUF's own bits ({layouts}) compute no faster here "
-                       f"({ns.get(kind, 0):.3f} ns/weight against {fdt}'s {ns.get(fdt, 0):.3f}), "
-                       f"so they are widened to {fdt} once at load: the same values, "
+                       f"({speed}), so they are widened to {fdt} once at load: the same values, "
                        f"{gb(held('float'))}" + (" with kernels.prepack's copy" if packed else ""))
     else:
         scheme = next((w for w in ("float", "int8", "int4") if held(w, w == "float") <= room),
@@ -406,7 +413,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
                    f"fp32's bytes) and the fixed costs of speculating are not: a pass verifying 5 "
                    f"positions takes ~3 one-row passes' time in the quantized kernels (`python "
                    f"kernels.py` measures both) and the head drafts in 4 eager steps, so bench.py "
-                   f"runner measured it slower than plain {label} decoding; --draft bundled asks "
+                   f"runner measured it slower than plain quantized decoding; --draft bundled asks "
                    f"for it anyway")
     elif "bundled" in info.drafts:
         p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
@@ -463,6 +470,7 @@ def summary(p: Plan) -> str:
     if p.attn != "sdpa":
         parts.append(f"attention {p.attn}")
     parts += [f"weights {p.weights}"] if p.weights not in (None, "auto") else []
+    parts += ["weights: the file's own bits"] if p.weights == "auto" and p.stored == "gguf" else []
     parts += [f"KV {p.kv_dtype}"] if p.kv_dtype not in (None, "auto") else []
     spec = ([{"bundled": "EAGLE head", "medusa": "Medusa heads"}.get(p.draft, p.draft)]
             if p.draft else [])

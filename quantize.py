@@ -337,6 +337,9 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
     for name, lin in quantized_layers(model).items():
         if (scheme := scheme_of(name, weights, head)) == "float":
             continue
+        if lin.bias is not None:    # Qwen2's q/k/v: refused, not silently dropped
+            raise ValueError(f"{name} has a bias; quantized layers don't carry one yet: "
+                             f"keep this model's weights in full precision")
         w = lin.weight.detach()
         layer = Int8Linear.from_float(w) if scheme == "int8" else Int4Linear.from_float(w, group)
         if prepare:

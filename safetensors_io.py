@@ -107,14 +107,21 @@ def check_llama_config(c: dict) -> tuple[float, dict, str]:
     """Refuse, in one line, a config.json this project cannot run; returns RoPE's
     (theta, scaling parameters, scaling kind) for model.LlamaConfig.from_hf."""
     arch = c.get("model_type")
-    if arch not in ("llama", "mistral"):   # Mistral is a Llama with an optional sliding window
+    # Mistral adds a sliding window, Qwen2 a bias on q/k/v, Qwen3 a norm on q/k (model.py)
+    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ValueError(f"unsupported architecture '{arch}' (config.json model_type): "
                          f"nanoinfer runs Llama-family checkpoints "
-                         f"(model_type \"llama\" or \"mistral\")")
-    for key in ("attention_bias", "mlp_bias"):
+                         f"(model_type llama, mistral, qwen2 or qwen3)")
+    # Qwen2's q/k/v always have a bias and its config names none; elsewhere attention_bias
+    # puts one on o_proj too, which the model has no place for
+    for key in ("mlp_bias",) if arch == "qwen2" else ("attention_bias", "mlp_bias"):
         if c.get(key):
-            raise ValueError(f"unsupported config.json {key}=true: "
-                             f"Llama projections here have no bias")
+            raise ValueError(f"unsupported config.json {key}=true: the only biases "
+                             f"nanoinfer runs are Qwen2's, on q, k and v")
+    if arch in ("qwen2", "qwen3") and c.get("use_sliding_window"):
+        raise ValueError("unsupported config.json use_sliding_window=true: Qwen's window covers "
+                         "only the layers from max_window_layers on, and a window here covers "
+                         "all of them; set it false to attend over the whole context")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported config.json hidden_act '{c['hidden_act']}': expected silu")
     # transformers ≥ 5 writes rope_parameters (theta inside); older files rope_theta +
@@ -135,10 +142,12 @@ def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple], mo
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"checkpoint in {model_dir} lacks {len(missing)} tensors "
-                              f"(first: {missing[0]}); it is incomplete or not a Llama")
+                              f"(first: {missing[0]}); it is incomplete or not a Llama-family "
+                              f"model")
     for name, t in state.items():
         if name not in expected:
-            raise CheckpointError(f"unexpected tensor '{name}' in {model_dir}: not a plain Llama")
+            raise CheckpointError(f"unexpected tensor '{name}' in {model_dir}: "
+                                  f"not a Llama-family model nanoinfer runs")
         if tuple(t.shape) != tuple(expected[name]):
             raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)} but config.json "
                                   f"implies {tuple(expected[name])}: "
@@ -168,8 +177,8 @@ def check_finite(state: dict[str, torch.Tensor], model_dir):
 # model keeps each group stacked by rows in one matrix (model.py says why). A layout
 # maps each fused name to its parts, in their row order.
 
-# A layer's tensors in a checkpoint: its weight, and a quantized layer's scales and minimums
-SUFFIXES = ("weight", "weight_scale", "weight_min")
+# A layer's tensors in a checkpoint: its weight, a quantized layer's scales and minimums, a bias
+SUFFIXES = ("weight", "weight_scale", "weight_min", "bias")
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -234,15 +243,13 @@ def cast(state: dict, device, dtype_of) -> dict:
 
 def stack(state: dict, n_layers: int) -> tuple[dict, str]:
     """How convert_gguf stores an HF state dict ("model." names): each FUSED group stacked
-    into one tensor per suffix (weight, and a quantized layer's weight_scale and weight_min),
-    and the header entry that names its parts and rows for read_weights."""
-    groups = {}
-    for i in range(n_layers):
-        for fused, parts in FUSED.items():
-            for suffix in SUFFIXES:
-                if f"model.layers.{i}.{parts[0]}.{suffix}" in state:
-                    groups[f"model.layers.{i}.{fused}.{suffix}"] = [
-                        [f"model.layers.{i}.{p}.{suffix}", 0] for p in parts]
+    into one tensor per suffix (its weights, a quantized layer's scales and minimums, and its
+    biases where it has them: Qwen2's q/k/v), and the header entry that names its parts and rows
+    for read_weights."""
+    groups = {f"model.layers.{i}.{fused}.{suffix}":
+              [[f"model.layers.{i}.{p}.{suffix}", 0] for p in parts]
+              for i in range(n_layers) for fused, parts in FUSED.items()
+              for suffix in SUFFIXES if f"model.layers.{i}.{parts[0]}.{suffix}" in state}
     for name, parts in groups.items():
         for part in parts:
             part[1] = len(state[part[0]])

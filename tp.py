@@ -134,9 +134,11 @@ ROW = {"self_attn.o_proj": "heads", "mlp.down_proj": "units"}
 
 def slice_tensor(name: str, t: torch.Tensor, part: Part, head_dim: int) -> torch.Tensor:
     """A checkpoint tensor -> this rank's copy (its own memory: the full one can go)."""
-    product = name.split(".", 2)[2].removesuffix(".weight") if name.startswith("layers.") else None
+    # layers.3.self_attn.q_proj.weight -> self_attn.q_proj; a column-parallel product's bias
+    # (Qwen2's q/k/v) goes with its rows
+    product = name.split(".", 2)[2].rpartition(".")[0] if name.startswith("layers.") else None
     if product not in COLUMN and product not in ROW:
-        return t                                          # replicated: embedding, head, norms
+        return t                        # replicated: embedding, head, norms (Qwen3's per head too)
     which = (COLUMN | ROW)[product]
     # a head: head_dim rows (or columns)
     span, unit = getattr(part, which), 1 if which == "units" else head_dim

@@ -77,6 +77,33 @@ def make_checkpoint(path: Path, tokenizer: bool = True, classic_config: bool = F
     return path
 
 
+def make_qwen_checkpoint(path: Path, family: str, tokenizer: bool = True, **overrides) -> Path:
+    """A random-weight Qwen2ForCausalLM or Qwen3ForCausalLM (``family`` "qwen2" or "qwen3") saved
+    by transformers, of make_checkpoint's shapes. Its q/k/v biases (Qwen2) and q/k norm gains
+    (Qwen3) are drawn at random too: transformers starts them at 0 and 1, which would hide a model
+    that drops them."""
+    import transformers
+    arch = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, vocab_size=320, max_position_embeddings=256,
+               bos_token_id=0, eos_token_id=2, initializer_range=0.1)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(**cfg)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.3)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1, 0.3)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    if tokenizer:
+        write_tiny_tokenizer(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """For test modules of many tiny forward passes (they check values, not speed): with two

@@ -18,8 +18,8 @@ import checkpoint
 import gguf_hf
 import model as M
 import safetensors_io
-from conftest import ROOT, TEXT, bundled_gguf, fails_with, make_checkpoint, run_cli
-from tokenizer import Tokenizer
+from conftest import ROOT, TEXT, bundled_gguf, fails_with, make_checkpoint, make_qwen_checkpoint, run_cli
+from tokenizer import PRE_TOKENIZER_SPLITS, Tokenizer
 
 
 # ----------------------------------------------------------------------------
@@ -237,7 +237,9 @@ def test_non_llama_gguf_is_refused(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(safetensors_io.CheckpointError, match="unsupported GGUF architecture 'gpt2' \\(general.architecture\\)"):
+    with pytest.raises(safetensors_io.CheckpointError,
+                       match="unsupported GGUF architecture 'gpt2' \\(general.architecture\\): nanoinfer runs "
+                             "llama, qwen2, qwen3"):
         gguf_hf.convert_gguf(path, tmp_path / "cache")
 
 
@@ -393,3 +395,55 @@ def test_conversion_records_what_the_load_need_not_check(tmp_path, bad):
         assert M.Llama.from_pretrained(back, "cpu", "float32").layers[1].mlp.down_proj.weight[3, 5] == bad
         with pytest.raises(safetensors_io.CheckpointError, match=refused):
             M.Llama.from_pretrained(back, "cpu", "float16")
+
+
+# Qwen2 and Qwen3 GGUFs: their own architecture names and keys, and no row permutation.
+
+QWEN = {"qwen2": dict(tie_word_embeddings=True), "qwen3": dict(head_dim=24)}
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_qwen_gguf_round_trip_matches_transformers(tmp_path, family):
+    import gguf
+    from transformers import AutoModelForCausalLM
+    src = make_qwen_checkpoint(tmp_path / "hf", family, **QWEN[family])
+    if family == "qwen2":       # Qwen's tokenizer.json splits words with its own regex
+        from tokenizers import Regex, Tokenizer as HFTokenizer, pre_tokenizers
+        hf = HFTokenizer.from_file(str(src / "tokenizer.json"))
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["qwen2"]), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.save(str(src / "tokenizer.json"))
+    path = gguf_hf.export_gguf(src, tmp_path / f"{family}.gguf", config(src), "f32")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == family
+    assert reader.fields[f"{family}.block_count"].contents() == 2
+    assert reader.fields["tokenizer.ggml.pre"].contents() == {"qwen2": "qwen2", "qwen3": "gpt-2"}[family]
+    # every tensor is one gguf-py (llama.cpp's own names) lists for this architecture
+    arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[family]
+    known = {gguf.TENSOR_NAMES[t].format(bid=i) for t in gguf.MODEL_TENSORS[arch] for i in range(2)}
+    names = {t.name for t in reader.tensors}
+    assert {n.rpartition(".")[0] for n in names} <= known
+    extra = {"qwen2": {"blk.0.attn_q.bias", "blk.1.attn_v.bias"},
+             "qwen3": {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight"}}[family]
+    assert extra <= names and ("output.weight" in names) == (family == "qwen3")
+
+    back = gguf_hf.convert_gguf(path, tmp_path / "cache")
+    want, got = safetensors_io.read_weights(src), safetensors_io.read_weights(back)
+    if QWEN[family].get("tie_word_embeddings"):
+        want.pop("lm_head.weight", None)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t.float()), name     # rows as they were: nothing permuted
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([IDS])).logits[0].numpy()
+    assert np.abs(our_logits(back) - expected).max() < 1e-4
+    text = "The quick brown fox. def add(a, b):\n    return a + b 1234"
+    assert Tokenizer.from_dir(back).encode(text) == Tokenizer.from_dir(src).encode(text)
+    if family == "qwen2":
+        # transformers' own GGUF reader takes the file as llama.cpp's converter would have written it
+        read = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert np.abs(read(torch.tensor([IDS])).logits[0].numpy() - expected).max() < 1e-5

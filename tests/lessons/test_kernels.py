@@ -55,6 +55,29 @@ def test_prepacked_linear(dtype):
     assert big.weight.grad is not None and x.grad is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bias_survives_every_path(dtype):
+    """A Linear with a bias (Qwen2's q/k/v) is swapped and prepacked like any other, and every
+    path of `linear` adds it: F.linear, oneDNN on the plain and the prepacked weight, and the
+    multiply-and-sum of a compiled one-token step."""
+    layer = torch.nn.Linear(512, 640).to(dtype)
+    torch.nn.init.normal_(layer.bias, 0, 1.0)
+    net = torch.nn.Sequential(layer)
+    x = torch.randn(2, 3, 512, dtype=dtype)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    kernels.swap_linears(net)
+    fast = net[0]
+    assert isinstance(fast, kernels.Linear) and fast.bias is layer.bias
+    with torch.inference_mode():
+        torch.testing.assert_close(net(x), want, **tol)
+        kernels.prepack(net)
+        torch.testing.assert_close(net(x), want, **tol)
+        one = torch.compile(lambda t: kernels.linear(t, fast), fullgraph=True)(x[:, :1])
+    torch.testing.assert_close(one, want[:, :1], **tol)
+
+
 @pytest.mark.parametrize("k", [256, 4608])
 def test_compiled_matvec_equals_linear(k):
     """Inside a compiled step `linear` is a multiply-and-sum; rows over 4,096 long

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 import model as M
 import results
 import kernels
-from conftest import fails_with, make_checkpoint
+from conftest import fails_with, make_checkpoint, make_qwen_checkpoint
 from model import causal_scores
 import kvcache
 
@@ -209,7 +209,8 @@ def test_unsupported_architecture(capsys, tiny_ckpt):
     cfg["model_type"] = "gpt2"
     (tiny_ckpt / "config.json").write_text(json.dumps(cfg))
     fails_with(capsys, ["--model", str(tiny_ckpt), "--prompt", "hi"],
-               "unsupported architecture 'gpt2' (config.json model_type)")
+               "unsupported architecture 'gpt2' (config.json model_type): nanoinfer runs "
+               "Llama-family checkpoints (model_type llama, mistral, qwen2 or qwen3)")
 
 
 def test_nan_weight_is_caught_at_load_with_its_name(capsys, tiny_ckpt):
@@ -220,3 +221,50 @@ def test_nan_weight_is_caught_at_load_with_its_name(capsys, tiny_ckpt):
     for flags in ([], ["--temperature", "0.7"]):
         last = fails_with(capsys, ["--model", str(tiny_ckpt), "--prompt", "hi", *flags], "non-finite values")
         assert "tensor layers.1.self_attn.q_proj.weight " in last
+
+
+# --- Qwen2/2.5 (a bias on q/k/v) and Qwen3 (RMSNorm on each head's q and k): one field each
+
+QWEN = {"qwen2": dict(tie_word_embeddings=True),
+        "qwen3": dict(head_dim=24)}          # Qwen3 states its head_dim, here not hidden / heads
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_qwen_logits_match_transformers(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+    path = make_qwen_checkpoint(tmp_path / family, family, tokenizer=False, **QWEN[family])
+    ours = M.Llama.from_pretrained(path, "cpu", "float32")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    c = ours.config
+    assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert c.head_dim == QWEN[family].get("head_dim", 64 // 4)
+    ids = torch.randint(0, 320, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours(ids, torch.arange(100))
+    assert (got - want).abs().max().item() < 1e-4
+    assert want.abs().max() > 0.1
+    # the cached decoder gives the naive one's tokens
+    c.eos_ids = []
+    params, seen = M.SamplingParams(max_new_tokens=40), set()
+    for prompt in ([0, 5, 17, 42, 99, 3], list(range(10, 40))):
+        cached = list(M.generate_cached(ours, prompt, params))
+        assert cached == list(M.generate_naive(ours, prompt, params)) and len(cached) == 40
+        seen |= set(cached)
+    assert len(seen) > 3
+
+
+def test_qwen_settings_it_cannot_run_are_refused():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2)
+    with pytest.raises(ValueError, match="use_sliding_window=true: Qwen's window covers only"):
+        M.LlamaConfig.from_hf({**base, "model_type": "qwen2", "use_sliding_window": True,
+                               "sliding_window": 4})
+    with pytest.raises(ValueError, match="attention_bias=true: the only biases nanoinfer runs"):
+        M.LlamaConfig.from_hf({**base, "model_type": "qwen3", "attention_bias": True})
+    with pytest.raises(ValueError, match="model_type llama, mistral, qwen2 or qwen3"):
+        M.LlamaConfig.from_hf({**base, "model_type": "qwen2_moe"})
+    # Qwen's window is off unless switched on (its configs carry a size even then); Mistral's on
+    off = M.LlamaConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 4096})
+    on = M.LlamaConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 4096})
+    assert (off.sliding_window, on.sliding_window) == (None, 4096)

@@ -211,3 +211,12 @@ def test_runner_with_int8_weights_and_int8_kv_still_knows_paris(cache_home):
                            env={"XDG_CACHE_HOME": str(cache_home)})
     assert rc == 0, err
     assert "Paris" in out and "weights int8" in err
+
+
+def test_a_layer_with_a_bias_is_refused_not_stripped(capsys, tmp_path):
+    """Qwen2's q/k/v carry a bias and the quantized layers hold none yet: quantizing them would
+    drop it silently, so the runner says so in one line."""
+    from conftest import fails_with, make_qwen_checkpoint
+    path = make_qwen_checkpoint(tmp_path / "qwen2", "qwen2")
+    fails_with(capsys, ["--model", str(path), "--prompt", "hi", "--weights", "int8"],
+               "layers.0.self_attn.qkv_proj has a bias; quantized layers don't carry one yet")

@@ -18,7 +18,7 @@ import model
 import results
 import serve_local
 import tp
-from conftest import ROOT, make_checkpoint
+from conftest import ROOT, make_checkpoint, make_qwen_checkpoint
 from sampling import SamplingParams
 from tokenizer import Tokenizer
 import kvcache
@@ -33,7 +33,7 @@ CPU = torch.device("cpu")
 def two_ranks(paths: dict, prompts: dict, other: str) -> dict:
     """Every phase of the main launch, on each rank; rank 0 returns what all ranks saw."""
     rank, out, models = dist.get_rank(), {}, {}
-    for key in ("gqa", "bundled"):
+    for key in prompts:
         llama, _ = nanoinfer.load.load_tp(RunConfig(paths[key]), CPU)     # as the runner loads a rank
         models[key], prompt = llama, prompts[key]
         tokens = tp.generate(llama, prompt, NEW)
@@ -47,7 +47,7 @@ def two_ranks(paths: dict, prompts: dict, other: str) -> dict:
     out["sampled"] = (seed, tp.generate(models["gqa"], prompts["gqa"], 32, seed, temperature=0.9))
     out["dynamic"] = tp.generate(models["gqa"], prompts["gqa"], 16, cache="dynamic")
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {k: out[k]["tokens"] for k in ("gqa", "bundled")} |
+    dist.all_gather_object(every, {k: out[k]["tokens"] for k in prompts} |
                            {k: out[k] for k in ("sampled", "dynamic")})
     out["every"] = every
     # A group whose collectives time out after 1 s, and rank 1 quiet for 3 s: rank 0 gives up.
@@ -85,10 +85,13 @@ def two_ranks(paths: dict, prompts: dict, other: str) -> dict:
 def launched(tmp_path_factory, bundled_dir):
     tmp = tmp_path_factory.mktemp("tp")
     paths = {"gqa": str(make_checkpoint(tmp / "gqa", num_attention_heads=4, num_key_value_heads=2)),
-             "bundled": str(bundled_dir)}
+             "bundled": str(bundled_dir),
+             # a rank keeps its heads' rows of Qwen2's q/k/v biases; Qwen3's q/k norms are per head_dim
+             **{f: str(make_qwen_checkpoint(tmp / f, f)) for f in ("qwen2", "qwen3")}}
     other = str(make_checkpoint(tmp / "other", initializer_range=0.05))
     tok = Tokenizer.from_dir(bundled_dir)
-    prompts = {"gqa": [0, 17, 42, 99, 5], "bundled": tok.encode_chat([{"role": "user", "content": "Name a color."}])}
+    prompts = {"gqa": [0, 17, 42, 99, 5], "bundled": tok.encode_chat([{"role": "user", "content": "Name a color."}]),
+               "qwen2": [0, 17, 42, 99, 5], "qwen3": [0, 17, 42, 99, 5]}
     t0 = time.perf_counter()
     ranks = tp.launch(two_ranks, 2, paths, prompts, other, timeout_s=30)
     return paths, prompts, ranks, time.perf_counter() - t0
@@ -108,7 +111,7 @@ def alone(launched):
     return out
 
 
-@pytest.mark.parametrize("key", ["gqa", "bundled"])
+@pytest.mark.parametrize("key", ["gqa", "bundled", "qwen2", "qwen3"])
 def test_two_ranks_match_one_process(launched, alone, key):
     paths, prompts, (r0, r1), _ = launched
     assert isinstance(r1, ChildProcessError)          # it was told to die (last phase)
