@@ -481,10 +481,12 @@ def stored_layer(layout: dict, in_features: int, out_features: int) -> nn.Module
 def scheme(model: nn.Module) -> dict | None:
     """The model's quantization as a checkpoint's config.json names it ({"weights": "int4",
     "group_size": 32}, …), read off its layers; None for a float model."""
-    layers = {name: m for name, m in model.named_modules()
-              if isinstance(m, (Int8Linear, Int4Linear))}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, STORED)}
     if not layers:
         return None
+    if any(isinstance(m, HalfLinear) or isinstance(m, Int8Linear) and m.group is not None
+           for m in layers.values()):
+        return {"weights": "gguf"}      # a GGUF's own layouts (gguf_hf.Packed), layer by layer
     int4 = [m for m in layers.values() if isinstance(m, Int4Linear)]
     spec = {"weights": "int4", "group_size": int4[0].group} if int4 else {"weights": "int8"}
     if "lm_head" not in layers and isinstance(getattr(model, "lm_head", None), nn.Linear):
@@ -493,17 +495,20 @@ def scheme(model: nn.Module) -> dict | None:
     return spec
 
 
-def check_quantized_tensors(state: dict[str, torch.Tensor]):
+def check_quantized_tensors(state: dict[str, torch.Tensor], zero_scales: bool = False):
     """A scale or minimum that is not finite (or a scale ≤ 0) would silently turn
-    a layer's output into garbage: refuse it by name."""
+    a layer's output into garbage: refuse it by name. ``zero_scales``: a GGUF's all-zero
+    blocks legitimately have a scale of 0 (its negative ones were folded into q)."""
     for name, t in state.items():
         if name.endswith(("weight_scale", "weight_min")):
-            bad = ~torch.isfinite(t) | ((t <= 0) if name.endswith("scale")
+            low = t < 0 if zero_scales else t <= 0
+            bad = ~torch.isfinite(t) | (low if name.endswith("scale")
                                         else torch.zeros_like(t, dtype=torch.bool))
             if bad.any():
+                sign = "< 0" if zero_scales else "≤ 0"
                 raise ValueError(f"corrupt quantized checkpoint: {name} has {int(bad.sum())} "
                                  f"invalid values "
-                                 f"(not finite{' or ≤ 0' if name.endswith('scale') else ''}); "
+                                 f"(not finite{f' or {sign}' if name.endswith('scale') else ''}); "
                                  f"re-quantize it")
 
 
@@ -543,9 +548,9 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     gguf = cfg.quantization["weights"] == "gguf"
     plain = (lambda name, t: is_plain(name, t) and t.dtype == torch.float32) if gguf else is_plain
     adopt_checkpoint(model, model_dir, device, dtype, plain, widen=False)
-    check_quantized_tensors(dict(model.named_buffers()))
+    check_quantized_tensors(dict(model.named_buffers()), zero_scales=gguf)
     for layer in model.modules():
-        if prepare and isinstance(layer, (Int8Linear, Int4Linear)):
+        if prepare and isinstance(layer, STORED):
             layer.prepare(dtype)
     return model
 
