@@ -66,6 +66,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import safetensors_io
+# two int4 values a byte, the even column in the low nibble: the portable, on-disk layout (a
+# kernel converts it into its own layout at load time)
+from safetensors_io import join_nibbles, split_nibbles
 from model import (FUSED, QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype,
                    attend)
 
@@ -104,12 +107,9 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) ->
 def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None = None,
                        dtype=torch.float32) -> torch.Tensor:
     """W = lo + q·s per group along each row: q (rows, cols) integers, scale and lo (rows, groups),
-    each group cols/groups long (lo None: 0)."""
-    rows, cols = q.shape
-    g = q.float().reshape(rows, scale.shape[1], -1) * scale.float()[..., None]
-    if lo is not None:
-        g = g + lo.float()[..., None]
-    return g.reshape(rows, cols).to(dtype)
+    each group cols/groups long (lo None: 0). The rule is the checkpoint format's
+    (safetensors_io.widened), which a plain model's loader also applies."""
+    return safetensors_io.widened(q, scale, lo).to(dtype)
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,16 +130,6 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype=torch.float32):
     return dequantize_grouped(q, scale, lo, dtype)
-
-
-def join_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit values per byte (even column in the low nibble): the portable,
-    on-disk layout. A kernel converts it into its own layout at load time."""
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def split_nibbles(b: torch.Tensor) -> torch.Tensor:
-    return torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
 
 
 # ----------------------------------------------------------------------------

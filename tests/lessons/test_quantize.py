@@ -258,7 +258,7 @@ def test_stored_layers_refuse_bad_shapes_in_one_line():
 
 
 def test_unknown_schemes_are_refused():
-    with pytest.raises(ValueError, match="unknown --weights 'int3': use auto, int8 or int4"):
+    with pytest.raises(ValueError, match="unknown --weights 'int3': use auto, float, int8 or int4"):
         Q.check_scheme("int3")
     with pytest.raises(ValueError, match="group size must be one of"):
         Q.check_scheme("int4", 48)
