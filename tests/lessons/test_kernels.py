@@ -4,7 +4,10 @@ import pytest
 import torch
 
 import kernels
+import kvcache
+import model as M
 import quantize
+from conftest import make_checkpoint
 
 
 def test_linear_uses_onednn_for_fp32_inference_and_keeps_gradients():
@@ -341,3 +344,39 @@ def test_new_layers_prefill_without_a_copy_and_compile():
     with torch.inference_mode():
         for compiled, eager in zip(step(x), [layer(x) for layer in net]):
             assert torch.equal(compiled, eager)
+
+
+def test_compiled_step_ahead_of_time_with_the_new_layers(tmp_path, monkeypatch):
+    """compile_decode exports the one-token step (torch.export, AOTInductor) with int8g_mm and half_mm
+    inside it: the eager step's tokens (fp32, greedy)."""
+    native_or_skip()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = make_checkpoint(tmp_path / "m", tokenizer=False, num_hidden_layers=1)
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(7)
+        llama = M.Llama.from_pretrained(path, "cpu", "float32")
+        block = llama.layers[0]
+        for owner, name, layer in [(block.mlp, "gate_up_proj", quantize.HalfLinear(64, 256, bias=True)),
+                                   (block.mlp, "down_proj", quantize.Int8Linear(128, 64, 32, True, True)),
+                                   (block.self_attn, "o_proj", quantize.Int8Linear(64, 64, 16))]:
+            w = getattr(owner, name).weight.detach()
+            if isinstance(layer, quantize.HalfLinear):
+                layer.weight, layer.bias = w.half(), torch.randn(w.shape[0]) * 0.01
+            else:
+                scale = w.abs().view(w.shape[0], -1, layer.group).amax(-1) / 31
+                layer.weight = torch.round(w / scale.repeat_interleave(layer.group, 1)).to(torch.int8)
+                layer.weight_scale = scale
+                if layer.bias is not None:
+                    layer.weight_min, layer.bias = torch.randn_like(scale) * 1e-3, torch.randn(w.shape[0]) * 0.01
+            setattr(owner, name, layer)
+        kernels.swap_quantized(llama, torch.float32)
+        assert block.mlp.down_proj.native and block.mlp.gate_up_proj.native
+        llama.config.eos_ids = []
+        if compiled:
+            kernels.compile_decode(llama)
+        cache = kvcache.new_cache(llama, "static", max_len=64)
+        runs.append(list(M.generate_cached(llama, [0, 5, 17, 42, 99], M.SamplingParams(max_new_tokens=16),
+                                           cache=cache)))
+    assert "compiled (once)" in llama.compiled_step.log[0]
+    assert runs[0] == runs[1]
