@@ -416,11 +416,10 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
     for name, lin in quantized_layers(model).items():
         if (scheme := scheme_of(name, weights, head)) == "float":
             continue
-        if lin.bias is not None:    # Qwen2's q/k/v: refused, not silently dropped
-            raise ValueError(f"{name} has a bias; quantized layers don't carry one yet: "
-                             f"keep this model's weights in full precision")
         w = lin.weight.detach()
         layer = Int8Linear.from_float(w) if scheme == "int8" else Int4Linear.from_float(w, group)
+        if lin.bias is not None:    # Qwen2's q/k/v: the bias stays as it was
+            layer.bias = lin.bias.detach()
         if prepare:
             layer.prepare(dtype)
         replace_layer(model, name, layer)
@@ -434,7 +433,8 @@ def empty_quantized(model: nn.Module, spec: dict):
     if spec.get("weights") == "gguf":
         for name, lin in quantized_layers(model).items():
             if (layout := gguf_layout(spec["layers"], name)) is not None:
-                replace_layer(model, name, stored_layer(layout, lin.in_features, lin.out_features))
+                replace_layer(model, name, stored_layer(layout, lin.in_features, lin.out_features,
+                                                        lin.bias is not None))
         return
     weights, group = spec.get("weights"), spec.get("group_size", GROUP)
     if weights not in WEIGHT_SCHEMES:
@@ -445,10 +445,11 @@ def empty_quantized(model: nn.Module, spec: dict):
     for name, lin in quantized_layers(model).items():
         if (scheme := scheme_of(name, weights, spec.get("head"))) == "float":
             continue
+        bias = lin.bias is not None
         if scheme == "int8":
-            replace_layer(model, name, Int8Linear(lin.in_features, lin.out_features))
+            replace_layer(model, name, Int8Linear(lin.in_features, lin.out_features, bias=bias))
         else:
-            replace_layer(model, name, Int4Linear(lin.in_features, lin.out_features, group))
+            replace_layer(model, name, Int4Linear(lin.in_features, lin.out_features, group, bias))
 
 
 def gguf_layout(layers: dict[str, dict], name: str) -> dict | None:
@@ -459,13 +460,13 @@ def gguf_layout(layers: dict[str, dict], name: str) -> dict | None:
     return layers.get(f"{prefix.rpartition('.')[0]}.{parts[0]}" if parts else name)
 
 
-def stored_layer(layout: dict, in_features: int, out_features: int) -> nn.Module:
+def stored_layer(layout: dict, in_features: int, out_features: int, bias: bool) -> nn.Module:
     """An empty layer holding one GGUF layout: int4 or int8 groups, or 16-bit weights."""
     if layout["kind"] == "int4":
-        return Int4Linear(in_features, out_features, layout["group"])
+        return Int4Linear(in_features, out_features, layout["group"], bias=bias)
     if layout["kind"] == "int8":
-        return Int8Linear(in_features, out_features, layout["group"], layout["min"])
-    return HalfLinear(in_features, out_features, getattr(torch, layout["dtype"]))
+        return Int8Linear(in_features, out_features, layout["group"], layout["min"], bias=bias)
+    return HalfLinear(in_features, out_features, getattr(torch, layout["dtype"]), bias=bias)
 
 
 def scheme(model: nn.Module) -> dict | None:

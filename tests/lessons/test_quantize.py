@@ -299,10 +299,27 @@ def test_runner_with_int8_weights_and_int8_kv_still_knows_paris(cache_home):
     assert "Paris" in out and "weights int8" in err
 
 
-def test_a_layer_with_a_bias_is_refused_not_stripped(capsys, tmp_path):
-    """Qwen2's q/k/v carry a bias and the quantized layers hold none yet: quantizing them would
-    drop it silently, so the runner says so in one line."""
-    from conftest import fails_with, make_qwen_checkpoint
+def test_a_layer_with_a_bias_keeps_it_when_quantized(tmp_path):
+    """Qwen2's q/k/v carry a bias: quantized, a layer keeps it as it was (it is not rounded) and
+    adds it on every path; the int8 model stays close to the float one, and a checkpoint of it
+    loads back with the bias."""
+    import model as M
+    from conftest import make_qwen_checkpoint
     path = make_qwen_checkpoint(tmp_path / "qwen2", "qwen2")
-    fails_with(capsys, ["--model", str(path), "--prompt", "hi", "--weights", "int8"],
-               "layers.0.self_attn.qkv_proj has a bias; quantized layers don't carry one yet")
+    full = M.Llama.from_pretrained(path)
+    bias = full.layers[0].self_attn.qkv_proj.bias.detach().clone()
+    small = Q.quantize_model(M.Llama.from_pretrained(path), "int8")
+    layer = small.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, Q.Int8Linear) and torch.equal(layer.bias, bias)
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
+    with torch.no_grad():
+        want, got = full(ids, torch.arange(7)), small(ids, torch.arange(7))
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    x = torch.randn(3, layer.in_features)
+    assert torch.allclose(layer(x), x @ layer.dequantized().t() + bias, atol=1e-5)
+    import safetensors_io
+    config = safetensors_io.read_config(path) | {Q.CONFIG_KEY: Q.scheme(small)}
+    back = Q.from_pretrained(safetensors_io.save(tmp_path / "q", M.unfuse(small), config, path))
+    assert torch.equal(back.layers[0].self_attn.qkv_proj.bias, bias)
+    with torch.no_grad():
+        assert torch.equal(back(ids, torch.arange(7)), got)
