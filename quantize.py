@@ -323,9 +323,9 @@ class Int4Linear(nn.Module):
 
 
 class HalfLinear(nn.Module):
-    """W kept in 16 bits, fp16 or bf16 (a GGUF's F16 and BF16 tensors), computed in fp32: every
-    16-bit number widens to fp32 exactly, so the model keeps the file's values at 2 bytes a weight
-    where loading them into an fp32 model would hold and read 4. The forward widens W to the
+    """W kept in 16 bits, fp16 or bf16 (a GGUF's F16 and BF16 tensors), widened when used: every
+    16-bit number widens to fp32 exactly, so an fp32 model keeps the file's values at 2 bytes a
+    weight where loading them as fp32 would hold and read 4. The forward widens W to the
     activations' dtype (to fp32 where that would round: fp16 weights, bf16 activations) and
     matmuls; kernels.HalfLinear widens each weight in registers as it streams instead."""
 

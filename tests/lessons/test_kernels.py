@@ -362,6 +362,8 @@ def test_new_layers_prefill_without_a_copy_and_compile():
     net = torch.nn.ModuleList([g8, half, rows])
     kernels.prepack(net)
     assert g8.onednn is None and kernels.packed_weight(half) is None and rows.onednn is not None
+    if kernels.huge_pages([torch.ones(1)]):                      # where Linux gives 2 MB pages
+        assert len({t.untyped_storage().data_ptr() for layer in net for t in layer.buffers()}) == 1
     x = torch.randn(1, 1, 576)
     step = torch.compile(lambda x: [layer(x) for layer in net], dynamic=False, fullgraph=True)
     with torch.inference_mode():
