@@ -30,6 +30,8 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,8 @@ import torch
 from safetensors.torch import save_file
 
 import tokenizer
-from safetensors_io import CheckpointError, read_weights, stack
+from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, join_nibbles, read_weights,
+                            stack, widened)
 
 
 # ----------------------------------------------------------------------------
@@ -146,9 +149,202 @@ def gguf_config(reader) -> dict:
     return cfg
 
 
+# ----------------------------------------------------------------------------
+# GGUF blocks -> the kernels' layouts, the file's bits kept.
+#
+# Every llama.cpp weight format this project runs is, per group of 16 or 32 weights along a row,
+# W = lo + q·s: q a small integer, s and lo numbers of the group. So a block can be re-laid, not
+# re-rounded, into one of three layouts the kernels read (quantize.py's layers), exactly:
+#
+#     GGUF type          per group                      becomes
+#     Q4_0               s = d, lo = -8d, q 0..15       int4, groups of 32
+#     Q4_1               s = d, lo = m, q 0..15         int4, groups of 32
+#     Q4_K               s = d·sc, lo = -dmin·m         int4, groups of 32 (8 in a 256-block)
+#     Q5_0, Q8_0         s = d, q -16..15 / -127..127   int8, groups of 32
+#     Q5_1, Q5_K         s as Q4_1 / Q4_K, q 0..31      int8 with a minimum, groups of 32
+#     Q6_K               s = d·sc, q -32..31            int8, groups of 16
+#     F16, BF16          -                              16-bit weights, fp32 arithmetic
+#     F32                -                              fp32
+#
+# Each s and lo is computed in fp32 as ggml's own dequantization computes it (d and dmin are
+# fp16, sc and m 6-bit integers: their products are exact in fp32), so lo + q·s is, bit for bit,
+# the value llama.cpp dequantizes. A negative s (Q4_0 and Q6_K store d with the sign of the
+# group's largest weight) is folded into q, so every layout keeps s ≥ 0.
+
+
+class Kind(Enum):
+    INT4 = "int4"       # q 0..15, a scale and a minimum per group
+    INT8 = "int8"       # q int8, a scale per group, a minimum where ``lo`` is not None
+    HALF = "half"       # float16 / bfloat16 weights, widened to fp32 as they are read
+    FLOAT = "float"     # fp32
+
+
+@dataclass
+class Packed:
+    """One GGUF matrix (rows, K) in a kernel layout: W[r, k] = lo[r, k // group] + q[r, k] ·
+    scale[r, k // group] (lo absent: 0); HALF and FLOAT hold the weights in ``q``."""
+    kind: Kind
+    q: torch.Tensor
+    scale: torch.Tensor | None = None
+    lo: torch.Tensor | None = None
+    group: int | None = None
+
+    def dequantized(self) -> torch.Tensor:
+        if self.kind in (Kind.HALF, Kind.FLOAT):
+            return self.q.float()
+        return widened(self.q, self.scale, self.lo)
+
+    def rows(self, index) -> "Packed":
+        """The same layout over a selection of rows (llama.cpp's Q/K row order undone)."""
+        pick = lambda t: None if t is None else t[index]
+        return Packed(self.kind, pick(self.q), pick(self.scale), pick(self.lo), self.group)
+
+
+def halves(qs: np.ndarray) -> np.ndarray:
+    """(n, 16·c) bytes -> (n, 32·c) nibbles: per 16-byte chunk, the low nibbles are weights 0..15
+    and the high ones 16..31 (ggml's order, unlike our int4 layout's even/odd)."""
+    n, width = qs.shape
+    chunks = qs.reshape(n, width // 16, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (chunks & 15).reshape(n, -1)
+
+
+def fp16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Q5's fifth bits: bit j of the little-endian words is weight j's."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits[:, :count]
+
+
+def k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit minimums (ggml's packing: the
+    first four of each in the low 6 bits of bytes 0-3 / 4-7, the last four split over bytes
+    8-11 and the top 2 bits of bytes 0-7)."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def unpack_blocks(blocks: np.ndarray, kind: str):
+    """(n, type size) bytes of one GGUF block type -> (q, s, lo, group): q (n, block) integers,
+    s and lo (n, block // group) fp32 (lo None where the type has none)."""
+    if kind == "Q4_0":
+        d = fp16(blocks[:, :2])
+        return halves(blocks[:, 2:]), d, -8 * d, 32
+    if kind == "Q4_1":
+        return halves(blocks[:, 4:]), fp16(blocks[:, :2]), fp16(blocks[:, 2:4]), 32
+    if kind == "Q5_0":
+        q = halves(blocks[:, 6:]) | (high_bits(blocks[:, 2:6], 32) << 4)
+        return q.astype(np.int8) - 16, fp16(blocks[:, :2]), None, 32
+    if kind == "Q5_1":
+        q = halves(blocks[:, 8:]) | (high_bits(blocks[:, 4:8], 32) << 4)
+        return q.astype(np.int8), fp16(blocks[:, :2]), fp16(blocks[:, 2:4]), 32
+    if kind == "Q8_0":
+        return np.ascontiguousarray(blocks[:, 2:]).view(np.int8), fp16(blocks[:, :2]), None, 32
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = fp16(blocks[:, :2]), fp16(blocks[:, 2:4])
+        sc, mn = k_scales(blocks[:, 4:16])
+        # Q4_K: 4 chunks of 32 bytes, chunk j the sub-blocks 2j (low nibbles) and 2j+1 (high)
+        shift = np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = ((blocks[:, -128:].reshape(-1, 4, 1, 32) >> shift) & 15).reshape(-1, 256)
+        if kind == "Q5_K":      # the fifth bit of sub-block i is bit i of qh's 32 bytes
+            bit = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            qh = blocks[:, 16:48].reshape(-1, 1, 32) >> bit
+            q = q | ((qh & 1).reshape(-1, 256) << 4)
+        return q.astype(np.int8 if kind == "Q5_K" else np.uint8), d * sc, -(dmin * mn), 32
+    if kind == "Q6_K":
+        ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+            1, 1, 4, 1)
+        q = ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).astype(np.int8) - 32
+        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+        return q, fp16(blocks[:, 208:210]) * sc, None, 16
+    raise CheckpointError(f"GGUF tensor type {kind} is not supported: use a file quantized to "
+                          f"F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K")
+
+
+def packed(tensor) -> Packed:
+    """A gguf.ReaderTensor (a matrix) -> its Packed layout, the file's bits kept (table above)."""
+    kind = tensor.tensor_type.name
+    rows, k = (int(n) for n in reversed(tensor.shape.tolist()))
+    data = np.asarray(tensor.data)
+    if kind == "F32":
+        return Packed(Kind.FLOAT, torch.from_numpy(data.reshape(rows, k).astype(np.float32)))
+    if kind == "F16":
+        return Packed(Kind.HALF, torch.from_numpy(data.reshape(rows, k).copy()))
+    if kind == "BF16":      # numpy has no bfloat16: the raw 16 bits, viewed as torch's
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(rows, k).copy())
+        return Packed(Kind.HALF, raw.view(torch.bfloat16))
+    import gguf
+    block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    q, s, lo, group = unpack_blocks(data.reshape(-1, size), kind)
+    q = q.reshape(rows, k)
+    s, lo = s.reshape(rows, k // group), None if lo is None else lo.reshape(rows, k // group)
+    flip = s < 0        # fold a negative scale into q, so that s ≥ 0 everywhere
+    if flip.any():
+        s = np.where(flip, -s, s)
+        wide = np.repeat(flip, group, axis=1)
+        if q.dtype == np.uint8:     # int4: q' = 15 - q, lo' = lo + 15·s (exact: 7d for Q4_0)
+            lo = np.where(flip, lo - 15 * s, lo)
+            q = np.where(wide, 15 - q, q).astype(np.uint8)
+        else:
+            q = np.where(wide, -q, q).astype(np.int8)
+    int4 = q.dtype == np.uint8
+    return Packed(Kind.INT4 if int4 else Kind.INT8, torch.from_numpy(np.ascontiguousarray(q)),
+                  torch.from_numpy(np.ascontiguousarray(s, np.float32)),
+                  None if lo is None else torch.from_numpy(np.ascontiguousarray(lo, np.float32)),
+                  group)
+
+
+def common_layout(parts: list[Packed]) -> list[Packed]:
+    """The parts of a group the model multiplies as one matrix (q/k/v, gate/up) in one layout,
+    so that their rows stack. A Q4_K_M file keeps some layers' V in Q6_K beside Q4_K Q and K:
+    int4 becomes int8 with a minimum, a group of 32 two groups of 16 (both exact, for those
+    layers' Q and K only); anything beside a 16-bit or fp32 part becomes fp32."""
+    if len({(p.kind, p.group, p.lo is None, p.q.dtype) for p in parts}) == 1:
+        return parts
+    if any(p.kind in (Kind.HALF, Kind.FLOAT) for p in parts):
+        return [Packed(Kind.FLOAT, p.dequantized()) for p in parts]
+    group = min(p.group for p in parts)
+    out = []
+    for p in parts:
+        n = p.group // group
+        lo = p.lo if p.lo is not None else torch.zeros_like(p.scale)
+        out.append(Packed(Kind.INT8, p.q.to(torch.int8), p.scale.repeat_interleave(n, 1),
+                          lo.repeat_interleave(n, 1), group))
+    return out
+
+
+def stored(name: str, p: Packed) -> dict[str, torch.Tensor]:
+    """A Packed matrix as a checkpoint stores it (quantize.py's portable layout): ``weight``
+    (int4: two weights a byte, the even column in the low nibble), ``weight_scale``,
+    ``weight_min``."""
+    if p.kind in (Kind.HALF, Kind.FLOAT):
+        return {f"{name}.weight": p.q}
+    q = join_nibbles(p.q) if p.kind == Kind.INT4 else p.q
+    out = {f"{name}.weight": q, f"{name}.weight_scale": p.scale}
+    if p.lo is not None:
+        out[f"{name}.weight_min"] = p.lo
+    return out
+
+
+def layout_of(p: Packed) -> dict:
+    """A layer's entry in config.json's quantization map."""
+    spec = {"kind": p.kind.value}
+    if p.kind in (Kind.INT4, Kind.INT8):
+        spec |= {"group": p.group, "min": p.lo is not None}
+    if p.kind == Kind.HALF:
+        spec["dtype"] = str(p.q.dtype).removeprefix("torch.")
+    return spec
+
+
 # What convert_gguf writes, by version; a new one keys a new cache directory, so every
-# cache converts again, once. 2: groups stored stacked, the largest |w| recorded.
-CONVERTED_FORMAT = 2
+# cache converts again, once. 2: groups stored stacked, the largest |w| recorded. 3: matrices
+# at the file's own bits (Packed), not widened to fp32.
+CONVERTED_FORMAT = 3
 
 
 def gguf_fingerprint(path: Path) -> str:
@@ -161,7 +357,10 @@ def gguf_fingerprint(path: Path) -> str:
 
 
 def convert_gguf(path: Path, out_root: Path) -> Path:
-    """Convert a GGUF file into an HF directory under ``out_root`` (once) and return it."""
+    """Convert a GGUF file into an HF directory under ``out_root`` (once) and return it: each
+    matrix in the kernel layout that keeps its bits (Packed), named in config.json's
+    QUANTIZATION_KEY ({"weights": "gguf", "layers": {name: layout}}); vectors and the embedding
+    table in fp32 (a lookup reads one row a token, so its bytes cost no decode speed)."""
     path = Path(path)
     out = Path(out_root) / f"{path.stem}-{gguf_fingerprint(path)}"
     if (out / "model.safetensors").is_file():
@@ -178,18 +377,45 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
     # Write into a temporary sibling and rename: an interrupted conversion never looks finished.
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
-        state = {}
+        state, matrices = {}, {}
         for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
-            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
-                tuple(reversed(t.shape.tolist())))
+            name = hf_name(t.name).removeprefix("model.")
+            if len(t.shape) == 1 or name == "embed_tokens.weight":     # norms, biases, the table
+                w = dequantize(t.data, t.tensor_type).astype(np.float32)
+                state[name] = torch.from_numpy(
+                    np.ascontiguousarray(w.reshape(tuple(reversed(t.shape.tolist())))))
+                if name == "embed_tokens.weight" and cfg["tie_word_embeddings"]:
+                    matrices["lm_head"] = packed(t)     # the tied head keeps the table's bits
+                continue
+            p = packed(t)
             product = t.name.split(".")[-2]       # blk.3.attn_q.weight -> attn_q
             if cfg["model_type"] in PERMUTED and product in ("attn_q", "attn_k"):
-                w = unpermute_rows(w, cfg["num_attention_heads" if product == "attn_q"
-                                          else "num_key_value_heads"])
-            state[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
-        # Checked once here, so that loading need not read every weight (check_finite); a non-finite
-        # weight records nothing (NaN stays NaN through max), and the load names it.
-        largest = torch.stack([t.abs().max() for t in state.values()]).max().item()
+                rows = unpermute_rows(np.arange(len(p.q)), cfg["num_attention_heads" if
+                                      product == "attn_q" else "num_key_value_heads"])
+                p = p.rows(torch.from_numpy(rows))
+            matrices[name.removesuffix(".weight")] = p
+        for i in range(cfg["num_hidden_layers"]):
+            for parts in FUSED.values():
+                names = [f"layers.{i}.{part}" for part in parts]
+                matrices.update(zip(names, common_layout([matrices[n] for n in names])))
+        if cfg["tie_word_embeddings"] and matrices["lm_head"].kind == Kind.FLOAT:
+            del matrices["lm_head"]     # a tied fp32 table is the head as it is
+        # else a tied head is stored too, at the table's bits: a quantized model runs it (a plain
+        # one, reading the table in fp32, ties the head to that as ever)
+        layers = {}
+        for name, p in matrices.items():
+            state.update(stored(name, p))
+            if p.kind != Kind.FLOAT:
+                layers[name] = layout_of(p)
+        # Checked once here, so that loading need not read every weight (check_finite): the
+        # largest |w| the file dequantizes to; a non-finite weight records nothing (NaN stays NaN
+        # through max), and the load names it.
+        largest = torch.stack([t.abs().max() for t in state.values() if t.is_floating_point()]
+                              + [p.dequantized().abs().max() for p in matrices.values()])
+        largest = largest.max().item()
+        if layers:
+            cfg[QUANTIZATION_KEY] = {"weights": "gguf", "layers": layers}
+        state = {f"model.{k}" if not k.startswith("lm_head") else k: v for k, v in state.items()}
         state, stacked = stack(state, cfg["num_hidden_layers"])
         meta = {"format": "pt", "source": path.name, "stacked": stacked}
         if math.isfinite(largest):

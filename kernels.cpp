@@ -1,4 +1,5 @@
-// kernels.py's int4, int8 and bf16 matrix-vector products and one-token attention for a CPU
+// kernels.py's int4, int8 (per row and in groups), fp16 and bf16 matrix-vector products, a
+// prefill's matrix product over tiles of dequantized weights, and one-token attention for a CPU
 // (kernels.native_kernels builds this file).
 //
 // Decoding with int4 weights reads 0.5 byte per weight plus a scale and a minimum per 32 (0.75 B in
@@ -19,7 +20,9 @@
 
 #include <ATen/core/Tensor.h>     // not ATen.h, nor torch/extension.h: 10 s to build, not 48
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
@@ -428,8 +431,8 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
     }                                                                             \
   });
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
-                   const at::Tensor& lo, int64_t group) {
+static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
+                          const at::Tensor& lo, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int4_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
@@ -462,7 +465,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return y;
 }
 
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
+static at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0);
@@ -477,7 +480,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 }
 
 // bf16 x and weights, fp32 sums, each result rounded to bf16 as it is stored.
-at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
+static at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
               w.scalar_type() == at::kBFloat16 && x.is_contiguous() && w.is_contiguous() &&
               x.size(1) == w.size(1) && w.size(1) % 32 == 0,
@@ -505,6 +508,338 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
 #endif
 #define BF16(MT, n, m) bf16_row<MT>(wp + n * K, K, xp + m * K, yp + m * N + n, N)
   TILED(BF16)
+  return y;
+}
+
+// ---- int8 in groups, fp16 and bf16 weights: a GGUF at its own bits (kernels.py) ----
+// int8g_mm: W = lo + q·s per group of 16 or 32 along a row (llama.cpp's Q8_0, Q5_0/Q5_1, Q5_K,
+// Q6_K widened to a byte each; lo optional); half_mm: W in fp16 or bf16, widened in registers
+// (exact) as it streams. Both take fp32 x and return fp32.
+//
+// The order every build sums in (AVX-512, AVX2, scalar: the same bits), whatever the number of
+// rows, int8_mm's: 32 lanes per row of x, weight k in lane k % 32, so a group of 32 fills the lanes
+// once and two groups of 16 fill their halves. int8g: acc_L = fma(q_k·x_k, s_{k/g}, acc_L), the
+// product rounded first; half: acc_L = fma(w_k, x_k, acc_L). Then lanes L, L + 8, L + 16, L + 24
+// are added as int8_mm's (hsum), and with a minimum its share Σ_j lo_j·Σx_j is added as int4_mm's
+// (lo_share, the group sums of each row of x computed once per call).
+
+// Each group's sum of x, in order.
+static void group_sums(const float* x, int64_t K, int64_t group, float* sx) {
+  for (int64_t g = 0; g < K / group; g++) {
+    float a = 0.f;
+    for (int64_t k = g * group; k < (g + 1) * group; k++) a += x[k];
+    sx[g] = a;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 weights as fp32: int8 by a sign-extending load, fp16 by F16C's conversion, bf16 by a shift.
+static inline __m256 widen8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+}
+static inline __m256 widen8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+static inline __m256 widen8(const c10::BFloat16* p) { return bf16x8(p); }
+
+#if defined(__AVX512F__)
+// 16 weights as fp32, the same ways.
+static inline __m512 widen16(const int8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+}
+static inline __m512 widen16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+static inline __m512 widen16(const c10::BFloat16* p) { return bf16x16(p); }
+
+// One int8 row in groups against MT rows of x: lanes 0-15 take the scale s[c·step], lanes 16-31
+// s[c·step + step - 1] (step = 32 / group).
+template <int MT>
+static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                      const float* x, const float* sx, float* y, int64_t N) {
+  const int64_t step = 32 / group, G = K / group, ahead = STREAM_AHEAD;
+  __m512 acc[MT][2];
+  UNROLL
+  for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K / 32; c++) {
+    if ((c & 1) == 0) _mm_prefetch((const char*)(q + c * 32 + ahead), _MM_HINT_T0);
+    __m512 w0 = widen16(q + c * 32), w1 = widen16(q + c * 32 + 16);
+    __m512 s0 = _mm512_set1_ps(s[c * step]), s1 = _mm512_set1_ps(s[c * step + step - 1]);
+    UNROLL
+    for (int t = 0; t < MT; t++) {
+      const float* xc = x + t * K + c * 32;
+      acc[t][0] = _mm512_fmadd_ps(_mm512_mul_ps(w0, _mm512_loadu_ps(xc)), s0, acc[t][0]);
+      acc[t][1] = _mm512_fmadd_ps(_mm512_mul_ps(w1, _mm512_loadu_ps(xc + 16)), s1, acc[t][1]);
+    }
+  }
+  UNROLL
+  for (int t = 0; t < MT; t++) {
+    float v = hsum(acc[t][0], acc[t][1]);
+    y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
+  }
+}
+// One fp16 or bf16 row against MT rows of x.
+template <int MT, typename T>
+static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N) {
+  const int64_t ahead = STREAM_AHEAD;
+  __m512 acc[MT][2];
+  UNROLL
+  for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K / 32; c++) {
+    _mm_prefetch((const char*)(w + c * 32) + ahead, _MM_HINT_T0);
+    __m512 w0 = widen16(w + c * 32), w1 = widen16(w + c * 32 + 16);
+    UNROLL
+    for (int t = 0; t < MT; t++) {
+      acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * K + c * 32), acc[t][0]);
+      acc[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * K + c * 32 + 16), acc[t][1]);
+    }
+  }
+  UNROLL
+  for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]);
+}
+#else
+template <int MT>
+static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                      const float* x, const float* sx, float* y, int64_t N) {
+  const int64_t step = 32 / group, G = K / group;
+  __m256 acc[MT][4], w[4];
+  UNROLL
+  for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / 32; c++) {
+    _mm_prefetch((const char*)(q + c * 32 + AHEAD), _MM_HINT_T0);
+    __m256 sc[2] = {_mm256_set1_ps(s[c * step]), _mm256_set1_ps(s[c * step + step - 1])};
+    for (int j = 0; j < 4; j++) w[j] = widen8(q + c * 32 + 8 * j);
+    UNROLL
+    for (int t = 0; t < MT; t++)
+      for (int j = 0; j < 4; j++)
+        acc[t][j] = _mm256_fmadd_ps(
+            _mm256_mul_ps(w[j], _mm256_loadu_ps(x + t * K + c * 32 + 8 * j)), sc[j / 2], acc[t][j]);
+  }
+  UNROLL
+  for (int t = 0; t < MT; t++) {
+    float v = hsum(acc[t]);
+    y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
+  }
+}
+template <int MT, typename T>
+static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N) {
+  __m256 acc[MT][4], v[4];
+  UNROLL
+  for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / 32; c++) {
+    _mm_prefetch((const char*)(w + c * 32) + AHEAD, _MM_HINT_T0);
+    for (int j = 0; j < 4; j++) v[j] = widen8(w + c * 32 + 8 * j);
+    feed<MT>(v, x + c * 32, K, acc);
+  }
+  UNROLL
+  for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t]);
+}
+#endif
+#else
+static inline float lo_share(const float* lo, const float* sx, int64_t G) {
+  float l[8] = {0};
+  for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[g], l[g % 8]);
+  return hsum8(l);
+}
+template <int MT>
+static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                      const float* x, const float* sx, float* y, int64_t N) {
+  const int64_t G = K / group;
+  for (int t = 0; t < MT; t++) {
+    float a[32] = {0};
+    for (int64_t k = 0; k < K; k++) {
+      float p = float(q[k]) * x[t * K + k];
+      a[k % 32] = std::fma(p, s[k / group], a[k % 32]);
+    }
+    float v = hsum(a);
+    y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
+  }
+}
+template <int MT, typename T>
+static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N) {
+  for (int t = 0; t < MT; t++) {
+    float a[32] = {0};
+    for (int64_t k = 0; k < K; k++) a[k % 32] = std::fma(float(w[k]), x[t * K + k], a[k % 32]);
+    y[t * N] = hsum(a);
+  }
+}
+#endif
+
+static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
+                           const std::optional<at::Tensor>& lo_, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8g_mm: x (M, K) fp32");
+  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
+  TORCH_CHECK((group == 16 || group == 32) && K % 32 == 0, "int8g_mm: group 16 or 32, K a multiple "
+              "of 32");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == K &&
+              s.dim() == 2 && s.scalar_type() == at::kFloat && s.is_contiguous() &&
+              s.size(0) == N && s.size(1) == G, "int8g_mm: q (N, K) int8, scale (N, K/group) fp32");
+  const bool has_lo = lo_.has_value() && lo_->defined();
+  TORCH_CHECK(!has_lo || (lo_->sizes() == s.sizes() && lo_->scalar_type() == at::kFloat &&
+                          lo_->is_contiguous()), "int8g_mm: lo as scale, or None");
+  auto y = at::empty({M, N}, x.options());
+  std::vector<float> sums(has_lo ? M * G : 0);
+  const float *xp = x.data_ptr<float>(), *sp = s.data_ptr<float>(),
+              *lp = has_lo ? lo_->data_ptr<float>() : nullptr, *sx = sums.data();
+  for (int64_t m = 0; has_lo && m < M; m++) group_sums(xp + m * K, K, group, sums.data() + m * G);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+#define INT8G(MT, n, m) int8g_row<MT>(qp + n * K, sp + n * G, lp ? lp + n * G : nullptr, K, group, \
+                                      xp + m * K, lp ? sx + m * G : nullptr, yp + m * N + n, N)
+  TILED(INT8G)
+  return y;
+}
+
+template <typename T>
+static void half_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const float* xp = x.data_ptr<float>();
+  const T* wp = w.data_ptr<T>();
+  float* yp = y.data_ptr<float>();
+#define HALF(MT, n, m) half_row<MT>(wp + n * K, K, xp + m * K, yp + m * N + n, N)
+  TILED(HALF)
+}
+static at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat &&
+              (w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16) &&
+              x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1) &&
+              w.size(1) % 32 == 0,
+              "half_mm: x (M, K) fp32 and w (N, K) fp16 or bf16, K a multiple of 32");
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  if (w.scalar_type() == at::kHalf) half_into<c10::Half>(x, w, y);
+  else half_into<c10::BFloat16>(x, w, y);
+  return y;
+}
+
+// ---- Many rows of x (a prefill): x·Wᵀ on BLAS's matrix-matrix kernel, W widened a tile at a time
+// A prefill is compute-bound: the loops above are built for streaming W once per row of x, BLAS
+// for reusing each weight across many rows. It wants fp32 W; prepack's fp32 copy costs 4 B a weight
+// held for good (int8's 4x, int4's 5x), and widening the whole matrix at each call writes and reads
+// back that much again. Here each WIDE_ROWS rows of W are dequantized into one fp32 scratch that
+// stays in the caches (256 rows of 2048: 2 MB), then one at::mm writes their columns of y. Unlike
+// the loops above its sums are BLAS's, in an order that may change with the number of rows: a
+// prefill's outputs are not compared with a step's.
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 256
+#endif
+
+// One row of W in fp32, the same values in every build: q·s + lo per group in one fused
+// multiply-add (group = K: one scale per row, no lo), int4's two weights a byte (even column in the
+// low nibble), fp16 and bf16 widened. quantize.py's dequantized() rounds q·s before adding lo:
+// within an ulp. 8 weights a store with AVX2.
+#if defined(__AVX2__) && defined(__FMA__)
+static inline void put8(float* o, __m256 w, __m256 s, const float* lo) {
+  _mm256_storeu_ps(o, lo ? _mm256_fmadd_ps(w, s, _mm256_set1_ps(*lo)) : _mm256_mul_ps(w, s));
+}
+static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  for (int64_t j = 0; j < K / group; j++) {
+    __m256 vs = _mm256_set1_ps(s[j]);
+    for (int64_t k = j * group; k < (j + 1) * group; k += 8)
+      put8(out + k, widen8(q + k), vs, lo ? lo + j : nullptr);
+  }
+}
+// 16 bytes: their low and high nibbles interleaved back into the 32 weights' order.
+static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  const __m128i nib = _mm_set1_epi8(15);
+  for (int64_t j = 0; j < K / group; j++) {
+    __m256 vs = _mm256_set1_ps(s[j]);
+    for (int64_t k = j * group; k < (j + 1) * group; k += 32) {
+      __m128i b = _mm_loadu_si128((const __m128i*)(q + k / 2));
+      __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+      __m128i w0 = _mm_unpacklo_epi8(e, o), w1 = _mm_unpackhi_epi8(e, o);
+      __m128i part[4] = {w0, _mm_srli_si128(w0, 8), w1, _mm_srli_si128(w1, 8)};
+      for (int i = 0; i < 4; i++)
+        put8(out + k + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i])), vs, lo + j);
+    }
+  }
+}
+template <typename T>
+static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
+  for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(out + k, widen8(w + k));
+}
+#else
+static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  for (int64_t k = 0; k < K; k++)
+    out[k] = lo ? std::fma(float(q[k]), s[k / group], lo[k / group]) : float(q[k]) * s[k / group];
+}
+static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  for (int64_t k = 0; k < K; k++)
+    out[k] = std::fma(float(k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15), s[k / group], lo[k / group]);
+}
+template <typename T>
+static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
+  for (int64_t k = 0; k < K; k++) out[k] = float(w[k]);
+}
+#endif
+
+// Each thread takes whole tiles, dequantizes them into its own scratch and runs one single-threaded
+// at::mm each (inside a parallel region aten and BLAS do not fork again): one fork and join per
+// call, not two per tile, which on a busy machine cost a time slice each (a 128-row prefill of a
+// 2048×5632 matrix took 6x as long tile by tile). Tiles of WIDE_ROWS rows, fewer where that would
+// leave a thread without 4 of them.
+template <typename T>
+static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, const float* s,
+                       const float* lo, int64_t group, at::Tensor& y) {
+  int64_t K = x.size(1), N = y.size(1), G = group ? K / group : 0;
+  int64_t rows = std::min<int64_t>(WIDE_ROWS, (N + 4 * at::get_num_threads() - 1) /
+                                                  (4 * at::get_num_threads()));
+  rows = (rows + 15) / 16 * 16;
+  at::ThreadLocalState caller;     // inference mode and the like, for the other threads' at::mm
+  at::parallel_for(0, (N + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
+    at::ThreadLocalStateGuard same(caller);
+    auto tile = at::empty({rows, K}, x.options());
+    float* tp = tile.data_ptr<float>();
+    for (int64_t t = t0; t < t1; t++) {
+      int64_t n0 = t * rows, n1 = std::min(N, n0 + rows);
+      for (int64_t n = n0; n < n1; n++)
+        dequant_row(w + n * row_len, s ? s + n * G : nullptr, lo ? lo + n * G : nullptr, K, group,
+                    tp + (n - n0) * K);
+      auto out = y.narrow(1, n0, n1 - n0);
+      at::mm_out(out, x, tile.narrow(0, 0, n1 - n0).t());
+    }
+  });
+}
+
+// w: int8 (N, K) with scale (N,) or (N, K/group) and lo None or as scale; int4 bytes (N, K/2) with
+// scale and lo (N, K/group); fp16 or bf16 (N, K) alone.
+static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
+                          int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && w.dim() == 2 &&
+              w.is_contiguous() && x.size(1) % 32 == 0,
+              "wide_mm: x (M, K) fp32, K a multiple of 32, w (N, ·) contiguous");
+  int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  auto type = w.scalar_type();
+  if (type == at::kHalf || type == at::kBFloat16) {
+    TORCH_CHECK(w.size(1) == K, "wide_mm: w (N, K)");
+    if (type == at::kHalf) wide_tiles(x, w.data_ptr<c10::Half>(), K, nullptr, nullptr, 0, y);
+    else wide_tiles(x, w.data_ptr<c10::BFloat16>(), K, nullptr, nullptr, 0, y);
+    return y;
+  }
+  TORCH_CHECK(s_.has_value() && s_->scalar_type() == at::kFloat && s_->is_contiguous() &&
+              s_->size(0) == N, "wide_mm: a scale (N,) or (N, K/group) fp32");
+  const at::Tensor& s = *s_;
+  const bool has_lo = lo_.has_value() && lo_->defined();
+  TORCH_CHECK(!has_lo || (lo_->sizes() == s.sizes() && lo_->scalar_type() == at::kFloat &&
+                          lo_->is_contiguous()), "wide_mm: lo as scale, or None");
+  const float *sp = s.data_ptr<float>(), *lp = has_lo ? lo_->data_ptr<float>() : nullptr;
+  if (s.dim() == 1) group = K;
+  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0 && s.numel() == N * (K / group),
+              "wide_mm: scale (N, K/group), group a multiple of 16");
+  if (type == at::kChar) {
+    TORCH_CHECK(w.size(1) == K, "wide_mm: int8 w (N, K)");
+    wide_tiles(x, w.data_ptr<int8_t>(), K, sp, lp, group, y);
+  } else {
+    TORCH_CHECK(type == at::kByte && w.size(1) * 2 == K && has_lo && group % 32 == 0,
+                "wide_mm: int4 w (N, K/2) with scale and lo");
+    wide_tiles(x, w.data_ptr<uint8_t>(), K / 2, sp, lp, group, y);
+  }
   return y;
 }
 
@@ -684,8 +1019,8 @@ static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at
     }
   return y.to(q_.scalar_type());
 }
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask) {
+static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const std::optional<at::Tensor>& mask) {
   auto type = k.scalar_type();
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() &&
               q.scalar_type() == type && v.scalar_type() == type &&
@@ -696,15 +1031,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             : attend_one<c10::BFloat16>(q, k, v, mask);
 }
 
-TORCH_LIBRARY(nanoinfer, m) {
+// The library's name: nanoinfer, or another for a second build in the same process (the tests
+// build this file for AVX2 and for no SIMD as well, and compare their bits).
+#ifndef LIBRARY
+#define LIBRARY nanoinfer
+#endif
+#define DEFINE(ns, m) TORCH_LIBRARY(ns, m)
+DEFINE(LIBRARY, m) {
   m.def("int4_mm(Tensor x, Tensor q, Tensor scale, Tensor lo, int group) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("int8g_mm(Tensor x, Tensor q, Tensor scale, Tensor? lo, int group) -> Tensor");
+  m.def("half_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("wide_mm(Tensor x, Tensor w, Tensor? scale, Tensor? lo, int group) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(nanoinfer, CPU, m) {
+TORCH_LIBRARY_IMPL(LIBRARY, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
+  m.impl("int8g_mm", &int8g_mm);
+  m.impl("half_mm", &half_mm);
+  m.impl("wide_mm", &wide_mm);
   m.impl("bf16_mm", &bf16_mm);
   m.impl("decode_attention", &decode_attention);
 }

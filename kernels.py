@@ -414,6 +414,11 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 NATIVE_SOURCE = Path(__file__).with_name("kernels.cpp")     # the C++ source, read when built
 
 
+# Each instruction set's compiler flags (F16C: fp16 weights widened in registers).
+VECTOR_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
+                "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw"]}
+
+
 @functools.cache
 def native_kernels(quiet: bool = False) -> bool:
     """Build (first use, ~10 s) or load the kernels above; False where they cannot be built: not
@@ -422,16 +427,43 @@ def native_kernels(quiet: bool = False) -> bool:
         return True
     if os.environ.get("NANOINFER_NATIVE") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    vector = {"AVX2": ["-mavx2", "-mfma"],
-              "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw"]}
+    if not build_kernels("nanoinfer", VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []),
+                         quiet):
+        return False
+    # their outputs' shapes, for torch.compile and torch.export to trace them
+    torch.library.register_fake("nanoinfer::int4_mm")(
+        lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::int8_mm")(
+        lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::int8g_mm")(
+        lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::half_mm")(
+        lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("nanoinfer::wide_mm")(
+        lambda x, w, s, lo, group: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("nanoinfer::decode_attention")(
+        lambda q, k, v, mask: q.new_empty(q.shape))
+    torch.library.register_fake("nanoinfer::bf16_mm")(
+        lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+    return True
+
+
+def build_kernels(library: str, vector: list[str], quiet: bool = False) -> bool:
+    """Build kernels.cpp with an instruction set's flags (``vector``: VECTOR_FLAGS', [] for none)
+    and load its ops as torch.ops.<library>; False where it cannot be built. Built once per source
+    and flags (~10 s), then loaded. The tests build it again as other libraries (AVX2, no SIMD) in
+    the same process and compare their bits with nanoinfer's."""
+    if hasattr(getattr(torch.ops, library), "int4_mm"):
+        return True
     # OpenMP: parallel_for
-    flags = ["-O3", "-fopenmp", *vector.get(torch.backends.cpu.get_cpu_capability(), [])]
+    flags = ["-O3", "-fopenmp", *vector] + ([f"-DLIBRARY={library}"] if library != "nanoinfer"
+                                            else [])
     key = hashlib.sha256((NATIVE_SOURCE.read_text() + " ".join(flags)
                           + torch.__version__).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
     # torch's place
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache) / f"nanoinfer_native_{key}"
-    so = folder / "nanoinfer_native.so"
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache) / f"{library}_native_{key}"
+    so = folder / f"{library}_native.so"
     if not so.exists() and not quiet:
         print("building the C++ CPU kernels (once, ~10 s)", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
@@ -443,22 +475,14 @@ def native_kernels(quiet: bool = False) -> bool:
                 torch.ops.load_library(str(so))
             else:
                 from torch.utils import cpp_extension
-                cpp_extension.load("nanoinfer_native", [str(NATIVE_SOURCE)], is_python_module=False,
-                                   extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                   build_directory=str(folder))
+                cpp_extension.load(f"{library}_native", [str(NATIVE_SOURCE)],
+                                   is_python_module=False, extra_cflags=flags,
+                                   extra_ldflags=["-fopenmp"], build_directory=str(folder))
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
         if not quiet:
             print(f"no C++ kernels ({str(e).strip().splitlines()[0][:100]}); using aten's, slower "
                   f"(they need a C++ compiler and ninja)", file=sys.stderr)
         return False
-    torch.library.register_fake("nanoinfer::int4_mm")(
-        lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
-    torch.library.register_fake("nanoinfer::int8_mm")(
-        lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
-    torch.library.register_fake("nanoinfer::decode_attention")(
-        lambda q, k, v, mask: q.new_empty(q.shape))
-    torch.library.register_fake("nanoinfer::bf16_mm")(
-        lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     return True
 
 
@@ -482,6 +506,29 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     return torch.ops.nanoinfer.int8_mm(x, q, scale)
 
 
+def int8g_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None,
+             group: int) -> torch.Tensor:
+    """x (M, K) fp32 · Wᵀ for W int8 in groups as quantize.Int8Linear holds it: q (N, K) int8,
+    scale (N, K/group) fp32, lo None or as scale, group 16 or 32, K a multiple of 32; W = lo + q·s.
+    Needs native_kernels()."""
+    return torch.ops.nanoinfer.int8g_mm(x, q, scale, lo, group)
+
+
+def half_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, K) fp32 · wᵀ for w (N, K) fp16 or bf16 (K a multiple of 32), each weight widened to
+    fp32 as it is read, summed in fp32 in int8_mm's order. Needs native_kernels()."""
+    return torch.ops.nanoinfer.half_mm(x, w)
+
+
+def wide_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+            lo: torch.Tensor | None = None, group: int = 0) -> torch.Tensor:
+    """x (M, K) fp32 · Wᵀ for many rows of x (a prefill) on BLAS's matrix-matrix kernel, W
+    dequantized a tile of rows at a time into an fp32 scratch: no fp32 copy of W is held. W as a
+    stored layer holds it: int8 (N, K) with scale (N,) (group 0) or in groups; int4 bytes (N, K/2)
+    with scale and lo; fp16 or bf16 (N, K) alone. Needs native_kernels()."""
+    return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
     """One token's attention (kernels.cpp): q (B, H, 1, d), k, v (B, H_kv, L, d) all fp32 or all
     bf16 (summed in fp32) on a CPU, mask None or bool (B or 1, 1, 1, L); None where it does not
@@ -503,52 +550,84 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 # ----------------------------------------------------------------------------
-# Quantized layers on the C++ kernels. quantize.py's layers run aten's kernels; these subclasses
-# hold the same tensors and run the loops above where they apply: fp32 activations on a CPU, rows a
-# multiple of 32 long. From DRAM on 2 cores int8_mm streams at the memory's speed (0.045 ns/weight)
-# and int4_mm at 0.048, against 0.55 and 1.16 for aten's kernels and 0.19 for fp32; and each sums
-# every row in the same order however many positions a pass holds, so speculative decoding stays
-# exact.
+# Stored layers on the C++ kernels. quantize.py's layers run aten's kernels (int8 in rows, int4) or
+# dequantize for one matmul (int8 in groups, 16-bit weights); these subclasses hold the same tensors
+# and run the loops above where they apply: fp32 activations on a CPU, rows a multiple of 32 long.
+# From DRAM on 2 cores int8_mm streams at the memory's speed (0.045 ns/weight) and int4_mm at 0.048,
+# against 0.55 and 1.16 for aten's kernels and 0.19 for fp32. int8g_mm and half_mm stream as
+# int8_mm does: on an Intel Xeon with AVX-512 and AMX (2 threads, one row, TinyLlama's 5632×2048
+# from DRAM) 29-30 GB/s each, int8_mm 27, aten's fp32 product 34. Each sums every row in the same order
+# however many positions a pass holds, so speculative decoding stays exact.
+#
+# A prefill is compute-bound: its rows go to BLAS on fp32 weights, prepack's fp32 copy for int8 rows
+# and int4 (4-5x their bytes, held), else wide_mm's tiles (no copy). On that Xeon, 128 and 512 rows
+# through a 2048×5632 matrix: the tiles took 1.1-1.3x the copy's time, and 0.2-0.85x that of
+# widening the whole matrix at each call (the fallback before them).
 
 def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bool:
-    """Whether a quantized layer runs the C++ kernels: fp32 activations on a CPU, rows a
-    multiple of 32 long, and the kernels built (``native`` None: build them if they can be)."""
+    """Whether a stored layer runs the C++ kernels: fp32 activations on a CPU, rows a multiple of 32
+    long, int8 groups 16 or 32 long, and the kernels built (``native`` None: build them if they
+    can be)."""
     fits = (layer.weight.device.type == "cpu" and dtype == torch.float32
-            and layer.in_features % 32 == 0)
+            and layer.in_features % 32 == 0
+            and not (isinstance(layer, quantize.Int8Linear) and layer.group not in (None, 16, 32)))
     return fits and (native_kernels() if native is None else native)
 
 
 def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A many-row pass of a quantized layer: compute-bound, so oneDNN's matrix-matrix kernel on
-    prepack's fp32 copy of the dequantized weights where the model keeps one (a 39-token prefill of
-    SmolLM2 in 105 ms, as fp32's, against 290 ms widening every matrix at every call), else the
-    weights widened for this call."""
+    """A many-row pass of a stored layer, bias aside: compute-bound, so oneDNN's matrix-matrix
+    kernel on prepack's fp32 copy of the dequantized weights where the model keeps one (a 39-token
+    prefill of SmolLM2 in 105 ms, as fp32's, against 290 ms widening every matrix at every call),
+    else wide_mm's tiles (a layer on the C++ kernels), else the weights widened for this call."""
     packed = packed_weight(layer)
     if packed is not None and not torch.is_grad_enabled():
         return prepacked_linear(x, packed)
+    if layer.native and x.dtype == torch.float32:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if isinstance(layer, quantize.HalfLinear):
+            y = wide_mm(rows, layer.weight)
+        else:
+            y = wide_mm(rows, layer.weight, layer.weight_scale, layer.weight_min, layer.group or 0)
+        return y.reshape(*x.shape[:-1], -1)
     return F.linear(x, layer.dequantized().to(x.dtype))
 
 
+def tiled_prefill(layer: nn.Module) -> bool:
+    """Whether a layer on the C++ kernels runs its prefills on wide_mm's tiles even where prepack
+    could give it an fp32 copy: int8 in groups and 16-bit weights, whose point is their bytes."""
+    return isinstance(layer, HalfLinear) or (isinstance(layer, Int8Linear)
+                                             and layer.group is not None)
+
+
 class Int8Linear(quantize.Int8Linear):
-    """quantize.Int8Linear on int8_mm (``native``), and inside a compiled one-token step on
-    `matvec_sum`, which inductor fuses into one loop that widens each int8 weight as it reads it.
-    ``onednn``: prepack's fp32 copy for prefills."""
+    """quantize.Int8Linear on int8_mm (a scale per row) or int8g_mm (per group) where ``native``;
+    without them, inside a compiled one-token step, a layer with a scale per row runs `matvec_sum`,
+    which inductor fuses into one loop that widens each int8 weight as it reads it. ``onednn``:
+    prepack's fp32 copy for prefills (rows only)."""
     native: bool = False
     onednn: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, dtype: torch.dtype, native: bool | None = None):
         super().prepare(dtype)
         self.native = uses_native(self, dtype, native)
+        if self.native and self.group is not None:
+            self.weight = self.weight.contiguous()
+            self.weight_scale = self.weight_scale.float().contiguous()
+            if self.weight_min is not None:
+                self.weight_min = self.weight_min.float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.native and x.dtype == torch.float32:
             if rows >= quantize.PREFILL_ROWS:
-                return wide_linear(self, x)
-            return int8_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale) \
-                .reshape(*x.shape[:-1], -1)
-        if rows == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-            return matvec_sum(x, self.weight, self.weight_scale)
+                return quantize.with_bias(wide_linear(self, x), self.bias)
+            flat = x.reshape(rows, -1).contiguous()
+            y = (int8_mm(flat, self.weight, self.weight_scale) if self.group is None
+                 else int8g_mm(flat, self.weight, self.weight_scale, self.weight_min, self.group))
+            return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
+        if rows == 1 and self.group is None and x.device.type == "cpu" and \
+                torch.compiler.is_compiling():
+            return quantize.with_bias(matvec_sum(x, self.weight, self.weight_scale), self.bias)
         return super().forward(x)
 
 
@@ -571,33 +650,66 @@ class Int4Linear(quantize.Int4Linear):
         rows = x.numel() // x.shape[-1]
         if self.native and x.dtype == torch.float32:
             if rows >= quantize.PREFILL_ROWS:
-                return wide_linear(self, x)
-            return int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
-                           self.weight_min, self.group).reshape(*x.shape[:-1], -1)
+                return quantize.with_bias(wide_linear(self, x), self.bias)
+            y = int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
+                        self.weight_min, self.group)
+            return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
         return super().forward(x)
 
 
-FAST = {quantize.Int8Linear: Int8Linear, quantize.Int4Linear: Int4Linear}
+class HalfLinear(quantize.HalfLinear):
+    """quantize.HalfLinear on half_mm (``native``): each 16-bit weight widened in registers as it
+    streams, 2 bytes read a weight. Without it, inside a compiled one-token step, on `matvec_sum`
+    (inductor's loop widens each weight as it reads it, as for a float model's)."""
+    native: bool = False
+
+    def prepare(self, dtype: torch.dtype, native: bool | None = None):
+        super().prepare(dtype)
+        self.native = uses_native(self, dtype, native)
+        if self.native:
+            self.weight = self.weight.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.native and x.dtype == torch.float32:
+            if rows >= quantize.PREFILL_ROWS:
+                return quantize.with_bias(wide_linear(self, x), self.bias)
+            y = half_mm(x.reshape(rows, -1).contiguous(), self.weight)
+            return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
+        if rows == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+            return quantize.with_bias(matvec_sum(x, self.weight), self.bias)
+        return super().forward(x)
+
+
+FAST = {quantize.Int8Linear: Int8Linear, quantize.Int4Linear: Int4Linear,
+        quantize.HalfLinear: HalfLinear}
 
 
 def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = None) -> nn.Module:
-    """Give every quantized layer (still in quantize.py's portable layout: prepare not called)
-    its fast form, holding the same tensors, prepared for ``dtype`` activations (``native``:
+    """Give every stored layer (still in quantize.py's portable layout: prepare not called) its
+    fast form, holding the same tensors, prepared for ``dtype`` activations (``native``:
     uses_native's). Idempotent."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if type(child) in FAST:
-                int4 = isinstance(child, quantize.Int4Linear)
-                if int4 and child.tiled is not None:
-                    raise ValueError("swap_quantized needs unprepared layers: "
-                                     "quantize with prepare=False")
-                with torch.device("meta"):
-                    fast = FAST[type(child)](child.in_features, child.out_features,
-                                             *([child.group] if int4 else []))
-                for key, buffer in child.named_buffers(recurse=False):
-                    setattr(fast, key, buffer)
-                fast.prepare(dtype, native)
-                setattr(parent, name, fast)
+            if type(child) not in FAST:
+                continue
+            bias = child.bias is not None
+            with torch.device("meta"):
+                if isinstance(child, quantize.Int4Linear):
+                    if child.tiled is not None:
+                        raise ValueError("swap_quantized needs unprepared layers: "
+                                         "quantize with prepare=False")
+                    fast = Int4Linear(child.in_features, child.out_features, child.group, bias)
+                elif isinstance(child, quantize.Int8Linear):
+                    fast = Int8Linear(child.in_features, child.out_features, child.group,
+                                      child.weight_min is not None, bias)
+                else:
+                    fast = HalfLinear(child.in_features, child.out_features, child.weight.dtype,
+                                      bias)
+            for key, buffer in child.named_buffers(recurse=False):
+                setattr(fast, key, buffer)
+            fast.prepare(dtype, native)
+            setattr(parent, name, fast)
     return model
 
 
@@ -623,10 +735,11 @@ def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
                 or packed_weight(m) is not None:
             continue
         if native:
-            # a quantized layer on the C++ kernels (quantize.py): its one-row passes read the small
-            # weights; a prefill (compute-bound) gets the same values widened to fp32, blocked once
+            # a stored layer on the C++ kernels (quantize.py): its one-row passes read the small
+            # weights; a prefill (compute-bound) gets the same values widened to fp32, blocked once,
+            # unless it runs wide_mm's tiles
             streamed += list(m.buffers(recurse=False))
-            if copies and ONEDNN:
+            if copies and ONEDNN and not tiled_prefill(m):
                 m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(m.dequantized().float(), 16))
             continue
         streamed.append(w)          # what a compiled step reads

@@ -57,9 +57,9 @@ import safetensors_io
 from sampling import Finish, SamplingParams, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
 
-# config.json's key for a checkpoint quantize.py wrote (our own: transformers' "quantization_config"
-# would make it try its own loaders); quantize.py reads and writes it, a plain Llama refuses it.
-QUANTIZATION_KEY = "nanoinfer_quantization"
+# config.json's key for a quantized checkpoint (safetensors_io): quantize.py reads and writes it; a
+# plain Llama refuses quantize.py's and widens a GGUF conversion's to fp32.
+QUANTIZATION_KEY = safetensors_io.QUANTIZATION_KEY
 
 
 # ----------------------------------------------------------------------------
@@ -412,7 +412,7 @@ class Llama(nn.Module):
         with assign=True: no random init, no second copy. ``dtype`` a torch.dtype or a name
         (DTYPES)."""
         cfg = cfg or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
-        if cfg.quantization:
+        if cfg.quantization and cfg.quantization["weights"] != "gguf":
             raise ValueError(f"{model_dir} holds {cfg.quantization['weights']} weights written by "
                              f"quantize.py: load it with quantize.from_pretrained")
         device, dtype = torch.device(device or "cpu"), as_dtype(dtype)
@@ -437,14 +437,18 @@ def as_dtype(name) -> torch.dtype:
 
 
 def adopt_checkpoint(model: "Llama", model_dir, device: torch.device, dtype: torch.dtype,
-                     plain=lambda name, t: t.is_floating_point()) -> "Llama":
+                     plain=lambda name, t: t.is_floating_point(), widen: bool = True) -> "Llama":
     """Give ``model`` (built on the meta device) a checkpoint's tensors, by the model's names (no
     "model." prefix, no rotary buffers), checked against the tensors it needs: those ``plain``
     picks in ``dtype`` (floats; integer tensors such as a draft's head_ids stay as stored),
-    fused, the head tied where the checkpoint stores none."""
+    fused, the head tied where the checkpoint stores none. A GGUF conversion's layers, stored at
+    the file's bits, are widened to their exact values (``widen``; quantize.py's loader keeps
+    them)."""
     cfg = model.config
     state = {k.removeprefix("model."): v for k, v in safetensors_io.read_weights(model_dir).items()
              if not k.endswith("rotary_emb.inv_freq")}
+    if widen and (cfg.quantization or {}).get("weights") == "gguf":
+        state = safetensors_io.widen_layers(state, cfg.quantization["layers"])
     tied = (cfg.tie_embeddings and isinstance(model.lm_head, nn.Linear)
             and "lm_head.weight" not in model.borrowed)
     if tied:

@@ -54,7 +54,7 @@ from model import LlamaConfig
 DEFAULT_CTX = 2048      # the runner's context when none is asked for (a static cache's size)
 HEADROOM = 0.8          # plan to use at most this share of the machine's memory
 SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("int8", "int4", "gguf")
 # a narrower dtype must beat fp32 by 10%: the calibration's own noise on a shared machine
 MARGIN = 0.9
 
@@ -80,8 +80,6 @@ class Machine:
 # ----------------------------------------------------------------------------
 # The model, from its config.json alone.
 
-# checkpoint.BUNDLED's GGUF: its 210 matrices are Q4_1 (llama.cpp)
-SOURCE = {checkpoint.BUNDLED: "Q4_1"}
 # train.py writes the target's shape into its draft
 DRAFT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "rope_theta", "max_position_embeddings")
@@ -94,24 +92,36 @@ class ModelInfo:
     matrix_params: int          # every Linear, the LM head included: what a decode step reads
     # the embedding table (a step reads one row of it), 0 if tied to the head
     embed_params: int
-    # the checkpoint's own quantization: "Q4_1" (GGUF), "int8"/"int4" (quantize.py)
+    # the checkpoint's own quantization: "gguf" (a GGUF's bits: gguf_hf.convert_gguf),
+    # "int8"/"int4" (quantize.py)
     source: str | None = None
     # bundled drafts trained for this model: "bundled", "medusa"
     drafts: list = field(default_factory=list)
+    # a GGUF's matrices: parameters per layout kind ("int4", "int8", "half") and their bytes
+    file_params: dict = field(default_factory=dict)
+    file_bytes: int = 0
 
     @property
     def head(self) -> str | None:
-        """The LM head's scheme under quantized weights (quantize.scheme_of): a GGUF's tied
-        head holds the embedding's own bits (the bundled one's Q8_0), which stay as loaded;
-        None: int4 rounds it to int8."""
-        return "float" if self.source == "Q4_1" else None
+        """The LM head's scheme under --weights int8/int4 (quantize.scheme_of): a GGUF's head
+        holds the file's own bits (the bundled one's Q8_0), which a re-rounding keeps ("float":
+        as loaded, widened to fp32); None: int4 rounds it to int8."""
+        return "float" if self.source == "gguf" else None
+
+    @property
+    def main_kind(self) -> str | None:
+        """The layout most of a GGUF's weights have ("int4" for the bundled Q4_1)."""
+        return max(self.file_params, key=self.file_params.get) if self.file_params else None
 
     def weight_bytes(self, weights: str, dtype: str) -> int:
-        """Bytes of weights held: the matrices per ``weights`` (int4 keeps the LM head in
-        int8 unless it holds its own bits: quantize.scheme_of; a group's scale and minimum
-        travel in ``dtype``), the embedding in ``dtype``."""
+        """Bytes of weights held: the matrices per ``weights`` ("gguf": as the file holds them;
+        int4 keeps the LM head in int8 unless it holds its own bits: quantize.scheme_of; a
+        group's scale and minimum travel in ``dtype``), the embedding in ``dtype``."""
         size, c = SIZES[dtype], self.config
         head = c.vocab_size * c.hidden_size
+        if weights == "gguf":       # the table stays fp32 beside the head's own copy
+            floats = self.matrix_params - sum(self.file_params.values())
+            return self.file_bytes + head * 4 + floats * size
         per = {"float": size, "int8": 1, "int4": 0.5 + 2 * size / quantize.GROUP}[weights]
         body = self.matrix_params - head
         head_scheme = quantize.scheme_of("lm_head", weights, self.head)
@@ -120,6 +130,9 @@ class ModelInfo:
 
     def token_bytes(self, weights: str, dtype: str) -> int:
         """Bytes one decode step reads: every matrix once (the embedding: one row)."""
+        if weights == "gguf":       # the fp32 table beside the file's head
+            c = self.config
+            return self.weight_bytes(weights, dtype) - c.vocab_size * c.hidden_size * 4
         return self.weight_bytes(weights, dtype) - self.embed_params * SIZES[dtype]
 
     def kv_bytes(self, ctx: int, kv_dtype: str, dtype: str) -> int:
@@ -168,9 +181,42 @@ def model_info(name: str) -> ModelInfo:
     per_layer = (c.hidden_size * (q + 2 * kv) + q * c.hidden_size
                  + 3 * c.hidden_size * c.intermediate_size)
     head = c.vocab_size * c.hidden_size
-    source = SOURCE.get(checkpoint.ALIASES.get(key)) or (c.quantization or {}).get("weights")
+    source = (c.quantization or {}).get("weights")
+    kinds, stored = {}, 0
+    for layer, layout in ((c.quantization or {}).get("layers") or {}).items():
+        rows, cols = matrix_shape(c, layer)
+        kinds[layout["kind"]] = kinds.get(layout["kind"], 0) + rows * cols
+        stored += layout_bytes(layout, rows, cols)
     return ModelInfo(name, c, c.n_layers * per_layer + head, 0 if c.tie_embeddings else head,
-                     source, fitting_drafts(hf))
+                     source, fitting_drafts(hf), kinds, stored)
+
+
+def describe_layouts(info: ModelInfo) -> str:
+    """A GGUF's matrices by layout, largest first: "int4 134.5M, int8 28.3M (the head)"."""
+    names = {"int4": "int4 groups of 32", "int8": "int8 groups", "half": "16-bit"}
+    total = sum(info.file_params.values())
+    return ", ".join(f"{names[k]} {n / total:.0%}" for k, n in
+                     sorted(info.file_params.items(), key=lambda kv: -kv[1]))
+
+
+def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
+    """A Linear's (rows, columns) by its checkpoint name ("layers.3.self_attn.k_proj")."""
+    q, kv, h, f = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.hidden_size, \
+        c.intermediate_size
+    part = layer.rsplit(".", 1)[-1]
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+            "lm_head": (c.vocab_size, h)}[part]
+
+
+def layout_bytes(layout: dict, rows: int, cols: int) -> int:
+    """Bytes of one matrix in a GGUF layout (gguf_hf.Packed): the integers, then an fp32 scale
+    (and minimum) per group."""
+    n = rows * cols
+    if layout["kind"] == "half":
+        return 2 * n
+    per_group = 4 * (2 if layout.get("min") else 1)
+    return n // (2 if layout["kind"] == "int4" else 1) + n // layout["group"] * per_group
 
 
 # ----------------------------------------------------------------------------
@@ -190,7 +236,9 @@ class Plan:
     prompt_lookup: int | None = None
     lookahead: str | None = None     # only ever the user's (--lookahead)
     spec_k: int = 4
-    weights: str = "auto"            # auto (the checkpoint's) / int8 / int4
+    # auto (the checkpoint's) / float (a GGUF's, widened) / int8 / int4
+    weights: str = "auto"
+    stored: str | None = None        # "gguf": the checkpoint holds a GGUF's own bits, which auto keeps
     # the LM head's scheme under int4 (ModelInfo.head): None int8, "float" kept
     head: str | None = None
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
@@ -257,12 +305,41 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
     def held(weights, copy=True):
         return info.weight_bytes(weights, fdt) + (packed if copy else 0)
 
-    if info.source in QUANTIZED:
+    if info.source in ("int8", "int4"):
         scheme, p.prepack = info.source, held(info.source) <= room
         why.append(f"weights {info.source}: the checkpoint is stored quantized (quantize.py) and "
                    f"loads as it is"
                    + ("" if p.prepack or not packed
                       else "; no fp32 copy for prefills (it would not fit)"))
+    elif info.source == "gguf" and machine.device != "cpu":
+        p.weights, scheme, p.stored = "float", "float", "gguf"
+        why.append(f"weights {fdt}: the GGUF's own bits ({describe_layouts(info)}) run on the CPU's "
+                   f"kernels; here they are widened to {fdt} once at load for the tensor cores "
+                   f"(--dtype fp32: the file's exact values)")
+    elif info.source == "gguf":
+        kind, layouts = info.main_kind, describe_layouts(info)
+        fast = kind == "half" or ns.get(kind, 1e9) < MARGIN * ns.get(fdt, 0)
+        speed = (f"calibrated {kind} {ns[kind]:.3f} ns/weight against {fdt}'s "
+                 f"{ns.get(fdt, 0):.3f}" if kind in ns else "half the bytes of fp32")
+        p.stored = "gguf"
+        if fdt != "float32":
+            # exact to the file: its values are fp32 numbers (lo + q·s), and its kernels take fp32
+            why.append(f"dtype float32 after all: the GGUF's weights are exact in fp32 (a "
+                       f"{fdt} copy would round them) and its kernels run with fp32 activations")
+            p.dtype = fdt = "float32"
+            packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
+        if fast or held("float") > room:
+            scheme, p.prepack = "gguf", held("gguf") <= room
+            why.append(f"weights as the GGUF holds them ({layouts}): the file's own bits, exact "
+                       f"(gguf_hf.Packed); {speed}"
+                       + (f"; prefills run on a {fdt} copy ({gb(packed)}: kernels.prepack)"
+                          if packed and p.prepack else
+                          "; no fp32 copy for prefills (it would not fit)" if packed else ""))
+        else:
+            p.weights, scheme = "float", "float"
+            why.append(f"weights {fdt}: the GGUF's own bits ({layouts}) compute no faster here "
+                       f"({speed}), so they are widened to {fdt} once at load: the same values, "
+                       f"{gb(held('float'))}" + (" with kernels.prepack's copy" if packed else ""))
     else:
         scheme = next((w for w in ("float", "int8", "int4") if held(w, w == "float") <= room),
                       "int4")
@@ -277,30 +354,10 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
                        + ("" if p.prepack or not packed
                           else "; no fp32 copy for prefills (it would not fit): "
                           "each prefill widens a matrix at a time"))
-        elif info.source == "Q4_1" and ns.get("int4", 1e9) < MARGIN * ns.get(fdt, 0):
-            p.weights, scheme, versus = "int4", "int4", f"{fdt}'s {ns[fdt]:.3f}"
-            # the int4 kernel was calibrated (and runs) with fp32 activations
-            if fdt != "float32":
-                why.append(f"dtype float32 after all: the int4 weights below run with fp32 "
-                           f"activations (kernels.int4_mm), as calibrated; {fdt} ones would "
-                           f"take aten's slower kernel")
-                p.dtype = fdt = "float32"
-                packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
-            why.append(f"weights int4: the GGUF holds Q4_1, which round-trips exactly through "
-                       f"int4 groups of 32, so these are the model's own bits (the tied LM head "
-                       f"keeps its Q8_0 embedding's, in {fdt}); calibrated int4 "
-                       f"{ns['int4']:.3f} ns/weight against "
-                       f"{versus}" + (f"; prefills run on a {fdt} copy ({gb(packed)}: "
-                                      f"kernels.prepack)" if packed else ""))
         else:
-            note = ""
-            if info.source == "Q4_1" and "int4" in ns:
-                note = (f"; int4 would be the GGUF's own Q4_1 bits, but it computes no faster "
-                        f"here ({ns['int4']:.3f} ns/weight against {fdt}'s "
-                        f"{ns.get(fdt, 0):.3f})")
             prepacked = " with kernels.prepack's copy" if packed else ""
             why.append(f"weights {fdt}: {gb(held('float'))}{prepacked} fits in "
-                       f"{gb(machine.memory)}{note}")
+                       f"{gb(machine.memory)}")
 
     # Compiled step: removes the per-kernel fixed cost, once a compile is paid for.
     if machine.device == "cuda":
@@ -351,11 +408,12 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
 
     # Speculative decoding: only with a draft trained for this very model.
     if "bundled" in info.drafts and scheme in QUANTIZED:
-        why.append(f"no speculation: with {scheme} weights a step is cheap (a quarter or less of "
+        label = "the file's quantized" if scheme == "gguf" else scheme
+        why.append(f"no speculation: with {label} weights a step is cheap (a quarter or less of "
                    f"fp32's bytes) and the fixed costs of speculating are not: a pass verifying 5 "
                    f"positions takes ~3 one-row passes' time in the quantized kernels (`python "
                    f"kernels.py` measures both) and the head drafts in 4 eager steps, so bench.py "
-                   f"runner measured it slower than plain {scheme} decoding; --draft bundled asks "
+                   f"runner measured it slower than plain quantized decoding; --draft bundled asks "
                    f"for it anyway")
     elif "bundled" in info.drafts:
         p.draft, p.prompt_lookup, p.spec_k = "bundled", 3, 4
@@ -376,7 +434,8 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
     bw = machine.bandwidth
     p.cost = [
         f"decode reads every weight once per token: {mb(tok)} "
-        f"({scheme if scheme != 'float' else fdt} matrices; the embedding gives one row)",
+        f"({fdt if scheme == 'float' else 'the file' if scheme == 'gguf' else scheme} matrices; "
+        f"the embedding gives one row)",
         f"KV: ctx · {c.n_layers} layers · 2 · {c.n_kv_heads} kv heads · {c.head_dim} dims · "
         f"{'int8 + scale' if p.kv_dtype == 'int8' else f'{SIZES[fdt]} B'} = {mb(kv)} "
         f"at {ctx} tokens",
@@ -411,6 +470,7 @@ def summary(p: Plan) -> str:
     if p.attn != "sdpa":
         parts.append(f"attention {p.attn}")
     parts += [f"weights {p.weights}"] if p.weights not in (None, "auto") else []
+    parts += ["weights: the file's own bits"] if p.weights == "auto" and p.stored == "gguf" else []
     parts += [f"KV {p.kv_dtype}"] if p.kv_dtype not in (None, "auto") else []
     spec = ([{"bundled": "EAGLE head", "medusa": "Medusa heads"}.get(p.draft, p.draft)]
             if p.draft else [])

@@ -20,6 +20,10 @@ a step, s/2, so small groups (one row, one token of one head) keep s small.
     fp8 e4m3, plain cast       1                             KV, for comparison:
                                                              no scale, range ±448
     int4, asymmetric, grouped  0.5 + 4/group (s and a zero)  weights, groups of 32-128 along a row
+    int8, grouped              1 + 4/group (an fp32 s),      a GGUF's 5-8-bit weights (Q8_0,
+                               + 4/group with a minimum      Q5_0/1, Q5_K, Q6_K): groups of 16, 32
+    fp16, bf16 (storage only)  2                             a GGUF's F16/BF16 weights, widened
+                                                             to fp32 as they are read
 
 For SmolLM2-135M (d_head 64) a KV row of one head costs 128 B in bf16 and
 64 + 2 = 66 B in int8 or scaled fp8: 51.6% of bf16, the scale being 2/64 of the
@@ -27,17 +31,26 @@ saving. Weights: 135M numbers are 270 MB in bf16, 136 MB in int8 (+0.3 MB of
 row scales), 84 MB in int4 with groups of 32 (4 bits + two 16-bit numbers per
 32 weights: 5 bits a weight).
 
-Kernels. Weights are stored quantized and never expanded in memory: each
-quantized Linear calls PyTorch's own matrix-vector kernel for its format on a
-CPU: ``aten._weight_int8pack_mm`` (int8 weights, one scale per output row) and
+A GGUF file arrives already quantized, in llama.cpp's blocks, and runs at its
+own bits rather than widened to fp32 (4-8x the bytes). Its 4-bit blocks become
+int4 groups of 32; its 5-, 6- and 8-bit blocks a byte per value with a scale (and
+a minimum) per group of 16 or 32: int4's W = lo + q·s with a wider q, 1.1-1.25
+bytes a weight against the file's 0.7-1.1, for one kernel per width instead of
+one per block format. Its F16/BF16 tensors stay in 16 bits.
+
+Kernels. Weights are stored quantized and never held expanded: each quantized
+Linear calls PyTorch's own matrix-vector kernel for its format on a CPU:
+``aten._weight_int8pack_mm`` (int8 weights, one scale per output row) and
 ``aten._weight_int4pack_mm_for_cpu`` (int4 in a CPU-specific tiled layout, a
-scale and a zero per group). Elsewhere, a GPU included, a layer dequantizes
-its weights for one matmul (correct, not fast). kernels.py, the device layer,
-swaps in faster layers (kernels.Int8Linear, kernels.Int4Linear: a small C++
-loop that streams the bytes at the memory's speed and sums every row in the
-same order however many positions a pass holds, so speculative decoding stays
-exact). The KV cache dequantizes one layer's rows when attention reads them
-(kvcache.py), so only one layer's keys are ever held in full precision.
+scale and a zero per group). aten has none for int8 in groups or for 16-bit
+weights under fp32 activations: those layers, and every layer elsewhere (a GPU
+included), dequantize their weights for one matmul (correct, not fast).
+kernels.py, the device layer, swaps in faster layers (kernels.Int8Linear,
+kernels.Int4Linear, kernels.HalfLinear: a small C++ loop that streams the bytes
+at the memory's speed and sums every row in the same order however many
+positions a pass holds, so speculative decoding stays exact). The KV cache
+dequantizes one layer's rows when attention reads them (kvcache.py), so only
+one layer's keys are ever held in full precision.
 
 `python quantize.py` shows each round trip's error and bytes on random
 tensors; `python bench.py quantize` measures what each format costs a real
@@ -53,7 +66,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import safetensors_io
-from model import QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype, attend
+# two int4 values a byte, the even column in the low nibble: the portable, on-disk layout (a
+# kernel converts it into its own layout at load time)
+from safetensors_io import join_nibbles, split_nibbles
+from model import (FUSED, QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype,
+                   attend)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                   # the largest finite e4m3 number
@@ -87,6 +104,14 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) ->
     return (q.float() * scale.float()).to(dtype)
 
 
+def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None = None,
+                       dtype=torch.float32) -> torch.Tensor:
+    """W = lo + q·s per group along each row: q (rows, cols) integers, scale and lo (rows, groups),
+    each group cols/groups long (lo None: 0). The rule is the checkpoint format's
+    (safetensors_io.widened), which a plain model's loader also applies."""
+    return safetensors_io.widened(q, scale, lo).to(dtype)
+
+
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 in groups of ``group`` along each row: w ≈ lo + q·s with
     q in 0..15, s = (max - min) / 15. Returns q (rows, cols) uint8 and s, lo
@@ -104,19 +129,7 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype=torch.float32):
-    rows, cols = q.shape
-    g = q.float().reshape(rows, scale.shape[1], -1)
-    return (lo.float()[..., None] + g * scale.float()[..., None]).reshape(rows, cols).to(dtype)
-
-
-def join_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit values per byte (even column in the low nibble): the portable,
-    on-disk layout. A kernel converts it into its own layout at load time."""
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def split_nibbles(b: torch.Tensor) -> torch.Tensor:
-    return torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
+    return dequantize_grouped(q, scale, lo, dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -190,13 +203,33 @@ PREFILL_ROWS = 16
 class Int8Linear(nn.Module):
     """y = x·Wᵀ with W stored as int8 rows and one scale per row:
     W[r] ≈ weight[r] · weight_scale[r]. The scale factors out of each row's dot
-    product, so the kernel reads 1 byte per weight and multiplies once per row."""
+    product, so the kernel reads 1 byte per weight and multiplies once per row.
 
-    def __init__(self, in_features: int, out_features: int):
+    ``group``: a scale per ``group`` weights of a row instead (weight_scale (N, K/group)), and
+    with ``has_min`` a minimum per group too, int4's form with a byte per value:
+
+        W[r, k] = weight_min[r, k // g] + weight[r, k] · weight_scale[r, k // g]
+
+    A GGUF's 5-, 6- and 8-bit blocks load this way at their own bits (+4 or 8 bytes per group of
+    16 or 32). A scale per group no longer factors out of the row, so this layer dequantizes and
+    runs one matmul (the reference; kernels.py applies each group's scale inside its loop).
+    ``bias``: added to the output."""
+
+    def __init__(self, in_features: int, out_features: int, group: int | None = None,
+                 has_min: bool = False, bias: bool = False):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        if group is not None and (group <= 0 or in_features % group):
+            raise ValueError(f"int8 groups of {group} do not divide a row of {in_features} "
+                             f"weights; give a group that divides it (a GGUF's blocks: 16 or 32)")
+        if has_min and group is None:
+            raise ValueError("an int8 layer with a minimum needs groups: give group=16 or 32")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.ones(out_features))
+        groups = () if group is None else (in_features // group,)
+        self.register_buffer("weight_scale", torch.ones(out_features, *groups))
+        self.register_buffer("weight_min",
+                             torch.zeros(out_features, *groups) if has_min else None)
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Linear":
@@ -207,24 +240,34 @@ class Int8Linear(nn.Module):
 
     def prepare(self, dtype: torch.dtype):
         """Ready the layer for ``dtype`` activations on its device."""
-        # The CPU kernel wants the scales in the activations' dtype, and its own
-        # memory: it uses aligned vector loads, and a tensor mapped straight from a
-        # safetensors file may start anywhere (a crash, not an error).
-        self.weight_scale = self.weight_scale.to(dtype).contiguous()
+        # The CPU kernel wants a row's scales in the activations' dtype (grouped ones stay fp32: a
+        # bf16 scale would move every weight of its group), and its own memory: it uses aligned
+        # vector loads, and a tensor mapped straight from a safetensors file may start anywhere (a
+        # crash, not an error).
+        if self.group is None:
+            self.weight_scale = self.weight_scale.to(dtype).contiguous()
         if self.weight.device.type == "cpu" and self.weight.data_ptr() % 64:
             self.weight = self.weight.clone()
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int8(self.weight, self.weight_scale[:, None], self.weight_scale.dtype)
+        if self.group is None:
+            return dequantize_int8(self.weight, self.weight_scale[:, None],
+                                   self.weight_scale.dtype)
+        return dequantize_grouped(self.weight, self.weight_scale, self.weight_min)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if x.device.type == "cpu" and rows < PREFILL_ROWS:
+        if self.group is not None:
+            y = F.linear(x, self.dequantized().to(x.dtype))
+        elif x.device.type == "cpu" and rows < PREFILL_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1), self.weight,
                                                    self.weight_scale)
-            return y.reshape(*x.shape[:-1], -1)
-        # Many rows (a prefill) are compute-bound: widen W once, then the fast matrix-matrix kernel.
-        return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
+            y = y.reshape(*x.shape[:-1], -1)
+        else:
+            # Many rows (a prefill) are compute-bound: widen W once, then the fast matrix-matrix
+            # kernel.
+            y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
+        return with_bias(y, self.bias)
 
 
 class Int4Linear(nn.Module):
@@ -232,7 +275,7 @@ class Int4Linear(nn.Module):
     scale and a minimum per group: W ≈ lo + q·s. Half a byte per weight plus
     the group's two numbers (fp32 on disk, the model's dtype in the kernel)."""
 
-    def __init__(self, in_features: int, out_features: int, group: int = GROUP):
+    def __init__(self, in_features: int, out_features: int, group: int = GROUP, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
         # of the dequantized matrix; prepare() sets the model's
@@ -241,6 +284,7 @@ class Int4Linear(nn.Module):
                              torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.ones(out_features, in_features // group))
         self.register_buffer("weight_min", torch.zeros(out_features, in_features // group))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         # the CPU kernel's layout
         self.register_buffer("tiled", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
@@ -274,14 +318,50 @@ class Int4Linear(nn.Module):
         if self.tiled is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.tiled,
                                                           self.group, self.scales_and_zeros)
-            return y.reshape(*x.shape[:-1], -1)
-        return x @ self.dequantized().to(x.dtype).t()
+            return with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
+        return with_bias(x @ self.dequantized().to(x.dtype).t(), self.bias)
+
+
+class HalfLinear(nn.Module):
+    """W kept in 16 bits, fp16 or bf16 (a GGUF's F16 and BF16 tensors), widened when used: every
+    16-bit number widens to fp32 exactly, so an fp32 model keeps the file's values at 2 bytes a
+    weight where loading them as fp32 would hold and read 4. The forward widens W to the
+    activations' dtype (to fp32 where that would round: fp16 weights, bf16 activations) and
+    matmuls; kernels.HalfLinear widens each weight in registers as it streams instead."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float16,
+                 bias: bool = False):
+        super().__init__()
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"HalfLinear keeps float16 or bfloat16 weights, not {dtype}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    def prepare(self, dtype: torch.dtype):
+        """Nothing to lay out: the weight is read as stored (Int8Linear's and Int4Linear's
+        interface)."""
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(self.weight.dtype, x.dtype)
+        return with_bias(F.linear(x.to(wide), self.weight.to(wide)), self.bias).to(x.dtype)
+
+
+def with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+# The layers that hold their weights as stored (quantized, or 16-bit), not as an nn.Linear's.
+STORED = (Int8Linear, Int4Linear, HalfLinear)
 
 
 def float_weight(layer: nn.Module) -> torch.Tensor:
     """A Linear's W in full precision, whether the layer is quantized or not (an EAGLE
     head or Medusa heads copy rows of the target's LM head)."""
-    if isinstance(layer, (Int8Linear, Int4Linear)):
+    if isinstance(layer, STORED):
         return layer.dequantized()
     return layer.weight.detach()
 
@@ -290,8 +370,8 @@ GROUP_SIZES = (32, 64, 128)
 
 
 def check_scheme(weights: str | None, group: int = GROUP):
-    if weights not in (None, "auto") + WEIGHT_SCHEMES:
-        raise ValueError(f"unknown --weights '{weights}': use auto, int8 or int4")
+    if weights not in (None, "auto", "float") + WEIGHT_SCHEMES:
+        raise ValueError(f"unknown --weights '{weights}': use auto, float, int8 or int4")
     if weights == "int4" and group not in GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group}")
 
@@ -327,20 +407,19 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
     ``head``: the LM head's scheme (scheme_of), "float" to keep it as loaded.
     ``prepare=False`` keeps the portable layout only, for saving."""
     check_scheme(weights, group)
-    if weights in (None, "auto"):
+    if weights in (None, "auto", "float"):
         return model
-    if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
+    if any(isinstance(m, STORED) for m in model.modules()):
         raise ValueError("the model is already quantized; "
                          "load the full-precision checkpoint to quantize again")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     for name, lin in quantized_layers(model).items():
         if (scheme := scheme_of(name, weights, head)) == "float":
             continue
-        if lin.bias is not None:    # Qwen2's q/k/v: refused, not silently dropped
-            raise ValueError(f"{name} has a bias; quantized layers don't carry one yet: "
-                             f"keep this model's weights in full precision")
         w = lin.weight.detach()
         layer = Int8Linear.from_float(w) if scheme == "int8" else Int4Linear.from_float(w, group)
+        if lin.bias is not None:    # Qwen2's q/k/v: the bias stays as it was
+            layer.bias = lin.bias.detach()
         if prepare:
             layer.prepare(dtype)
         replace_layer(model, name, layer)
@@ -349,7 +428,14 @@ def quantize_model(model: nn.Module, weights: str, group: int = GROUP, prepare: 
 
 def empty_quantized(model: nn.Module, spec: dict):
     """For loading a quantized checkpoint: swap every Linear for an empty
-    quantized layer of the right shape (on the meta device, like the model)."""
+    quantized layer of the right shape (on the meta device, like the model). A GGUF
+    conversion names each layer's layout (gguf_hf.Packed); quantize.py's, one scheme."""
+    if spec.get("weights") == "gguf":
+        for name, lin in quantized_layers(model).items():
+            if (layout := gguf_layout(spec["layers"], name)) is not None:
+                replace_layer(model, name, stored_layer(layout, lin.in_features, lin.out_features,
+                                                        lin.bias is not None))
+        return
     weights, group = spec.get("weights"), spec.get("group_size", GROUP)
     if weights not in WEIGHT_SCHEMES:
         raise ValueError(f"config.json names quantization scheme '{weights}', "
@@ -359,19 +445,39 @@ def empty_quantized(model: nn.Module, spec: dict):
     for name, lin in quantized_layers(model).items():
         if (scheme := scheme_of(name, weights, spec.get("head"))) == "float":
             continue
+        bias = lin.bias is not None
         if scheme == "int8":
-            replace_layer(model, name, Int8Linear(lin.in_features, lin.out_features))
+            replace_layer(model, name, Int8Linear(lin.in_features, lin.out_features, bias=bias))
         else:
-            replace_layer(model, name, Int4Linear(lin.in_features, lin.out_features, group))
+            replace_layer(model, name, Int4Linear(lin.in_features, lin.out_features, group, bias))
+
+
+def gguf_layout(layers: dict[str, dict], name: str) -> dict | None:
+    """A model layer's layout in a GGUF conversion's map (by checkpoint names): a fused layer
+    (model.FUSED) has its parts', which the conversion made one (gguf_hf.common_layout)."""
+    prefix, _, fused = name.rpartition(".")
+    parts = FUSED.get(f"{prefix.rpartition('.')[2]}.{fused}") if prefix else None
+    return layers.get(f"{prefix.rpartition('.')[0]}.{parts[0]}" if parts else name)
+
+
+def stored_layer(layout: dict, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """An empty layer holding one GGUF layout: int4 or int8 groups, or 16-bit weights."""
+    if layout["kind"] == "int4":
+        return Int4Linear(in_features, out_features, layout["group"], bias=bias)
+    if layout["kind"] == "int8":
+        return Int8Linear(in_features, out_features, layout["group"], layout["min"], bias=bias)
+    return HalfLinear(in_features, out_features, getattr(torch, layout["dtype"]), bias=bias)
 
 
 def scheme(model: nn.Module) -> dict | None:
     """The model's quantization as a checkpoint's config.json names it ({"weights": "int4",
     "group_size": 32}, …), read off its layers; None for a float model."""
-    layers = {name: m for name, m in model.named_modules()
-              if isinstance(m, (Int8Linear, Int4Linear))}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, STORED)}
     if not layers:
         return None
+    if any(isinstance(m, HalfLinear) or isinstance(m, Int8Linear) and m.group is not None
+           for m in layers.values()):
+        return {"weights": "gguf"}      # a GGUF's own layouts (gguf_hf.Packed), layer by layer
     int4 = [m for m in layers.values() if isinstance(m, Int4Linear)]
     spec = {"weights": "int4", "group_size": int4[0].group} if int4 else {"weights": "int8"}
     if "lm_head" not in layers and isinstance(getattr(model, "lm_head", None), nn.Linear):
@@ -380,17 +486,20 @@ def scheme(model: nn.Module) -> dict | None:
     return spec
 
 
-def check_quantized_tensors(state: dict[str, torch.Tensor]):
+def check_quantized_tensors(state: dict[str, torch.Tensor], zero_scales: bool = False):
     """A scale or minimum that is not finite (or a scale ≤ 0) would silently turn
-    a layer's output into garbage: refuse it by name."""
+    a layer's output into garbage: refuse it by name. ``zero_scales``: a GGUF's all-zero
+    blocks legitimately have a scale of 0 (its negative ones were folded into q)."""
     for name, t in state.items():
         if name.endswith(("weight_scale", "weight_min")):
-            bad = ~torch.isfinite(t) | ((t <= 0) if name.endswith("scale")
+            low = t < 0 if zero_scales else t <= 0
+            bad = ~torch.isfinite(t) | (low if name.endswith("scale")
                                         else torch.zeros_like(t, dtype=torch.bool))
             if bad.any():
+                sign = "< 0" if zero_scales else "≤ 0"
                 raise ValueError(f"corrupt quantized checkpoint: {name} has {int(bad.sum())} "
                                  f"invalid values "
-                                 f"(not finite{' or ≤ 0' if name.endswith('scale') else ''}); "
+                                 f"(not finite{f' or {sign}' if name.endswith('scale') else ''}); "
                                  f"re-quantize it")
 
 
@@ -425,10 +534,14 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     with torch.device("meta"):
         model = Llama(cfg, attend)
         empty_quantized(model, cfg.quantization)
-    adopt_checkpoint(model, model_dir, device, dtype, is_plain)
-    check_quantized_tensors(dict(model.named_buffers()))
+    # a GGUF conversion stores its vectors and table in fp32 and 16-bit layers' weights as the
+    # file does: those stay 16-bit
+    gguf = cfg.quantization["weights"] == "gguf"
+    plain = (lambda name, t: is_plain(name, t) and t.dtype == torch.float32) if gguf else is_plain
+    adopt_checkpoint(model, model_dir, device, dtype, plain, widen=False)
+    check_quantized_tensors(dict(model.named_buffers()), zero_scales=gguf)
     for layer in model.modules():
-        if prepare and isinstance(layer, (Int8Linear, Int4Linear)):
+        if prepare and isinstance(layer, STORED):
             layer.prepare(dtype)
     return model
 

@@ -177,6 +177,9 @@ def check_finite(state: dict[str, torch.Tensor], model_dir):
 # model keeps each group stacked by rows in one matrix (model.py says why). A layout
 # maps each fused name to its parts, in their row order.
 
+# A layer's tensors in a checkpoint: its weight, a quantized layer's scales and minimums, a bias
+SUFFIXES = ("weight", "weight_scale", "weight_min", "bias")
+
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
@@ -240,12 +243,13 @@ def cast(state: dict, device, dtype_of) -> dict:
 
 def stack(state: dict, n_layers: int) -> tuple[dict, str]:
     """How convert_gguf stores an HF state dict ("model." names): each FUSED group stacked
-    into one tensor (its weights, and its biases where it has them: Qwen2's q/k/v), and the
-    header entry that names its parts and rows for read_weights."""
-    groups = {f"model.layers.{i}.{fused}.{kind}":
-              [[f"model.layers.{i}.{p}.{kind}", 0] for p in parts]
+    into one tensor per suffix (its weights, a quantized layer's scales and minimums, and its
+    biases where it has them: Qwen2's q/k/v), and the header entry that names its parts and rows
+    for read_weights."""
+    groups = {f"model.layers.{i}.{fused}.{suffix}":
+              [[f"model.layers.{i}.{p}.{suffix}", 0] for p in parts]
               for i in range(n_layers) for fused, parts in FUSED.items()
-              for kind in ("weight", "bias") if f"model.layers.{i}.{parts[0]}.{kind}" in state}
+              for suffix in SUFFIXES if f"model.layers.{i}.{parts[0]}.{suffix}" in state}
     for name, parts in groups.items():
         for part in parts:
             part[1] = len(state[part[0]])
@@ -262,6 +266,59 @@ def split_fused(state: dict, layout: dict[str, tuple[str, ...]],
             for key in [k for k in state if k.startswith(prefix)]:
                 for part, t in zip(parts, state.pop(key).split(layer_rows[fused])):
                     state[f"layers.{i}.{part}.{key.removeprefix(prefix)}"] = t.contiguous()
+    return state
+
+
+# ----------------------------------------------------------------------------
+# Quantized layers on disk. A checkpoint quantize.py wrote, or convert_gguf made from a GGUF,
+# names its layout under config.json's QUANTIZATION_KEY (our own key: transformers'
+# "quantization_config" would make it try its own loaders) and stores each quantized Linear as
+# ``weight`` (integers: int8, or int4 two to a byte, the even column in the low nibble),
+# ``weight_scale`` and ``weight_min`` per group: W = min + q·scale.
+
+QUANTIZATION_KEY = "nanoinfer_quantization"
+
+
+def join_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit values per byte (even column in the low nibble): the portable, on-disk layout.
+    A kernel converts it into its own layout at load time."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def split_nibbles(b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
+
+
+def widened(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
+    """W = lo + q·scale in fp32, a scale (and a minimum) per group of q's columns (one group:
+    a scale per row): the value every kernel's sums stand for."""
+    rows, cols = q.shape
+    g = q.float().reshape(rows, scale.shape[1] if scale.dim() == 2 else 1, -1)
+    w = g * scale.float().reshape(rows, -1, 1)
+    return (w if lo is None else w + lo.float().reshape(rows, -1, 1)).reshape(rows, cols)
+
+
+def widen_layers(state: dict[str, torch.Tensor], layers: dict[str, dict]) -> dict:
+    """A GGUF conversion's quantized layers (``layers``: config.json's map, by checkpoint name
+    without "model.") as fp32 weights, for a reader that runs the plain model: the file's
+    exact values, four bytes each. A group stored stacked (FUSED) is widened as one matrix, so
+    its parts come out back to back again and `fuse` joins them without a copy."""
+    groups, seen = [], set()
+    for name in layers:
+        prefix, _, _ = name.rpartition(".")       # "layers.3.self_attn"
+        for parts in FUSED.values():
+            names = [f"{prefix.rpartition('.')[0]}.{p}" for p in parts]
+            if name in names and all(n in layers for n in names) and name not in seen:
+                groups.append(names)
+                seen.update(names)
+    for names in groups + [[n] for n in layers if n not in seen]:
+        spec, rows = layers[names[0]], [len(state[f"{n}.weight"]) for n in names]
+        take = lambda suffix: joined([state.pop(f"{n}.{suffix}") for n in names])
+        w = take("weight")
+        if spec["kind"] in ("int4", "int8"):
+            q = split_nibbles(w) if spec["kind"] == "int4" else w
+            w = widened(q, take("weight_scale"), take("weight_min") if spec.get("min") else None)
+        state.update(zip([f"{n}.weight" for n in names], w.float().split(rows)))
     return state
 
 

@@ -315,9 +315,10 @@ def parse_args(argv=None):
     ap.add_argument("--kv-dtype", default=None, choices=["auto", "int8", "fp8", "fp8-plain"],
                     help="KV cache storage: the model's dtype (auto), or int8/fp8 with a scale per token "
                          "and head (half the bytes); fp8-plain casts without a scale; default: the plan's")
-    ap.add_argument("--weights", default=None, choices=["auto", "int8", "int4"],
-                    help="quantize every Linear at load: int8 (per row) or int4 (grouped); auto: as stored; "
-                         "default: the plan's")
+    ap.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4"],
+                    help="auto: as stored (a GGUF's own bits); float: a GGUF's weights widened to the "
+                         "dtype (the exact reference); int8 (per row) or int4 (grouped): every Linear "
+                         "re-rounded at load; default: the plan's")
     ap.add_argument("--group-size", type=int, default=None, help="--weights int4: 32, 64 or 128 weights share "
                     "a scale (default: 32)")
     ap.add_argument("--draft", default=None, help="speculative decoding with a draft model of the same "

@@ -604,7 +604,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cuda, mps or cpu (default: best available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", *kernels.DTYPES],
                     help="auto: the plan's (plan.py: bf16 where native and measured faster, else fp32)")
-    ap.add_argument("--weights", default="auto", choices=["auto", "int8", "int4"], help="weight quantization")
+    ap.add_argument("--weights", default="auto", choices=["auto", "float", "int8", "int4"],
+                    help="auto: as stored (a GGUF's own bits); float: widened; int8/int4: re-rounded")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8-plain"],
                     help="KV pool storage (quantize.py)")
     ap.add_argument("--max-batch", type=int, default=32, help="sequences decoding together (default: 32)")

@@ -48,7 +48,7 @@ def quantize_write(name: str, weights: str, group_size: int, dtype: str, out_dir
     quantized in its portable layout, written by safetensors_io.save with the scheme
     in config.json; `serve_local.py --model DIR` then loads it as stored."""
     quantize.check_scheme(weights, group_size)
-    if weights in (None, "auto"):
+    if weights in (None, "auto", "float"):
         raise ValueError("--out needs --weights int8 or int4")
     source = checkpoint.resolve(name)
     cfg = RunConfig(str(source), torch.device("cpu"), as_dtype(dtype), weights, group_size, prepack=False)

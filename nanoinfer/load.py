@@ -52,11 +52,15 @@ def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare:
     memory, slower several-position passes), compile the one-token step (cfg.compile).
     ``prepare=False``: quantized layers stay portable (to save)."""
     config = config or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
-    if config.quantization and cfg.weights is not None:
+    # a GGUF's own bits load as the file holds them; --weights float widens them (the same
+    # values), int8/int4 re-round them, as asked
+    stored = (config.quantization or {}).get("weights")
+    own = stored is not None and (stored != "gguf" or cfg.weights is None)
+    if stored not in (None, "gguf") and cfg.weights is not None:
         raise ValueError(f"{model_dir} is already quantized ({config.quantization['weights']}); "
                          f"drop --weights or load the full-precision checkpoint")
     attend = attention(cfg.attn)
-    if config.quantization:     # portable layers: swap_quantized prepares them for its kernels
+    if own:     # portable layers: swap_quantized prepares them for its kernels
         model = quantize.from_pretrained(model_dir, cfg.device, cfg.dtype, config, attend, prepare=False)
     else:
         read = (drafting.EagleHead if config.eagle else Llama).from_pretrained

@@ -132,6 +132,94 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert np.array_equal(gguf_hf.unpermute_rows(permuted, 3), w)
 
 
+# Every GGUF type the conversion reads, as a stand-in for gguf.ReaderTensor: K-quants (which gguf-py
+# cannot quantize) as random blocks with finite fp16 scales at their offsets.
+K_SCALES = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+
+
+class FakeTensor:
+    def __init__(self, data, kind, rows, cols):
+        import gguf
+        self.data, self.tensor_type, self.shape = data, gguf.GGMLQuantizationType[kind], np.array([cols, rows])
+
+
+def gguf_blocks(kind: str, rows: int = 6, cols: int = 512, seed: int = 0) -> FakeTensor:
+    import gguf
+    from gguf.quants import quantize
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0, 0.02, (rows, cols)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind in K_SCALES:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+        for at in K_SCALES[kind]:
+            blocks = data.reshape(-1, size)
+            blocks[:, at:at + 2] = rng.normal(0, 0.01, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    else:
+        data = {"F32": w, "F16": w.astype(np.float16)}.get(kind)
+        data = quantize(w, qtype) if data is None else data
+    return FakeTensor(data, kind, rows, cols)
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_every_gguf_type_keeps_its_bits(kind):
+    """Re-laid, not re-rounded: each GGUF block type's Packed layout (int4 or int8 groups, 16-bit,
+    fp32) stands for exactly the values gguf-py (ggml's reference) dequantizes (equal as numbers:
+    a -0.0 may come back +0.0), with every group's scale ≥ 0 (Q4_0's and Q6_K's negative d
+    folded into q)."""
+    from gguf.quants import dequantize
+    t = gguf_blocks(kind)
+    want = dequantize(t.data, t.tensor_type).reshape(6, 512).astype(np.float32)
+    p = gguf_hf.packed(t)
+    assert np.array_equal(p.dequantized().numpy(), want)
+    kinds = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "F16": "half", "BF16": "half", "F32": "float"}
+    assert p.kind.value == kinds.get(kind, "int8")
+    if p.scale is not None:
+        assert (p.scale >= 0).all() and p.group == (16 if kind == "Q6_K" else 32)
+        assert p.q.dtype == (torch.uint8 if p.kind.value == "int4" else torch.int8)
+        assert p.q.min() >= 0 and p.q.max() <= 15 if p.kind.value == "int4" else True
+
+
+def test_a_group_of_mixed_types_shares_one_exact_layout():
+    """Q4_K_M keeps some layers' V in Q6_K beside Q4_K Q and K: a stacked q/k/v needs one layout,
+    int8 groups of 16 with a minimum, which holds all three exactly. Beside 16-bit: fp32."""
+    q, v = gguf_hf.packed(gguf_blocks("Q4_K")), gguf_hf.packed(gguf_blocks("Q6_K", seed=1))
+    same = gguf_hf.common_layout([q, q])
+    assert same[0] is q and same[1] is q
+    mixed = gguf_hf.common_layout([q, q, v])
+    assert {(p.kind.value, p.group, p.lo is not None) for p in mixed} == {("int8", 16, True)}
+    for before, after in zip([q, q, v], mixed):
+        assert torch.equal(before.dequantized(), after.dequantized())
+    wide = gguf_hf.common_layout([q, gguf_hf.packed(gguf_blocks("F16"))])
+    assert {p.kind.value for p in wide} == {"float"} and torch.equal(wide[0].dequantized(), q.dequantized())
+
+
+def test_a_quantized_gguf_converts_at_its_own_bits(tmp_path):
+    """convert_gguf keeps a Q8_0 file's matrices as int8 groups of 32 (cache ≈ the file, not 4x)
+    and names each layer's layout in config.json; the plain model widens them to exactly the
+    values llama.cpp reads (gguf-py's dequantization of the same file)."""
+    import gguf
+    from gguf.quants import dequantize
+    src = make_checkpoint(tmp_path / "hf", hidden_size=128, intermediate_size=256)
+    path = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "q8_0")
+    back = gguf_hf.convert_gguf(path, tmp_path / "cache")
+    spec = json.loads((back / "config.json").read_text())[M.QUANTIZATION_KEY]
+    assert spec["weights"] == "gguf"
+    assert spec["layers"]["layers.0.mlp.down_proj"] == {"kind": "int8", "group": 32, "min": False}
+    stored = safetensors_io.read_weights(back)
+    assert stored["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    reader = gguf.GGUFReader(path)
+    want = {gguf_hf.hf_name(t.name).removeprefix("model."): dequantize(t.data, t.tensor_type)
+            for t in reader.tensors}
+    model = M.Llama.from_pretrained(back, "cpu", "float32")
+    got = dict(M.unfuse(model))
+    for name in ("layers.1.mlp.down_proj.weight", "layers.0.self_attn.v_proj.weight", "lm_head.weight"):
+        np.testing.assert_array_equal(got[name].numpy(), want[name].reshape(got[name].shape))
+    q = gguf_hf.unpermute_rows(want["layers.0.self_attn.q_proj.weight"].reshape(128, 128), 4)
+    np.testing.assert_array_equal(got["layers.0.self_attn.q_proj.weight"].numpy(), q)
+
+
 def test_conversion_is_cached(cache_home):
     again = gguf_hf.convert_gguf(bundled_gguf(), cache_home / "nanoinfer")
     stamp = (again / "model.safetensors").stat().st_mtime_ns
@@ -188,11 +276,19 @@ def test_a_second_start_converts_copies_and_rereads_nothing(cache_home):
 
 def test_converted_groups_are_stored_stacked_and_read_as_views(bundled_dir):
     state = safetensors_io.read_weights(bundled_dir)        # Hugging Face names, as every reader expects
+    # the file's Q4_1 as int4: two weights a byte, a scale and a minimum per 32
     q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
-    assert q.shape == (576, 576) and k.shape == v.shape == (192, 576)
-    fused = safetensors_io.joined([q, k, v])                # back to back in one storage: a view
-    assert fused.data_ptr() == q.data_ptr() and torch.equal(fused, torch.cat([q, k, v]))
-    assert safetensors_io.recorded_max_abs(bundled_dir) == max(t.abs().max().item() for t in state.values())
+    assert q.dtype == torch.uint8 and q.shape == (576, 288) and k.shape == v.shape == (192, 288)
+    for part in (".weight", ".weight_scale", ".weight_min"):
+        q, k, v = (state[f"model.layers.0.self_attn.{p}_proj{part}"] for p in "qkv")
+        fused = safetensors_io.joined([q, k, v])            # back to back in one storage: a view
+        assert fused.data_ptr() == q.data_ptr() and torch.equal(fused, torch.cat([q, k, v]))
+    layers = json.loads((bundled_dir / "config.json").read_text())[M.QUANTIZATION_KEY]["layers"]
+    wide = safetensors_io.widen_layers({k.removeprefix("model."): v for k, v in state.items()}, layers)
+    assert safetensors_io.recorded_max_abs(bundled_dir) == max(t.abs().max().item() for t in wide.values())
+    state = {"model." + k: v for k, v in wide.items()}       # the plain model's view: fp32
+    q, k, v = (wide[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert q.shape == (576, 576) and safetensors_io.joined([q, k, v]).data_ptr() == q.data_ptr()
     apart = safetensors_io.joined([k, q])                   # not in storage order: a copy
     assert apart.data_ptr() not in (q.data_ptr(), k.data_ptr()) and torch.equal(apart, torch.cat([k, q]))
     # cast converts a group as one tensor: its parts stay back to back, so joining them copies nothing either

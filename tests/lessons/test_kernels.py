@@ -4,7 +4,10 @@ import pytest
 import torch
 
 import kernels
+import kvcache
+import model as M
 import quantize
+from conftest import make_checkpoint
 
 
 def test_linear_uses_onednn_for_fp32_inference_and_keeps_gradients():
@@ -209,3 +212,196 @@ def test_decode_attention_kernel_equals_sdpa(B, H, H_kv, d, L):
         torch.testing.assert_close(bf.double(), exact, atol=1e-2, rtol=8e-3)
     assert kernels.decode_attention(q.double(), k.double(), v.double(), None) is None        # fp32 or bf16 only
     assert kernels.decode_attention(q, k, v, torch.ones(B, H, 1, L, dtype=torch.bool)) is None       # per head: not here
+
+
+# --- a GGUF at its own bits: int8 in groups, fp16/bf16 weights, the tiled prefill --------------------
+
+@pytest.fixture(scope="module")
+def builds():
+    """kernels.cpp as built for this CPU (torch.ops.nanoinfer) and built again, each as a library of its
+    own in this process, for the other instruction sets this CPU runs: AVX2 (on an AVX-512 machine) and
+    none (plain C++, -DLIBRARY names the library). Every build must give every output the same bits."""
+    native_or_skip()
+    mine = torch.backends.cpu.get_cpu_capability()
+    libs = {mine: torch.ops.nanoinfer}
+    others = [("AVX2", kernels.VECTOR_FLAGS["AVX2"])] if mine == "AVX512" else []
+    for name, flags in others + ([("scalar", [])] if mine in kernels.VECTOR_FLAGS else []):
+        assert kernels.build_kernels(f"nanoinfer_{name.lower()}", flags, quiet=True)
+        libs[name] = getattr(torch.ops, f"nanoinfer_{name.lower()}")
+    return libs
+
+
+def same_bits_everywhere(builds, call, x):
+    """call(lib, x) in every build, for all of x's rows at once and one row at a time: one result."""
+    first = call(next(iter(builds.values())), x)
+    for name, lib in builds.items():
+        assert torch.equal(call(lib, x), first), name
+        assert torch.equal(torch.cat([call(lib, x[i:i + 1]) for i in range(len(x))]), first), name
+    return first
+
+
+def near(y, exact, terms, k):
+    """Within a few fp32 roundings per term of each sum, relative to Σ|term|."""
+    assert ((y.double() - exact).abs() <= terms * k * 2 ** -23 + 1e-30).all()
+
+
+@pytest.mark.parametrize("k", [576, 2048])
+@pytest.mark.parametrize("group,has_min", [(16, False), (16, True), (32, False), (32, True)])
+def test_int8g_kernel(builds, k, group, has_min):
+    """int8g_mm: W = lo + q·s per group of 16 or 32; the exact product within float error, and the same
+    bits in every build, for 5 rows and for each row alone; 77 weight rows (odd: the tiles' tails)."""
+    torch.manual_seed(k + group + has_min)
+    n = 77
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    s = torch.rand(n, k // group) * 0.01 + 1e-3
+    lo = -torch.rand(n, k // group) * 0.1 if has_min else None
+    w = (q.double().view(n, -1, group) * s.double()[..., None]
+         + (0 if lo is None else lo.double()[..., None])).view(n, k)      # exact
+    x = torch.randn(5, k)
+    y = same_bits_everywhere(builds, lambda lib, x: lib.int8g_mm(x, q, s, lo, group), x)
+    near(y, x.double() @ w.t(), x.double().abs() @ w.abs().t(), k)
+
+
+@pytest.mark.parametrize("k", [576, 2048])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_kernel(builds, k, dtype):
+    """half_mm: fp32 x against fp16 or bf16 weights widened as read, fp32 out."""
+    torch.manual_seed(k)
+    w, x = (torch.randn(61, k) * 0.05).to(dtype), torch.randn(5, k)
+    y = same_bits_everywhere(builds, lambda lib, x: lib.half_mm(x, w), x)
+    assert y.dtype == torch.float32
+    near(y, x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t(), k)
+
+
+def test_older_kernels_give_every_build_the_same_bits(builds):
+    """int4_mm, int8_mm and bf16_mm: the same bits in every build too."""
+    torch.manual_seed(4)
+    q4, s4, lo4 = torch.randint(0, 256, (50, 288), dtype=torch.uint8), torch.rand(50, 18), torch.randn(50, 18)
+    q8, s8 = torch.randint(-127, 128, (50, 576), dtype=torch.int8), torch.rand(50)
+    w16, x = torch.randn(50, 576).bfloat16(), torch.randn(5, 576)
+    same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q4, s4, lo4, 32), x)
+    same_bits_everywhere(builds, lambda lib, x: lib.int8_mm(x, q8, s8), x)
+    same_bits_everywhere(builds, lambda lib, x: lib.bf16_mm(x.bfloat16(), w16), x)
+
+
+def test_tiled_prefill_equals_the_dequantized_matrix(builds):
+    """wide_mm: tiles of W dequantized into a scratch, one BLAS product each, for every stored kind; the
+    tiles hold the same values in every build, so BLAS gives the same bits."""
+    torch.manual_seed(5)
+    n, k, x = 300, 576, torch.randn(40, 576)          # 300 rows: tiles and a partial one
+    q8, s16, lo16 = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, 36), torch.randn(n, 36)
+    q4, s32, lo32 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), torch.rand(n, 18), torch.randn(n, 18)
+    s1, h = torch.rand(n), torch.randn(n, k)
+    cases = [((q8, s16, lo16, 16), quantize.dequantize_grouped(q8, s16, lo16)),
+             ((q8, s16, None, 16), quantize.dequantize_grouped(q8, s16)),
+             ((q8, s1, None, 0), quantize.dequantize_int8(q8, s1[:, None])),
+             ((q4, s32, lo32, 32), quantize.dequantize_int4(quantize.split_nibbles(q4), s32, lo32)),
+             ((h.half(), None, None, 0), h.half().float()), ((h.bfloat16(), None, None, 0), h.bfloat16().float())]
+    for args, w in cases:
+        y = kernels.wide_mm(x, *args)
+        torch.testing.assert_close(y, x @ w.t(), atol=1e-5 * float((x.abs() @ w.abs().t()).max()), rtol=0)
+        for lib in builds.values():
+            assert torch.equal(lib.wide_mm(x, *args), y)
+
+
+def stored_pair(kind: str, bias: bool):
+    """A stored layer twice: quantize.py's (portable) and kernels.swap_quantized's fast form of a copy."""
+    torch.manual_seed(6)
+    n, k = 99, 576
+    if kind == "half":
+        layer = quantize.HalfLinear(k, n, torch.float16, bias)
+        layer.weight = (torch.randn(n, k) * 0.05).half()
+    elif kind == "int4":
+        layer = quantize.Int4Linear(k, n, 32, bias)
+        q, layer.weight_scale, layer.weight_min = quantize.quantize_int4(torch.randn(n, k) * 0.05, 32)
+        layer.weight = quantize.join_nibbles(q)
+    else:
+        group = int(kind[5:])
+        layer = quantize.Int8Linear(k, n, group, group == 32, bias)
+        layer.weight = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+        layer.weight_scale = torch.rand(n, k // group) * 0.001
+        if group == 32:
+            layer.weight_min = -torch.rand(n, k // group) * 0.01
+    if bias:
+        layer.bias = torch.randn(n)
+    portable = torch.nn.Sequential(layer)
+    tensors = {key: t.data_ptr() for key, t in layer.named_buffers()}
+    fast = kernels.swap_quantized(torch.nn.Sequential(layer), torch.float32)[0]
+    assert {key: t.data_ptr() for key, t in fast.named_buffers()} == tensors    # the same tensors
+    return portable[0], fast
+
+
+@pytest.mark.parametrize("kind", ["int8g16", "int8g32", "half", "int4"])
+def test_fast_stored_layers(kind):
+    """kernels.swap_quantized's form of each stored layer: on the C++ kernels, with the portable layer's
+    values up to the order of the sums (bias included), each row of a several-row pass with a one-row
+    pass's bits, and a prefill (40 rows: wide_mm's tiles) close to the same."""
+    native_or_skip()
+    for bias in (False, True):
+        portable, fast = stored_pair(kind, bias)
+        assert fast.native and type(fast) is kernels.FAST[type(portable)]
+        assert (fast.bias is not None) == bias
+        with torch.inference_mode():
+            for rows in (1, 5, 40):
+                x = torch.randn(1, rows, 576)
+                exact = x @ portable.dequantized().t() + (0 if portable.bias is None else portable.bias)
+                torch.testing.assert_close(fast(x), exact, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(portable(x), exact, atol=1e-5, rtol=1e-5)
+            x = torch.randn(7, 576)
+            assert torch.equal(fast(x), torch.cat([fast(x[i:i + 1]) for i in range(7)]))
+
+
+def test_new_layers_prefill_without_a_copy_and_compile():
+    """prepack: int8 in groups and fp16/bf16 layers keep no fp32 copy (their prefills run wide_mm's tiles)
+    and their buffers move to huge pages with the rest; int8 in rows keeps its copy. A compiled one-token
+    step calls int8g_mm and half_mm (their fakes trace them): the eager bits."""
+    native_or_skip()
+    g8, half = stored_pair("int8g32", True)[1], stored_pair("half", True)[1]
+    rows = kernels.swap_quantized(torch.nn.Sequential(quantize.Int8Linear.from_float(torch.randn(99, 576))),
+                                  torch.float32)[0]
+    net = torch.nn.ModuleList([g8, half, rows])
+    kernels.prepack(net)
+    assert g8.onednn is None and kernels.packed_weight(half) is None and rows.onednn is not None
+    if kernels.huge_pages([torch.ones(1)]):                      # where Linux gives 2 MB pages
+        assert len({t.untyped_storage().data_ptr() for layer in net for t in layer.buffers()}) == 1
+    x = torch.randn(1, 1, 576)
+    step = torch.compile(lambda x: [layer(x) for layer in net], dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        for compiled, eager in zip(step(x), [layer(x) for layer in net]):
+            assert torch.equal(compiled, eager)
+
+
+def test_compiled_step_ahead_of_time_with_the_new_layers(tmp_path, monkeypatch):
+    """compile_decode exports the one-token step (torch.export, AOTInductor) with int8g_mm and half_mm
+    inside it: the eager step's tokens (fp32, greedy)."""
+    native_or_skip()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = make_checkpoint(tmp_path / "m", tokenizer=False, num_hidden_layers=1)
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(7)
+        llama = M.Llama.from_pretrained(path, "cpu", "float32")
+        block = llama.layers[0]
+        for owner, name, layer in [(block.mlp, "gate_up_proj", quantize.HalfLinear(64, 256, bias=True)),
+                                   (block.mlp, "down_proj", quantize.Int8Linear(128, 64, 32, True, True)),
+                                   (block.self_attn, "o_proj", quantize.Int8Linear(64, 64, 16))]:
+            w = getattr(owner, name).weight.detach()
+            if isinstance(layer, quantize.HalfLinear):
+                layer.weight, layer.bias = w.half(), torch.randn(w.shape[0]) * 0.01
+            else:
+                scale = w.abs().view(w.shape[0], -1, layer.group).amax(-1) / 31
+                layer.weight = torch.round(w / scale.repeat_interleave(layer.group, 1)).to(torch.int8)
+                layer.weight_scale = scale
+                if layer.bias is not None:
+                    layer.weight_min, layer.bias = torch.randn_like(scale) * 1e-3, torch.randn(w.shape[0]) * 0.01
+            setattr(owner, name, layer)
+        kernels.swap_quantized(llama, torch.float32)
+        assert block.mlp.down_proj.native and block.mlp.gate_up_proj.native
+        llama.config.eos_ids = []
+        if compiled:
+            kernels.compile_decode(llama)
+        cache = kvcache.new_cache(llama, "static", max_len=64)
+        runs.append(list(M.generate_cached(llama, [0, 5, 17, 42, 99], M.SamplingParams(max_new_tokens=16),
+                                           cache=cache)))
+    assert "compiled (once)" in llama.compiled_step.log[0]
+    assert runs[0] == runs[1]

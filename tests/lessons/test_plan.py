@@ -4,6 +4,7 @@ laid over it (nanoinfer/config.py: RunConfig.from_flags); this machine measured 
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,7 +42,11 @@ def tiny():
 
 def test_model_info_from_configs(smol, tiny):
     assert (smol.config.n_layers, smol.config.n_kv_heads, smol.config.head_dim) == (30, 3, 64)
-    assert smol.source == "Q4_1" and smol.drafts == ["bundled", "medusa"]
+    assert smol.source == "gguf" and smol.drafts == ["bundled", "medusa"] and smol.main_kind == "int4"
+    # the file's Q4_1 matrices (int4) and its tied Q8_0 head (int8 groups of 32), as stored
+    assert set(smol.file_params) == {"int4", "int8"} and smol.file_params["int8"] == 49152 * 576
+    # re-rounded to int4, the head would stay fp32 (ModelInfo.head): the file's Q8_0 head reads less
+    assert smol.token_bytes("gguf", "float32") < smol.token_bytes("int4", "float32")
     assert 134e6 < smol.matrix_params < 136e6 and smol.embed_params == 0      # tied: the head is the table
     assert tiny.drafts == [] and tiny.source is None and tiny.config.max_seq_len == 2048
     assert 1.09e9 < tiny.matrix_params + tiny.embed_params < 1.11e9
@@ -57,12 +62,12 @@ def test_cpu_without_bf16(smol):
     p = plan.choose(cpu(), smol)
     # a draft exists: eager with the EAGLE head + lookup (a compiled step would verify its guesses eagerly)
     assert (p.dtype, p.attn, p.cache, p.ctx, p.compile) == ("float32", "sdpa", "dynamic", 2048, False)
-    assert (p.draft, p.prompt_lookup, p.spec_k, p.weights, p.kv_dtype) == ("bundled", 3, 4, "auto", "auto")
+    assert (p.draft, p.prompt_lookup, p.spec_k, p.weights, p.kv_dtype) == ("bundled", 3, 4, "float", "auto")
     text = plan.describe(p)
     assert "no native bf16" in text and "verify passes would run eagerly" in text and "exact: in fp32" in text
     q = overlay(p, "--compile")                            # asked for: compiled, still speculating
     assert (q.cache, q.compile, q.draft) == ("static", True, "bundled")
-    assert "int4 would be the GGUF's own Q4_1 bits, but it computes no faster here (1.200" in text
+    assert "the GGUF's own bits (int4 groups of 32" in text and "compute no faster here (calibrated int4 1.200" in text
     tok = smol.token_bytes("float", "float32")
     assert f"{20e9 / tok:,.0f} tok/s empty" in text            # ceiling = bandwidth / bytes per token
     assert len(p.reasons) == 6 and all(p.reasons)
@@ -70,15 +75,19 @@ def test_cpu_without_bf16(smol):
 
 def test_cpu_with_bf16_and_fast_int4(smol):
     p = plan.choose(cpu(bf16=True, int4=0.05), smol)
-    assert (p.dtype, p.weights) == ("float32", "int4")        # the int4 kernel's activations are fp32
+    assert (p.dtype, p.weights, p.stored) == ("float32", "auto", "gguf")     # the file's bits, fp32 activations
     text = plan.describe(p)
     assert "computes bf16 natively" in text and "0.160 ns/weight against fp32's 0.300" in text
     assert "dtype float32 after all" in text and "against bfloat16's 0.160" in text
-    assert "model's own bits" in text and p.draft is None and "fixed costs of speculating" in text
+    assert "file's own bits" in text and p.draft is None and "fixed costs of speculating" in text
+    assert "weights: the file's own bits" in plan.summary(p)
     assert p.compile and p.prepack and "prefills run on a float32 copy" in text   # no draft: the compiled step
-    assert p.head == "float" and "keeps its Q8_0 embedding's" in text        # the head keeps the file's bits
+    assert p.head == "float" and "int8 groups" in text        # the head keeps the file's bits (its Q8_0)
     p = plan.choose(cpu(bf16=True), smol, answer_tokens=256)
-    assert (p.dtype, p.weights, p.draft) == ("bfloat16", "auto", "bundled")
+    # bf16 would round the file's values: they are widened to fp32, exact
+    assert (p.dtype, p.weights, p.draft) == ("float32", "float", "bundled")
+    p = plan.choose(cpu(bf16=True), replace(smol, source=None, file_params={}), answer_tokens=256)
+    assert (p.dtype, p.weights, p.draft) == ("bfloat16", "auto", "bundled")    # a float checkpoint
     assert "rounds differently from a one-token step" in plan.describe(p)   # bf16 speculation is not exact
     # bf16 native but measured no faster: fp32
     assert plan.choose(cpu(bf16=True, bfloat16=0.29), smol).dtype == "float32"
@@ -181,7 +190,7 @@ def test_one_run_config_from_either_command(smol):
     cfg = nl.RunConfig.from_flags(server.parse_args(["--dtype", "bf16", "--weights", "int8"]), p)
     assert (cfg.dtype, cfg.weights) == (torch.bfloat16, "int8")
     one = nl.RunConfig.from_flags(serve_local.parse_args(["--prompt", "x"]), p)
-    assert (one.dtype, one.weights, one.compile, one.background_compile) == (torch.float32, "int4", True, False)
+    assert (one.dtype, one.weights, one.compile, one.background_compile) == (torch.float32, None, True, False)
     assert nl.RunConfig.from_flags(serve_local.parse_args([]), p).background_compile     # a chat's first start
     assert not nl.RunConfig.from_flags(serve_local.parse_args(["--compile-only"]), p).background_compile
     with pytest.raises(ValueError, match="int4 group size must be one of"):
@@ -212,7 +221,7 @@ def test_serve_local_plan_prints_and_exits(flags):
     assert out.startswith("plan for ") and "why:" in out and "cost model:" in out and "tok/s" in out
     assert "loading" not in err                  # no weights read
     # the bundled model: its EAGLE head, or its own Q4_1 bits through the int4 kernels where they measure faster
-    assert ("EAGLE head" in out or "weights int4" in out) == (not flags)
+    assert ("EAGLE head" in out or "weights: the file's own bits" in out) == (not flags)
     print(out)
 
 
@@ -242,12 +251,15 @@ def test_default_plan_is_exact_to_the_file(bundled_dir, smol, one_thread):
     and the plan's answer, whose argmax at every position must be the answer's next token."""
     import model as M
     from sampling import SamplingParams
+    import quantize
     p = plan.choose(cpu(bf16=True, int4=0.05), smol)
-    assert (p.weights, p.head) == ("int4", "float")
-    ours, tok = nl.load(nl.RunConfig(str(bundled_dir), dtype=kernels.DTYPES[p.dtype], weights=p.weights,
+    assert (p.weights, p.stored, p.head) == ("auto", "gguf", "float")
+    ours, tok = nl.load(nl.RunConfig(str(bundled_dir), dtype=kernels.DTYPES[p.dtype], weights=None,
                                      head=p.head))
-    assert isinstance(ours.lm_head, torch.nn.Linear) and ours.lm_head.weight.dtype == torch.float32
-    exact, _ = nl.load(nl.RunConfig(str(bundled_dir)))
+    # the head holds the file's Q8_0 embedding as int8 groups of 32, not re-rounded per row
+    assert isinstance(ours.lm_head, quantize.Int8Linear) and ours.lm_head.group == 32
+    exact, _ = nl.load(nl.RunConfig(str(bundled_dir), weights="float"))       # widened to fp32
+    assert isinstance(exact.lm_head, torch.nn.Linear) and exact.lm_head.weight.dtype == torch.float32
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
     for text in EXACT_PROMPTS:
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)

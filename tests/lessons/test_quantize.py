@@ -169,10 +169,96 @@ def test_saved_checkpoint_matches_on_the_fly(tmp_path, scheme):
         M.Llama.from_pretrained(tmp_path / "q", "cpu", "float32")
 
 
+# --- a file's own bits: int8 in groups, 16-bit weights, biases -------------------------
+
+def grouped_int8(n: int, k: int, group: int, has_min: bool, bias: bool = False) -> Q.Int8Linear:
+    """An Int8Linear as a GGUF's 5-8-bit blocks load into it: q in -32..31 (Q6_K's range)."""
+    layer = Q.Int8Linear(k, n, group, has_min, bias)
+    layer.weight = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    layer.weight_scale = torch.rand(n, k // group) * 0.01 + 1e-3
+    if has_min:
+        layer.weight_min = -torch.rand(n, k // group) * 0.1
+    if bias:
+        layer.bias = torch.randn(n)
+    return layer
+
+
+@pytest.mark.parametrize("group,has_min", [(16, False), (32, False), (32, True)])
+def test_grouped_int8_linear_is_its_formula(group, has_min):
+    """W[r, k] = lo[r, k // g] + q[r, k] · s[r, k // g]; the forward is x·Wᵀ + b, in fp32 and in bf16
+    (the scales stay fp32 through prepare: rounding them to bf16 would move whole groups)."""
+    torch.manual_seed(group)
+    layer = grouped_int8(45, 96, group, has_min, bias=True)
+    cols = torch.arange(96) // group
+    lo = layer.weight_min[:, cols] if has_min else 0
+    w = layer.dequantized()
+    assert torch.equal(w, lo + layer.weight.float() * layer.weight_scale[:, cols])
+    assert layer.weight_scale.shape == (45, 96 // group)
+    x = torch.randn(3, 4, 96)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer.prepare(dtype)
+        assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.dequantized(), w)
+        y = layer(x.to(dtype))
+        assert y.dtype == dtype
+        exact = x.to(dtype).float() @ w.t() + layer.bias
+        torch.testing.assert_close(y.float(), exact, **({} if dtype == torch.float32
+                                                        else dict(atol=0.05, rtol=0.02)))
+
+
+def test_half_linear_keeps_16_bits_and_widens_exactly():
+    """fp16 and bf16 weights stay 2 bytes each; fp32 activations see the exact widened values, bf16
+    ones too (fp16 weights then widen to fp32, not to bf16, which would round them)."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 64)
+    for dtype in (torch.float16, torch.bfloat16):
+        layer = Q.HalfLinear(64, 30, dtype, bias=True)
+        layer.weight, layer.bias = torch.randn(30, 64).to(dtype), torch.randn(30)
+        layer.prepare(torch.float32)
+        w = layer.dequantized()
+        assert layer.weight.dtype == dtype and w.dtype == torch.float32
+        assert torch.equal(w, layer.weight.float()) and torch.equal(Q.float_weight(layer), w)
+        torch.testing.assert_close(layer(x), x @ w.t() + layer.bias)
+        y = layer(x.bfloat16())
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), x.bfloat16().float() @ w.t() + layer.bias, atol=0.1,
+                                   rtol=0.01)
+        assert Q.weight_bytes(layer) == 30 * 64 * 2 + 30 * 4
+
+
+def test_int4_linear_adds_its_bias():
+    torch.manual_seed(2)
+    layer = Q.Int4Linear(64, 48, 32, bias=True)
+    q, layer.weight_scale, layer.weight_min = Q.quantize_int4(torch.randn(48, 64), 32)
+    layer.weight, layer.bias = Q.join_nibbles(q), torch.randn(48)
+    w, x = layer.dequantized(), torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ w.t() + layer.bias)
+    layer.prepare(torch.float32)                              # aten's tiled layout
+    torch.testing.assert_close(layer(x), x @ w.t() + layer.bias, atol=1e-4, rtol=1e-4)
+
+
+def test_every_stored_layer_counts_as_quantized():
+    """quantize.STORED names the layers that hold their own bits: float_weight widens each, and a
+    model holding one is not quantized again."""
+    assert set(Q.STORED) == {Q.Int8Linear, Q.Int4Linear, Q.HalfLinear}
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), Q.HalfLinear(64, 64))
+    with pytest.raises(ValueError, match="already quantized"):
+        Q.quantize_model(net, "int8")
+
+
 # --- bad input ------------------------------------------------------------------
 
+def test_stored_layers_refuse_bad_shapes_in_one_line():
+    with pytest.raises(ValueError, match=r"^int8 groups of 32 do not divide a row of 48 weights; "
+                                         r"give a group that divides it"):
+        Q.Int8Linear(48, 8, group=32)
+    with pytest.raises(ValueError, match="a minimum needs groups"):
+        Q.Int8Linear(64, 8, has_min=True)
+    with pytest.raises(ValueError, match="float16 or bfloat16 weights"):
+        Q.HalfLinear(64, 8, torch.float32)
+
+
 def test_unknown_schemes_are_refused():
-    with pytest.raises(ValueError, match="unknown --weights 'int3': use auto, int8 or int4"):
+    with pytest.raises(ValueError, match="unknown --weights 'int3': use auto, float, int8 or int4"):
         Q.check_scheme("int3")
     with pytest.raises(ValueError, match="group size must be one of"):
         Q.check_scheme("int4", 48)
@@ -213,10 +299,27 @@ def test_runner_with_int8_weights_and_int8_kv_still_knows_paris(cache_home):
     assert "Paris" in out and "weights int8" in err
 
 
-def test_a_layer_with_a_bias_is_refused_not_stripped(capsys, tmp_path):
-    """Qwen2's q/k/v carry a bias and the quantized layers hold none yet: quantizing them would
-    drop it silently, so the runner says so in one line."""
-    from conftest import fails_with, make_qwen_checkpoint
+def test_a_layer_with_a_bias_keeps_it_when_quantized(tmp_path):
+    """Qwen2's q/k/v carry a bias: quantized, a layer keeps it as it was (it is not rounded) and
+    adds it on every path; the int8 model stays close to the float one, and a checkpoint of it
+    loads back with the bias."""
+    import model as M
+    from conftest import make_qwen_checkpoint
     path = make_qwen_checkpoint(tmp_path / "qwen2", "qwen2")
-    fails_with(capsys, ["--model", str(path), "--prompt", "hi", "--weights", "int8"],
-               "layers.0.self_attn.qkv_proj has a bias; quantized layers don't carry one yet")
+    full = M.Llama.from_pretrained(path)
+    bias = full.layers[0].self_attn.qkv_proj.bias.detach().clone()
+    small = Q.quantize_model(M.Llama.from_pretrained(path), "int8")
+    layer = small.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, Q.Int8Linear) and torch.equal(layer.bias, bias)
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
+    with torch.no_grad():
+        want, got = full(ids, torch.arange(7)), small(ids, torch.arange(7))
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    x = torch.randn(3, layer.in_features)
+    assert torch.allclose(layer(x), x @ layer.dequantized().t() + bias, atol=1e-5)
+    import safetensors_io
+    config = safetensors_io.read_config(path) | {Q.CONFIG_KEY: Q.scheme(small)}
+    back = Q.from_pretrained(safetensors_io.save(tmp_path / "q", M.unfuse(small), config, path))
+    assert torch.equal(back.layers[0].self_attn.qkv_proj.bias, bias)
+    with torch.no_grad():
+        assert torch.equal(back(ids, torch.arange(7)), got)
