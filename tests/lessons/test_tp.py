@@ -99,11 +99,12 @@ def launched(tmp_path_factory, bundled_dir):
 
 @pytest.fixture(scope="module")
 def alone(launched):
-    """The same models in this one process: (model, greedy tokens, logits of the full pass)."""
+    """The same models in this one process: (model, greedy tokens, logits of the full pass), their
+    weights in fp32 as the ranks split them (a GGUF's widened: --weights float)."""
     paths, prompts, _, _ = launched
     out = {}
     for key, prompt in prompts.items():
-        llama, _ = nanoinfer.load.load(RunConfig(paths[key]))
+        llama, _ = nanoinfer.load.load(RunConfig(paths[key], weights="float"))
         tokens = tp.generate(llama, prompt, NEW)
         with torch.inference_mode():
             logits = llama(torch.tensor([prompt + tokens]), torch.arange(len(prompt) + NEW))[0]
