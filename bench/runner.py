@@ -116,7 +116,9 @@ def per_prompt(answers: list[dict]) -> dict:
                     "text": first["text"] if same else "texts differ between rounds"}
 
 
-PLAIN = "--cache dynamic --no-speculation"      # the exactness reference: plain greedy decoding, eager
+# The exactness reference: plain greedy decoding, eager, of the file's weights in fp32 (a GGUF's
+# widened: --weights float), not the plan's layouts compared with themselves
+PLAIN = "--cache dynamic --no-speculation --dtype fp32 --weights float"
 COMPILED = "--compile --no-speculation"         # plain greedy decoding, the compiled step on a static cache
 
 
@@ -210,7 +212,7 @@ def bench_runner(args):
         f"prompts ({args.prompts} chat + summarise-this-text), each asked {args.rounds}x (per prompt: the median "
         f"of its rounds), greedy, answers stop at EOS (at most {args.max_new_tokens} tokens), {threads} threads each",
         ["configuration", "ready s", "load s", "compile s", "TTFT ms (median)", "decode tok/s (spread)",
-         "decode tok/s (median)", "× llama.cpp", "tokens (median)", "text = plain eager run"], rows, notes)
+         "decode tok/s (median)", "× llama.cpp", "tokens (median)", "text = fp32 plain eager"], rows, notes)
     print(f"\n{table.markdown()}")
     print(f"saved {results.save('runner', 'runner', [table])}")
 
