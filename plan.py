@@ -329,6 +329,10 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
             p.dtype = fdt = "float32"
             packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
         if fast or held("float") > room:
+            if packed:      # kernels.prepack copies int4 and fp32 matrices; int8 groups and
+                # 16-bit ones prefill in wide_mm's tiles
+                floats = info.matrix_params - sum(info.file_params.values())
+                packed = 4 * (info.file_params.get("int4", 0) + floats)
             scheme, p.prepack = "gguf", held("gguf") <= room
             why.append(f"weights as the GGUF holds them ({layouts}): the file's own bits, exact "
                        f"(gguf_hf.Packed); {speed}"
