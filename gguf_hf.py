@@ -12,8 +12,12 @@ llama.cpp runs them with the rotation of halves (its NEOX RoPE).
 convert_gguf turns a GGUF file once into an HF directory (safetensors_io.py's layout) under
 a cache folder the caller names, so the rest of the project knows a single layout; a later
 start finds the directory by the file's fingerprint and reads nothing of the GGUF.
-Dequantized weights are stored as fp32: the values ``scale * q + min`` are exact there and
-would be rounded in fp16/bf16 (4 bytes a weight: 538 MB for SmolLM2-135M). The converted
+The matrices keep the file's bits: each block is re-laid, not re-rounded, into the layout a
+kernel reads (int4 or int8 groups with a scale and a minimum, 16-bit, fp32: the table below),
+and config.json names each layer's. Expanded to fp32 they would take 4 bytes a weight (538 MB
+for SmolLM2-135M, against the file's 98 MB); kept, a model reads the file's bytes per token, and
+a plain model (model.py) still gets the exact fp32 values, widened as it loads
+(safetensors_io.widen_layers). Vectors and the embedding table are stored in fp32. The converted
 file is laid out for a fast start: each group the model multiplies as one (q/k/v, gate/up)
 is stored stacked, so a load stacks nothing, and the conversion checks once that every
 weight is finite and records the largest |w|, so a load need not read all of them again.
