@@ -57,6 +57,9 @@ SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTIZED = ("int8", "int4", "gguf")
 # a narrower dtype must beat fp32 by 10%: the calibration's own noise on a shared machine
 MARGIN = 0.9
+# a GGUF's own bits are widened to fp32 only where their kernel takes over this many times fp32's
+# time per weight: they are exact either way, and hold and read 2-8x fewer bytes
+WIDEN = 2.0
 
 
 # ----------------------------------------------------------------------------
@@ -318,7 +321,11 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
                    f"(--dtype fp32: the file's exact values)")
     elif info.source == "gguf":
         kind, layouts = info.main_kind, describe_layouts(info)
-        fast = kind == "half" or ns.get(kind, 1e9) < MARGIN * ns.get(fdt, 0)
+        # The file's bits are the default: exact, and 2-8x fewer bytes to hold and read than
+        # fp32. Widened only where their kernels cannot be built (no compiler: each call would
+        # dequantize) or calibrate at less than half fp32's speed per weight.
+        fast = machine.compiler is not None and (
+            kind == "half" or ns.get(kind, 0) < WIDEN * ns.get(fdt, 1e9))
         speed = (f"calibrated {kind} {ns[kind]:.3f} ns/weight against {fdt}'s "
                  f"{ns.get(fdt, 0):.3f}" if kind in ns else "half the bytes of fp32")
         p.stored = "gguf"
@@ -329,20 +336,18 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
             p.dtype = fdt = "float32"
             packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
         if fast or held("float") > room:
-            if packed:      # kernels.prepack copies int4 and fp32 matrices; int8 groups and
-                # 16-bit ones prefill in wide_mm's tiles
-                floats = info.matrix_params - sum(info.file_params.values())
-                packed = 4 * (info.file_params.get("int4", 0) + floats)
-            scheme, p.prepack = "gguf", held("gguf") <= room
+            # no fp32 copies for prefills either (4-8x the file): kernels.wide_mm widens a tile
+            # of rows at a time into BLAS's product, ~1.2x the copy's time on a prefill
+            scheme, p.prepack, packed = "gguf", False, 0
             why.append(f"weights as the GGUF holds them ({layouts}): the file's own bits, exact "
-                       f"(gguf_hf.Packed); {speed}"
-                       + (f"; prefills run on a {fdt} copy ({gb(packed)}: kernels.prepack)"
-                          if packed and p.prepack else
-                          "; no fp32 copy for prefills (it would not fit)" if packed else ""))
+                       f"(gguf_hf.Packed), held at about the file's size (prefills widen a tile of "
+                       f"rows at a time: no fp32 copy); {speed}")
         else:
             p.weights, scheme = "float", "float"
-            why.append(f"weights {fdt}: the GGUF's own bits ({layouts}) compute no faster here "
-                       f"({speed}), so they are widened to {fdt} once at load: the same values, "
+            cause = ("without a C++ compiler their kernels cannot be built" if
+                     machine.compiler is None else f"they compute slower here ({speed})")
+            why.append(f"weights {fdt}: the GGUF's own bits ({layouts}), but {cause}, so they "
+                       f"are widened to {fdt} once at load: the same values, "
                        f"{gb(held('float'))}" + (" with kernels.prepack's copy" if packed else ""))
     else:
         scheme = next((w for w in ("float", "int8", "int4") if held(w, w == "float") <= room),

@@ -67,7 +67,7 @@ def test_cpu_without_bf16(smol):
     assert "no native bf16" in text and "verify passes would run eagerly" in text and "exact: in fp32" in text
     q = overlay(p, "--compile")                            # asked for: compiled, still speculating
     assert (q.cache, q.compile, q.draft) == ("static", True, "bundled")
-    assert "the GGUF's own bits (int4 groups of 32" in text and "compute no faster here (calibrated int4 1.200" in text
+    assert "the GGUF's own bits (int4 groups of 32" in text and "compute slower here (calibrated int4 1.200" in text
     tok = smol.token_bytes("float", "float32")
     assert f"{20e9 / tok:,.0f} tok/s empty" in text            # ceiling = bandwidth / bytes per token
     assert len(p.reasons) == 6 and all(p.reasons)
@@ -81,7 +81,11 @@ def test_cpu_with_bf16_and_fast_int4(smol):
     assert "dtype float32 after all" in text and "against bfloat16's 0.160" in text
     assert "file's own bits" in text and p.draft is None and "fixed costs of speculating" in text
     assert "weights: the file's own bits" in plan.summary(p)
-    assert p.compile and p.prepack and "prefills run on a float32 copy" in text   # no draft: the compiled step
+    # no draft: the compiled step; no fp32 copies of the file's weights (prefills widen tiles)
+    assert p.compile and not p.prepack and "no fp32 copy" in text
+    assert plan.choose(cpu(compiler=None), smol).weights == "float"     # no kernels: widened
+    # slower per weight than fp32 but within 2x: still the file's bits (a quarter of the bytes)
+    assert plan.choose(cpu(int4=0.5), smol).weights == "auto"
     assert p.head == "float" and "int8 groups" in text        # the head keeps the file's bits (its Q8_0)
     p = plan.choose(cpu(bf16=True), smol, answer_tokens=256)
     # bf16 would round the file's values: they are widened to fp32, exact
