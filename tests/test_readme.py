@@ -91,6 +91,9 @@ SLOW = {
     "python bench.py serve": "~6 min (llama-server beside it: scripts/build_llama_server.sh, ~10 min once)",
     "python bench.py serve --seconds 30": "~5 min",
     "python bench.py runner": "~10 min (a first run builds the compiled step: +1-2.5 min)",
+    "python bench.py runner --rounds 1": "~5 min",
+    "python bench.py gguf": "~15 min (a first run writes and quantizes its files: +3 min; needs "
+                            "scripts/build_llama_server.sh)",
 }
 
 
