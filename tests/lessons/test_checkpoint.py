@@ -181,6 +181,17 @@ def test_every_gguf_type_keeps_its_bits(kind):
         assert p.q.min() >= 0 and p.q.max() <= 15 if p.kind.value == "int4" else True
 
 
+def test_an_unsupported_gguf_type_is_refused_in_one_line():
+    """A type the layouts do not hold exactly (Q2_K, Q3_K, the IQ grids) is refused by name, with
+    the types that are read, rather than re-rounded."""
+    import gguf
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q2_K]
+    t = FakeTensor(np.zeros((2, 512 // block * size), np.uint8), "Q2_K", 2, 512)
+    with pytest.raises(safetensors_io.CheckpointError,
+                       match="GGUF tensor type Q2_K is not supported: use a file quantized to F32, F16"):
+        gguf_hf.packed(t)
+
+
 def test_a_group_of_mixed_types_shares_one_exact_layout():
     """Q4_K_M keeps some layers' V in Q6_K beside Q4_K Q and K: a stacked q/k/v needs one layout,
     int8 groups of 16 with a minimum, which holds all three exactly. Beside 16-bit: fp32."""
