@@ -190,6 +190,31 @@ def test_huge_pages_keep_the_tensors_and_their_values():
         assert torch.equal(a, copies[0] + 1)
 
 
+def resident_file_mb() -> float:
+    line = next(x for x in open("/proc/self/status") if x.startswith("RssFile:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_weights_moved_out_of_a_mapped_checkpoint_are_resident_once(tmp_path):
+    """A checkpoint's tensors are views of its memory-mapped file: huge_pages copies them and gives
+    the file's pages back (file_pages_out), so the process holds the weights once, not the copy and
+    the mapped file both (a GGUF conversion's F16 weights had peaked at twice the file). The
+    values stay, and the tensors left in the file still read right."""
+    from safetensors.torch import save_file
+    import safetensors_io
+    torch.manual_seed(0)
+    state = {"w": torch.randn(4096, 2048), "small": torch.randn(3, 5)}
+    save_file(state, tmp_path / "model.safetensors")
+    read = safetensors_io.read_weights(tmp_path)
+    before = resident_file_mb()
+    assert torch.equal(read["w"], state["w"])                   # faults the 32 MB in
+    assert resident_file_mb() - before > 24
+    if not kernels.huge_pages([read["w"]]):
+        pytest.skip("no transparent huge pages here")
+    assert resident_file_mb() - before < 8
+    assert torch.equal(read["w"], state["w"]) and torch.equal(read["small"], state["small"])
+
+
 @pytest.mark.parametrize("B,H,H_kv,d,L", [(1, 9, 3, 64, 1), (1, 9, 3, 64, 200), (2, 8, 2, 32, 70), (3, 4, 4, 128, 65)])
 def test_decode_attention_kernel_equals_sdpa(B, H, H_kv, d, L):
     """kernels.cpp's one-token attention against PyTorch's SDPA: GQA, K/V read as a static cache's
