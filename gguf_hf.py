@@ -173,7 +173,8 @@ def gguf_config(reader) -> dict:
 # Each s and lo is computed in fp32 as ggml's own dequantization computes it (d and dmin are
 # fp16, sc and m 6-bit integers: their products are exact in fp32), so lo + q·s is, bit for bit,
 # the value llama.cpp dequantizes. A negative s (Q4_0 and Q6_K store d with the sign of the
-# group's largest weight) is folded into q, so every layout keeps s ≥ 0.
+# group's largest weight) stays negative: the kernels' sums do not care. Where every s and lo of
+# a matrix is an fp16 number (d, m and -8d are), they are stored in fp16 (half_scales).
 
 
 class Kind(Enum):
@@ -287,15 +288,6 @@ def packed(tensor) -> Packed:
     q, s, lo, group = unpack_blocks(data.reshape(-1, size), kind)
     q = q.reshape(rows, k)
     s, lo = s.reshape(rows, k // group), None if lo is None else lo.reshape(rows, k // group)
-    flip = s < 0        # fold a negative scale into q, so that s ≥ 0 everywhere
-    if flip.any():
-        s = np.where(flip, -s, s)
-        wide = np.repeat(flip, group, axis=1)
-        if q.dtype == np.uint8:     # int4: q' = 15 - q, lo' = lo + 15·s (exact: 7d for Q4_0)
-            lo = np.where(flip, lo - 15 * s, lo)
-            q = np.where(wide, 15 - q, q).astype(np.uint8)
-        else:
-            q = np.where(wide, -q, q).astype(np.int8)
     int4 = q.dtype == np.uint8
     return Packed(Kind.INT4 if int4 else Kind.INT8, torch.from_numpy(np.ascontiguousarray(q)),
                   torch.from_numpy(np.ascontiguousarray(s, np.float32)),
@@ -322,6 +314,18 @@ def common_layout(parts: list[Packed]) -> list[Packed]:
     return out
 
 
+def half_scales(parts: list[Packed]) -> list[Packed]:
+    """The parts of a group (or one matrix) with their scales and minimums in fp16 where every one
+    of them is an fp16 number: the file's own for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (d, m and -8d),
+    half the bytes of fp32 and the same values. A K-quant's d·sc is not one, in general."""
+    def exact(t):
+        return t is None or torch.equal(t.half().float(), t)
+    if not all(p.kind in (Kind.INT4, Kind.INT8) and exact(p.scale) and exact(p.lo) for p in parts):
+        return parts
+    half = lambda t: None if t is None else t.half()
+    return [Packed(p.kind, p.q, half(p.scale), half(p.lo), p.group) for p in parts]
+
+
 def stored(name: str, p: Packed) -> dict[str, torch.Tensor]:
     """A Packed matrix as a checkpoint stores it (quantize.py's portable layout): ``weight``
     (int4: two weights a byte, the even column in the low nibble), ``weight_scale``,
@@ -339,7 +343,8 @@ def layout_of(p: Packed) -> dict:
     """A layer's entry in config.json's quantization map."""
     spec = {"kind": p.kind.value}
     if p.kind in (Kind.INT4, Kind.INT8):
-        spec |= {"group": p.group, "min": p.lo is not None}
+        spec |= {"group": p.group, "min": p.lo is not None,
+                 "scales": str(p.scale.dtype).removeprefix("torch.")}
     if p.kind == Kind.HALF:
         spec["dtype"] = str(p.q.dtype).removeprefix("torch.")
     return spec
@@ -347,8 +352,8 @@ def layout_of(p: Packed) -> dict:
 
 # What convert_gguf writes, by version; a new one keys a new cache directory, so every
 # cache converts again, once. 2: groups stored stacked, the largest |w| recorded. 3: matrices
-# at the file's own bits (Packed), not widened to fp32.
-CONVERTED_FORMAT = 3
+# at the file's own bits (Packed), not widened to fp32. 4: fp16 scales where the file's are.
+CONVERTED_FORMAT = 4
 
 
 def gguf_fingerprint(path: Path) -> str:
@@ -401,7 +406,10 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
         for i in range(cfg["num_hidden_layers"]):
             for parts in FUSED.values():
                 names = [f"layers.{i}.{part}" for part in parts]
-                matrices.update(zip(names, common_layout([matrices[n] for n in names])))
+                matrices.update(zip(names, half_scales(common_layout([matrices[n] for n in names]))))
+        fused = {f"layers.{i}.{part}" for i in range(cfg["num_hidden_layers"])
+                 for parts in FUSED.values() for part in parts}
+        matrices.update((n, half_scales([p])[0]) for n, p in matrices.items() if n not in fused)
         if cfg["tie_word_embeddings"] and matrices["lm_head"].kind == Kind.FLOAT:
             del matrices["lm_head"]     # a tied fp32 table is the head as it is
         # else a tied head is stored too, at the table's bits: a quantized model runs it (a plain

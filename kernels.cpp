@@ -28,6 +28,18 @@
 #include <cmath>
 #include <optional>
 #include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+// A scale or a minimum as fp32. A GGUF's fp16 ones (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) stay as the
+// file stores them, half the bytes of fp32, and every fp16 number is exact in fp32.
+static inline float f32(float v) { return v; }
+#if defined(__F16C__)
+static inline float f32(c10::Half v) { return _cvtsh_ss(v.x); }
+#else
+static inline float f32(c10::Half v) { return float(v); }
+#endif
 
 // Weight rows a decode step's int4 loop takes at a time, sharing x's loads. With AVX-512, 4 rows
 // took 4.25 cycles per 32 weights and row from L2 against 4.46 at 2, but the runner's step was
@@ -139,15 +151,20 @@ static inline void int4_block(const uint8_t* q, float scale, const float* xp, in
 
 // The minimum's share, lo·Σx over the row's groups, 8 groups to a vector: a scalar chain of 18 FMAs
 // (SmolLM2's 576 columns) would hold each row back by ~70 cycles.
-static inline float lo_share(const float* lo, const float* sx, int64_t G) {
+static inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 scales8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+template <typename S>
+static inline float lo_share(const S* lo, const float* sx, int64_t G) {
   __m256 a = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8)
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(lo + g), _mm256_loadu_ps(sx + g), a);
-  if (g < G) {
-    __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(G - g)),
-                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    a = _mm256_fmadd_ps(_mm256_maskload_ps(lo + g, tail), _mm256_maskload_ps(sx + g, tail), a);
+    a = _mm256_fmadd_ps(scales8(lo + g), _mm256_loadu_ps(sx + g), a);
+  if (g < G) {        // the last groups, the lanes past them 0·0
+    float l[8] = {0}, t[8] = {0};
+    for (int64_t i = 0; g + i < G; i++) l[i] = f32(lo[g + i]), t[i] = sx[g + i];
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(l), _mm256_loadu_ps(t), a);
   }
   return hsum8(a);
 }
@@ -155,14 +172,14 @@ static inline float lo_share(const float* lo, const float* sx, int64_t G) {
 // One weight row against MT rows of x (two 8-lane halves of the 16 lanes, two chains: one FMA's
 // latency does not gate the next); then the minimum's share. shift = log2(group / 32): block c's
 // scale is s[c >> shift].
-template <int MT>
-static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+template <int MT, typename S>
+static void int4_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
                      const float* xp, const float* sx, float* y, int64_t N) {
   __m256 acc[MT][2];
   UNROLL
   for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++)
-    int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, acc);
+    int4_block<MT>(q + c * 16, f32(s[c >> shift]), xp + c * 32, K, acc);
   int64_t G = (K / 32) >> shift;
   UNROLL
   for (int t = 0; t < MT; t++)
@@ -185,8 +202,8 @@ static inline float hsum(__m512 a0, __m512 a1) {
   return hsum(h);
 }
 
-template <int R>
-static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G,
+template <int R, typename S>
+static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const S* s, int64_t G,
                                    const float* xc, __m512 table, int64_t fetch, __m512* acc) {
   __m512 xe = _mm512_loadu_ps(xc), xo = _mm512_loadu_ps(xc + 16);
   UNROLL
@@ -195,12 +212,12 @@ static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const fl
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes)));
     __m512 e = _mm512_permutexvar_ps(b, table),
            o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-    acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo, _mm512_mul_ps(e, xe)), _mm512_set1_ps(s[r * G]),
+    acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo, _mm512_mul_ps(e, xe)), _mm512_set1_ps(f32(s[r * G])),
                              acc[r]);
   }
 }
-template <int R>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+template <int R, typename S>
+static void int4_rows(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -221,8 +238,8 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
 // One row of x (a decode step) against R weight rows at a time: x's four loads per 32 weights serve
 // R rows (R = 2: 9% faster than one row at a time, W from DRAM). Each row keeps int4_row<1>'s sums
 // and order.
-template <int R>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+template <int R, typename S>
+static void int4_rows(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   __m256 acc[R][2];
@@ -234,7 +251,7 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
            x3 = _mm256_loadu_ps(xc + 24);
     UNROLL
     for (int r = 0; r < R; r++) {
-      __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (c >> shift)]);
+      __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(f32(s[r * G + (c >> shift)]));
       widen(q + r * (K / 2) + c * 16, e0, o0, e1, o1);
       acc[r][0] = _mm256_fmadd_ps(_mm256_fmadd_ps(o0, x2, _mm256_mul_ps(e0, x0)), vs, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(o1, x3, _mm256_mul_ps(e1, x1)), vs, acc[r][1]);
@@ -369,8 +386,8 @@ static inline float hsum(const float* a) {
   for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
   return hsum8(l);
 }
-template <int MT>
-static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+template <int MT, typename S>
+static void int4_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
                      const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   for (int t = 0; t < MT; t++) {
@@ -380,17 +397,17 @@ static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t 
       const float* xc = xp + t * K + c * 32;
       for (int i = 0; i < 16; i++)
         acc[i] = std::fma(std::fma(float(b[i] >> 4), xc[16 + i], float(b[i] & 15) * xc[i]),
-                          s[c >> shift], acc[i]);
+                          f32(s[c >> shift]), acc[i]);
     }
     for (int i = 0; i < 8; i++) l[i] = 0.f;
-    for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[t * G + g], l[g % 8]);
+    for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lo[g]), sx[t * G + g], l[g % 8]);
     float m = hsum8(l);
     for (int i = 0; i < 8; i++) l[i] = acc[i] + acc[8 + i];
     y[t * N] = hsum8(l) + m;
   }
 }
-template <int R>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+template <int R, typename S>
+static void int4_rows(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   for (int r = 0; r < R; r++)
@@ -441,27 +458,33 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   int shift = 0;
   while ((32 << shift) < group) shift++;
   TORCH_CHECK((32 << shift) == group, "int4_mm: group 32, 64 or 128");
+  TORCH_CHECK((s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf) &&
+              lo.scalar_type() == s.scalar_type() && s.is_contiguous() && lo.is_contiguous() &&
+              lo.sizes() == s.sizes(), "int4_mm: scale and lo (N, K/group), both fp32 or fp16");
   auto y = at::empty({M, N}, x.options());
   std::vector<float> reordered(M * K), sums(M * G);
   float *xp = reordered.data(), *sx = sums.data();
   for (int64_t m = 0; m < M; m++)
     reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
-  const float *sp = s.data_ptr<float>(), *lp = lo.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (M == 1) {
-    at::parallel_for(0, N / ROWS, 16 / ROWS, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; p++)
-        int4_rows<ROWS>(qp + p * ROWS * K / 2, sp + p * ROWS * G, lp + p * ROWS * G, K, shift, xp,
-                        sx, yp + p * ROWS);
-    });
-    for (int64_t n = N / ROWS * ROWS; n < N; n++)
-      int4_rows<1>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp, sx, yp + n);
-    return y;
-  }
+  auto run = [&](const auto* sp, const auto* lp) {
+    if (M == 1) {
+      at::parallel_for(0, N / ROWS, 16 / ROWS, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; p++)
+          int4_rows<ROWS>(qp + p * ROWS * K / 2, sp + p * ROWS * G, lp + p * ROWS * G, K, shift,
+                          xp, sx, yp + p * ROWS);
+      });
+      for (int64_t n = N / ROWS * ROWS; n < N; n++)
+        int4_rows<1>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp, sx, yp + n);
+      return;
+    }
 #define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, \
                                     sx + m * G, yp + m * N + n, N)
-  TILED(INT4)
+    TILED(INT4)
+  };
+  if (s.scalar_type() == at::kHalf) run(s.data_ptr<c10::Half>(), lo.data_ptr<c10::Half>());
+  else run(s.data_ptr<float>(), lo.data_ptr<float>());
   return y;
 }
 
@@ -554,8 +577,8 @@ static inline __m512 widen16(const c10::BFloat16* p) { return bf16x16(p); }
 
 // One int8 row in groups against MT rows of x: lanes 0-15 take the scale s[c·step], lanes 16-31
 // s[c·step + step - 1] (step = 32 / group).
-template <int MT>
-static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <int MT, typename S>
+static void int8g_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group, ahead = STREAM_AHEAD;
   __m512 acc[MT][2];
@@ -564,7 +587,7 @@ static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t 
   for (int64_t c = 0; c < K / 32; c++) {
     if ((c & 1) == 0) _mm_prefetch((const char*)(q + c * 32 + ahead), _MM_HINT_T0);
     __m512 w0 = widen16(q + c * 32), w1 = widen16(q + c * 32 + 16);
-    __m512 s0 = _mm512_set1_ps(s[c * step]), s1 = _mm512_set1_ps(s[c * step + step - 1]);
+    __m512 s0 = _mm512_set1_ps(f32(s[c * step])), s1 = _mm512_set1_ps(f32(s[c * step + step - 1]));
     UNROLL
     for (int t = 0; t < MT; t++) {
       const float* xc = x + t * K + c * 32;
@@ -598,8 +621,8 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]);
 }
 #else
-template <int MT>
-static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <int MT, typename S>
+static void int8g_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group;
   __m256 acc[MT][4], w[4];
@@ -607,7 +630,7 @@ static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t 
   for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
     _mm_prefetch((const char*)(q + c * 32 + AHEAD), _MM_HINT_T0);
-    __m256 sc[2] = {_mm256_set1_ps(s[c * step]), _mm256_set1_ps(s[c * step + step - 1])};
+    __m256 sc[2] = {_mm256_set1_ps(f32(s[c * step])), _mm256_set1_ps(f32(s[c * step + step - 1]))};
     for (int j = 0; j < 4; j++) w[j] = widen8(q + c * 32 + 8 * j);
     UNROLL
     for (int t = 0; t < MT; t++)
@@ -636,20 +659,21 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 }
 #endif
 #else
-static inline float lo_share(const float* lo, const float* sx, int64_t G) {
+template <typename S>
+static inline float lo_share(const S* lo, const float* sx, int64_t G) {
   float l[8] = {0};
-  for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[g], l[g % 8]);
+  for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lo[g]), sx[g], l[g % 8]);
   return hsum8(l);
 }
-template <int MT>
-static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <int MT, typename S>
+static void int8g_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t G = K / group;
   for (int t = 0; t < MT; t++) {
     float a[32] = {0};
     for (int64_t k = 0; k < K; k++) {
       float p = float(q[k]) * x[t * K + k];
-      a[k % 32] = std::fma(p, s[k / group], a[k % 32]);
+      a[k % 32] = std::fma(p, f32(s[k / group]), a[k % 32]);
     }
     float v = hsum(a);
     y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
@@ -673,21 +697,26 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
   TORCH_CHECK((group == 16 || group == 32) && K % 32 == 0, "int8g_mm: group 16 or 32, K a multiple "
               "of 32");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == K &&
-              s.dim() == 2 && s.scalar_type() == at::kFloat && s.is_contiguous() &&
-              s.size(0) == N && s.size(1) == G, "int8g_mm: q (N, K) int8, scale (N, K/group) fp32");
+              s.dim() == 2 && (s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf) &&
+              s.is_contiguous() && s.size(0) == N && s.size(1) == G,
+              "int8g_mm: q (N, K) int8, scale (N, K/group) fp32 or fp16");
   const bool has_lo = lo_.has_value() && lo_->defined();
-  TORCH_CHECK(!has_lo || (lo_->sizes() == s.sizes() && lo_->scalar_type() == at::kFloat &&
+  TORCH_CHECK(!has_lo || (lo_->sizes() == s.sizes() && lo_->scalar_type() == s.scalar_type() &&
                           lo_->is_contiguous()), "int8g_mm: lo as scale, or None");
   auto y = at::empty({M, N}, x.options());
   std::vector<float> sums(has_lo ? M * G : 0);
-  const float *xp = x.data_ptr<float>(), *sp = s.data_ptr<float>(),
-              *lp = has_lo ? lo_->data_ptr<float>() : nullptr, *sx = sums.data();
+  const float *xp = x.data_ptr<float>(), *sx = sums.data();
   for (int64_t m = 0; has_lo && m < M; m++) group_sums(xp + m * K, K, group, sums.data() + m * G);
   const int8_t* qp = q.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
+  auto run = [&](const auto* sp, const auto* lp) {
 #define INT8G(MT, n, m) int8g_row<MT>(qp + n * K, sp + n * G, lp ? lp + n * G : nullptr, K, group, \
                                       xp + m * K, lp ? sx + m * G : nullptr, yp + m * N + n, N)
-  TILED(INT8G)
+    TILED(INT8G)
+  };
+  if (s.scalar_type() == at::kHalf)
+    run(s.data_ptr<c10::Half>(), has_lo ? lo_->data_ptr<c10::Half>() : nullptr);
+  else run(s.data_ptr<float>(), has_lo ? lo_->data_ptr<float>() : nullptr);
   return y;
 }
 
@@ -729,50 +758,56 @@ static at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {
 // low nibble), fp16 and bf16 widened. quantize.py's dequantized() rounds q·s before adding lo:
 // within an ulp. 8 weights a store with AVX2.
 #if defined(__AVX2__) && defined(__FMA__)
-static inline void put8(float* o, __m256 w, __m256 s, const float* lo) {
-  _mm256_storeu_ps(o, lo ? _mm256_fmadd_ps(w, s, _mm256_set1_ps(*lo)) : _mm256_mul_ps(w, s));
+static inline void put8(float* o, __m256 w, __m256 s, const __m256* lo) {
+  _mm256_storeu_ps(o, lo ? _mm256_fmadd_ps(w, s, *lo) : _mm256_mul_ps(w, s));
 }
-static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <typename S>
+static void dequant_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t j = 0; j < K / group; j++) {
-    __m256 vs = _mm256_set1_ps(s[j]);
+    __m256 vs = _mm256_set1_ps(f32(s[j])), vl = _mm256_set1_ps(lo ? f32(lo[j]) : 0.f);
     for (int64_t k = j * group; k < (j + 1) * group; k += 8)
-      put8(out + k, widen8(q + k), vs, lo ? lo + j : nullptr);
+      put8(out + k, widen8(q + k), vs, lo ? &vl : nullptr);
   }
 }
 // 16 bytes: their low and high nibbles interleaved back into the 32 weights' order.
-static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <typename S>
+static void dequant_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
                         float* out) {
   const __m128i nib = _mm_set1_epi8(15);
   for (int64_t j = 0; j < K / group; j++) {
-    __m256 vs = _mm256_set1_ps(s[j]);
+    __m256 vs = _mm256_set1_ps(f32(s[j])), vl = _mm256_set1_ps(f32(lo[j]));
     for (int64_t k = j * group; k < (j + 1) * group; k += 32) {
       __m128i b = _mm_loadu_si128((const __m128i*)(q + k / 2));
       __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
       __m128i w0 = _mm_unpacklo_epi8(e, o), w1 = _mm_unpackhi_epi8(e, o);
       __m128i part[4] = {w0, _mm_srli_si128(w0, 8), w1, _mm_srli_si128(w1, 8)};
       for (int i = 0; i < 4; i++)
-        put8(out + k + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i])), vs, lo + j);
+        put8(out + k + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i])), vs, &vl);
     }
   }
 }
-template <typename T>
-static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
+template <typename T, typename S>
+static void dequant_row(const T* w, const S*, const S*, int64_t K, int64_t, float* out) {
   for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(out + k, widen8(w + k));
 }
 #else
-static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <typename S>
+static void dequant_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t k = 0; k < K; k++)
-    out[k] = lo ? std::fma(float(q[k]), s[k / group], lo[k / group]) : float(q[k]) * s[k / group];
+    out[k] = lo ? std::fma(float(q[k]), f32(s[k / group]), f32(lo[k / group]))
+                : float(q[k]) * f32(s[k / group]);
 }
-static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <typename S>
+static void dequant_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t k = 0; k < K; k++)
-    out[k] = std::fma(float(k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15), s[k / group], lo[k / group]);
+    out[k] = std::fma(float(k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15), f32(s[k / group]),
+                      f32(lo[k / group]));
 }
-template <typename T>
-static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
+template <typename T, typename S>
+static void dequant_row(const T* w, const S*, const S*, int64_t K, int64_t, float* out) {
   for (int64_t k = 0; k < K; k++) out[k] = float(w[k]);
 }
 #endif
@@ -782,9 +817,9 @@ static void dequant_row(const T* w, const float*, const float*, int64_t K, int64
 // call, not two per tile, which on a busy machine cost a time slice each (a 128-row prefill of a
 // 2048×5632 matrix took 6x as long tile by tile). Tiles of WIDE_ROWS rows, fewer where that would
 // leave a thread without 4 of them.
-template <typename T>
-static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, const float* s,
-                       const float* lo, int64_t group, at::Tensor& y) {
+template <typename T, typename S>
+static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, const S* s,
+                       const S* lo, int64_t group, at::Tensor& y) {
   int64_t K = x.size(1), N = y.size(1), G = group ? K / group : 0;
   int64_t rows = std::min<int64_t>(WIDE_ROWS, (N + 4 * at::get_num_threads() - 1) /
                                                   (4 * at::get_num_threads()));
@@ -818,28 +853,34 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
   auto type = w.scalar_type();
   if (type == at::kHalf || type == at::kBFloat16) {
     TORCH_CHECK(w.size(1) == K, "wide_mm: w (N, K)");
-    if (type == at::kHalf) wide_tiles(x, w.data_ptr<c10::Half>(), K, nullptr, nullptr, 0, y);
-    else wide_tiles(x, w.data_ptr<c10::BFloat16>(), K, nullptr, nullptr, 0, y);
+    const float* none = nullptr;
+    if (type == at::kHalf) wide_tiles(x, w.data_ptr<c10::Half>(), K, none, none, 0, y);
+    else wide_tiles(x, w.data_ptr<c10::BFloat16>(), K, none, none, 0, y);
     return y;
   }
-  TORCH_CHECK(s_.has_value() && s_->scalar_type() == at::kFloat && s_->is_contiguous() &&
-              s_->size(0) == N, "wide_mm: a scale (N,) or (N, K/group) fp32");
+  TORCH_CHECK(s_.has_value() && (s_->scalar_type() == at::kFloat || s_->scalar_type() == at::kHalf)
+              && s_->is_contiguous() && s_->size(0) == N,
+              "wide_mm: a scale (N,) or (N, K/group) fp32 or fp16");
   const at::Tensor& s = *s_;
   const bool has_lo = lo_.has_value() && lo_->defined();
-  TORCH_CHECK(!has_lo || (lo_->sizes() == s.sizes() && lo_->scalar_type() == at::kFloat &&
+  TORCH_CHECK(!has_lo || (lo_->sizes() == s.sizes() && lo_->scalar_type() == s.scalar_type() &&
                           lo_->is_contiguous()), "wide_mm: lo as scale, or None");
-  const float *sp = s.data_ptr<float>(), *lp = has_lo ? lo_->data_ptr<float>() : nullptr;
   if (s.dim() == 1) group = K;
   TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0 && s.numel() == N * (K / group),
               "wide_mm: scale (N, K/group), group a multiple of 16");
   if (type == at::kChar) {
     TORCH_CHECK(w.size(1) == K, "wide_mm: int8 w (N, K)");
-    wide_tiles(x, w.data_ptr<int8_t>(), K, sp, lp, group, y);
   } else {
     TORCH_CHECK(type == at::kByte && w.size(1) * 2 == K && has_lo && group % 32 == 0,
                 "wide_mm: int4 w (N, K/2) with scale and lo");
-    wide_tiles(x, w.data_ptr<uint8_t>(), K / 2, sp, lp, group, y);
   }
+  auto run = [&](const auto* sp, const auto* lp) {
+    if (type == at::kChar) wide_tiles(x, w.data_ptr<int8_t>(), K, sp, lp, group, y);
+    else wide_tiles(x, w.data_ptr<uint8_t>(), K / 2, sp, lp, group, y);
+  };
+  if (s.scalar_type() == at::kHalf)
+    run(s.data_ptr<c10::Half>(), has_lo ? lo_->data_ptr<c10::Half>() : nullptr);
+  else run(s.data_ptr<float>(), has_lo ? lo_->data_ptr<float>() : nullptr);
   return y;
 }
 

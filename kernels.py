@@ -575,6 +575,12 @@ def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bo
     return fits and (native_kernels() if native is None else native)
 
 
+def kernel_scales(t: torch.Tensor) -> torch.Tensor:
+    """A layer's group scales or minimums as the C++ kernels read them: fp16 kept (a GGUF's own:
+    half the bytes, widened exactly as they are read), anything else as fp32."""
+    return (t if t.dtype == torch.float16 else t.float()).contiguous()
+
+
 def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A many-row pass of a stored layer, bias aside: compute-bound, so oneDNN's matrix-matrix
     kernel on prepack's fp32 copy of the dequantized weights where the model keeps one (a 39-token
@@ -613,9 +619,9 @@ class Int8Linear(quantize.Int8Linear):
         self.native = uses_native(self, dtype, native)
         if self.native and self.group is not None:
             self.weight = self.weight.contiguous()
-            self.weight_scale = self.weight_scale.float().contiguous()
+            self.weight_scale = kernel_scales(self.weight_scale)
             if self.weight_min is not None:
-                self.weight_min = self.weight_min.float().contiguous()
+                self.weight_min = kernel_scales(self.weight_min)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -644,8 +650,8 @@ class Int4Linear(quantize.Int4Linear):
             return super().prepare(dtype)
         self.dtype = dtype
         self.weight = self.weight.contiguous()
-        self.weight_scale = self.weight_scale.float().contiguous()
-        self.weight_min = self.weight_min.float().contiguous()
+        self.weight_scale = kernel_scales(self.weight_scale)
+        self.weight_min = kernel_scales(self.weight_min)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -213,12 +213,12 @@ def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
 
 
 def layout_bytes(layout: dict, rows: int, cols: int) -> int:
-    """Bytes of one matrix in a GGUF layout (gguf_hf.Packed): the integers, then an fp32 scale
-    (and minimum) per group."""
+    """Bytes of one matrix in a GGUF layout (gguf_hf.Packed): the integers, then a scale (and a
+    minimum) per group, fp32 or fp16 (gguf_hf.half_scales)."""
     n = rows * cols
     if layout["kind"] == "half":
         return 2 * n
-    per_group = 4 * (2 if layout.get("min") else 1)
+    per_group = (2 if layout.get("scales") == "float16" else 4) * (2 if layout.get("min") else 1)
     return n // (2 if layout["kind"] == "int4" else 1) + n // layout["group"] * per_group
 
 

@@ -486,20 +486,18 @@ def scheme(model: nn.Module) -> dict | None:
     return spec
 
 
-def check_quantized_tensors(state: dict[str, torch.Tensor], zero_scales: bool = False):
+def check_quantized_tensors(state: dict[str, torch.Tensor], any_sign: bool = False):
     """A scale or minimum that is not finite (or a scale ≤ 0) would silently turn
-    a layer's output into garbage: refuse it by name. ``zero_scales``: a GGUF's all-zero
-    blocks legitimately have a scale of 0 (its negative ones were folded into q)."""
+    a layer's output into garbage: refuse it by name. ``any_sign``: a GGUF's scales are the
+    file's own, of either sign (Q4_0's d is negative for half its blocks) and 0 for an all-zero
+    block."""
     for name, t in state.items():
         if name.endswith(("weight_scale", "weight_min")):
-            low = t < 0 if zero_scales else t <= 0
-            bad = ~torch.isfinite(t) | (low if name.endswith("scale")
-                                        else torch.zeros_like(t, dtype=torch.bool))
+            signed = name.endswith("scale") and not any_sign
+            bad = ~torch.isfinite(t) | (t <= 0 if signed else torch.zeros_like(t, dtype=torch.bool))
             if bad.any():
-                sign = "< 0" if zero_scales else "≤ 0"
                 raise ValueError(f"corrupt quantized checkpoint: {name} has {int(bad.sum())} "
-                                 f"invalid values "
-                                 f"(not finite{f' or {sign}' if name.endswith('scale') else ''}); "
+                                 f"invalid values (not finite{' or ≤ 0' if signed else ''}); "
                                  f"re-quantize it")
 
 
@@ -539,7 +537,7 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     gguf = cfg.quantization["weights"] == "gguf"
     plain = (lambda name, t: is_plain(name, t) and t.dtype == torch.float32) if gguf else is_plain
     adopt_checkpoint(model, model_dir, device, dtype, plain, widen=False)
-    check_quantized_tensors(dict(model.named_buffers()), zero_scales=gguf)
+    check_quantized_tensors(dict(model.named_buffers()), any_sign=gguf)
     for layer in model.modules():
         if prepare and isinstance(layer, STORED):
             layer.prepare(dtype)

@@ -166,8 +166,8 @@ def gguf_blocks(kind: str, rows: int = 6, cols: int = 512, seed: int = 0) -> Fak
 def test_every_gguf_type_keeps_its_bits(kind):
     """Re-laid, not re-rounded: each GGUF block type's Packed layout (int4 or int8 groups, 16-bit,
     fp32) stands for exactly the values gguf-py (ggml's reference) dequantizes (equal as numbers:
-    a -0.0 may come back +0.0), with every group's scale ≥ 0 (Q4_0's and Q6_K's negative d
-    folded into q)."""
+    a -0.0 may come back +0.0); the scales keep their sign (Q4_0's and Q6_K's d), and are stored
+    in fp16, the same numbers, where the file's are (half_scales: not a K-quant's d·sc)."""
     from gguf.quants import dequantize
     t = gguf_blocks(kind)
     want = dequantize(t.data, t.tensor_type).reshape(6, 512).astype(np.float32)
@@ -175,10 +175,14 @@ def test_every_gguf_type_keeps_its_bits(kind):
     assert np.array_equal(p.dequantized().numpy(), want)
     kinds = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "F16": "half", "BF16": "half", "F32": "float"}
     assert p.kind.value == kinds.get(kind, "int8")
+    [narrow] = gguf_hf.half_scales([p])
+    assert np.array_equal(narrow.dequantized().numpy(), want)
     if p.scale is not None:
-        assert (p.scale >= 0).all() and p.group == (16 if kind == "Q6_K" else 32)
+        assert p.group == (16 if kind == "Q6_K" else 32)
         assert p.q.dtype == (torch.uint8 if p.kind.value == "int4" else torch.int8)
         assert p.q.min() >= 0 and p.q.max() <= 15 if p.kind.value == "int4" else True
+        half = kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+        assert narrow.scale.dtype == (torch.float16 if half else torch.float32)
 
 
 def test_an_unsupported_gguf_type_is_refused_in_one_line():
@@ -207,9 +211,9 @@ def test_a_group_of_mixed_types_shares_one_exact_layout():
 
 
 def test_a_quantized_gguf_converts_at_its_own_bits(tmp_path):
-    """convert_gguf keeps a Q8_0 file's matrices as int8 groups of 32 (cache ≈ the file, not 4x)
-    and names each layer's layout in config.json; the plain model widens them to exactly the
-    values llama.cpp reads (gguf-py's dequantization of the same file)."""
+    """convert_gguf keeps a Q8_0 file's matrices as int8 groups of 32 with its fp16 scales (cache ≈
+    the file, not 4x) and names each layer's layout in config.json; the plain model widens them to
+    exactly the values llama.cpp reads (gguf-py's dequantization of the same file)."""
     import gguf
     from gguf.quants import dequantize
     src = make_checkpoint(tmp_path / "hf", hidden_size=128, intermediate_size=256)
@@ -217,9 +221,12 @@ def test_a_quantized_gguf_converts_at_its_own_bits(tmp_path):
     back = gguf_hf.convert_gguf(path, tmp_path / "cache")
     spec = json.loads((back / "config.json").read_text())[M.QUANTIZATION_KEY]
     assert spec["weights"] == "gguf"
-    assert spec["layers"]["layers.0.mlp.down_proj"] == {"kind": "int8", "group": 32, "min": False}
+    assert spec["layers"]["layers.0.mlp.down_proj"] == {"kind": "int8", "group": 32, "min": False,
+                                                        "scales": "float16"}
     stored = safetensors_io.read_weights(back)
     assert stored["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    # Q8_0's 34 bytes per 32 weights, as the file: its fp16 d kept as it is
+    assert stored["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.float16
     reader = gguf.GGUFReader(path)
     want = {gguf_hf.hf_name(t.name).removeprefix("model."): dequantize(t.data, t.tensor_type)
             for t in reader.tensors}

@@ -309,6 +309,32 @@ def test_older_kernels_give_every_build_the_same_bits(builds):
     same_bits_everywhere(builds, lambda lib, x: lib.bf16_mm(x.bfloat16(), w16), x)
 
 
+@pytest.mark.parametrize("k", [576, 2048])
+def test_fp16_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k):
+    """A GGUF's fp16 scales and minimums (Q4_0, Q4_1, Q8_0: d, m, -8d, of either sign) are read as
+    stored and widened exactly: int4_mm, int8g_mm and wide_mm give the bits they give the same
+    numbers in fp32, in every build, for every tail of the lanes (k/32 groups: 18 and 64)."""
+    torch.manual_seed(k)
+    n, x = 77, torch.randn(5, k)
+    s, lo = (torch.randn(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.1).half()
+    s16, lo16 = (torch.randn(n, k // 16) * 0.01).half(), (torch.randn(n, k // 16) * 0.1).half()
+    q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    calls = [lambda lib, x, a, b: lib.int4_mm(x, q4, a, b, 32),
+             lambda lib, x, a, b: lib.int8g_mm(x, q8, a, b, 32),
+             lambda lib, x, a, b: lib.int8g_mm(x, q8, a, None, 32)]
+    for call in calls:
+        y = same_bits_everywhere(builds, lambda lib, x: call(lib, x, s, lo), x)
+        assert torch.equal(y, call(torch.ops.nanoinfer, x, s.float(), lo.float()))
+    y = same_bits_everywhere(builds, lambda lib, x: lib.int8g_mm(x, q8, s16, lo16, 16), x)
+    assert torch.equal(y, torch.ops.nanoinfer.int8g_mm(x, q8, s16.float(), lo16.float(), 16))
+    rows = torch.randn(40, k)
+    for args in [(q4, s, lo, 32), (q8, s16, lo16, 16), (q8, s, None, 32)]:
+        wide = [t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t for t in args]
+        for lib in builds.values():
+            assert torch.equal(lib.wide_mm(rows, *args), kernels.wide_mm(rows, *wide))
+
+
 def test_tiled_prefill_equals_the_dequantized_matrix(builds):
     """wide_mm: tiles of W dequantized into a scratch, one BLAS product each, for every stored kind; the
     tiles hold the same values in every build, so BLAS gives the same bits."""
