@@ -203,7 +203,7 @@ class DraftModel(Proposer):
             list(generate(target, [1, 2, 3], SamplingParams(max_new_tokens=4), self))
 
     def propose(self, context: list[int], k: int, room: int, params, gen) -> Proposal:
-        dev = self.model.embed_tokens.weight.device
+        dev = self.model.device
         if self.static:
             self.reserve(len(context) + k)
         keep = min(common_prefix(self.ids, context), len(context) - 1)
@@ -288,8 +288,8 @@ class EagleDraft(DraftModel):
         self.tree = tree
         # the target's rows too: tree tokens share positions
         self.needs_dynamic_cache = tree is not None
-        w = target.embed_tokens.weight
-        self.features = torch.zeros(0, target.config.hidden_size, dtype=w.dtype, device=w.device)
+        self.features = torch.zeros(0, target.config.hidden_size, dtype=target.dtype,
+                                    device=target.device)
 
     def observe(self, start: int, features: torch.Tensor):
         """The target's features (T, hidden) at positions start..start+T-1 of the context."""

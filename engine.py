@@ -423,8 +423,8 @@ class Engine:
                  prefix_caching: bool = True, max_len: int | None = None,
                  kv_dtype: torch.dtype | None = None, watermark: float = 0.01,
                  chunk_tokens: int | None = 256, codec=None, in_place=None):
-        c, w = model.config, model.embed_tokens.weight
-        kv_dtype = kv_dtype or w.dtype
+        c = model.config
+        kv_dtype = kv_dtype or model.dtype
         if num_blocks is None:
             # A quantized row is d_head one-byte values plus its scale's bytes.
             row, size = ((codec.row_bytes(c.head_dim), 1) if codec
@@ -436,10 +436,10 @@ class Engine:
             raise ValueError(f"num_blocks, block_size, max_batch and chunk_tokens (or None) "
                              f"must be >= 1 "
                              f"(got {num_blocks}, {block_size}, {max_batch}, {chunk_tokens})")
-        self.model, self.device = model, w.device
+        self.model, self.device = model, model.device
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim,
-                                  kv_dtype, w.device, c.sliding_window, codec, in_place)
+                                  kv_dtype, model.device, c.sliding_window, codec, in_place)
         self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit)
         self.watermark, self.chunk_tokens = watermark, chunk_tokens
         self.scheduler = Scheduler(self.allocator, max_batch, watermark)
@@ -464,9 +464,9 @@ class Engine:
 
     def describe(self) -> str:
         """One line for a log: the model's size and storage, the pool, the batch."""
-        w, a = self.model.embed_tokens.weight, self.allocator
+        m, a = self.model, self.allocator
         return (f"{count_parameters(self.model) / 1e6:.0f}M parameters, "
-                f"{str(w.dtype).removeprefix('torch.')}, {w.device}; KV pool {a.num_blocks} "
+                f"{str(m.dtype).removeprefix('torch.')}, {m.device}; KV pool {a.num_blocks} "
                 f"blocks of {a.block_size} tokens, batches of up to {self.max_batch}")
 
     def has_work(self) -> bool:

@@ -353,7 +353,8 @@ def layout_of(p: Packed) -> dict:
 # What convert_gguf writes, by version; a new one keys a new cache directory, so every
 # cache converts again, once. 2: groups stored stacked, the largest |w| recorded. 3: matrices
 # at the file's own bits (Packed), not widened to fp32. 4: fp16 scales where the file's are.
-CONVERTED_FORMAT = 4
+# 5: the embedding table at its bits (tied: stored once, as the head).
+CONVERTED_FORMAT = 5
 
 
 def gguf_fingerprint(path: Path) -> str:
@@ -368,8 +369,8 @@ def gguf_fingerprint(path: Path) -> str:
 def convert_gguf(path: Path, out_root: Path) -> Path:
     """Convert a GGUF file into an HF directory under ``out_root`` (once) and return it: each
     matrix in the kernel layout that keeps its bits (Packed), named in config.json's
-    QUANTIZATION_KEY ({"weights": "gguf", "layers": {name: layout}}); vectors and the embedding
-    table in fp32 (a lookup reads one row a token, so its bytes cost no decode speed)."""
+    QUANTIZATION_KEY ({"weights": "gguf", "layers": {name: layout}}), the embedding table too (a
+    lookup widens the row it reads); vectors in fp32."""
     path = Path(path)
     out = Path(out_root) / f"{path.stem}-{gguf_fingerprint(path)}"
     if (out / "model.safetensors").is_file():
@@ -389,12 +390,16 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
         state, matrices = {}, {}
         for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
             name = hf_name(t.name).removeprefix("model.")
-            if len(t.shape) == 1 or name == "embed_tokens.weight":     # norms, biases, the table
+            if len(t.shape) == 1:       # norms, biases
                 w = dequantize(t.data, t.tensor_type).astype(np.float32)
-                state[name] = torch.from_numpy(
-                    np.ascontiguousarray(w.reshape(tuple(reversed(t.shape.tolist())))))
-                if name == "embed_tokens.weight" and cfg["tie_word_embeddings"]:
-                    matrices["lm_head"] = packed(t)     # the tied head keeps the table's bits
+                state[name] = torch.from_numpy(np.ascontiguousarray(w))
+                continue
+            if name == "embed_tokens.weight":
+                p = packed(t)
+                if p.kind == Kind.FLOAT:    # an fp32 table (tied: the head as it is)
+                    state[name] = p.q
+                else:   # at its bits: read a row at a time (quantize.StoredEmbedding); tied, once
+                    matrices["lm_head" if cfg["tie_word_embeddings"] else "embed_tokens"] = p
                 continue
             p = packed(t)
             product = t.name.split(".")[-2]       # blk.3.attn_q.weight -> attn_q
@@ -410,10 +415,6 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
         fused = {f"layers.{i}.{part}" for i in range(cfg["num_hidden_layers"])
                  for parts in FUSED.values() for part in parts}
         matrices.update((n, half_scales([p])[0]) for n, p in matrices.items() if n not in fused)
-        if cfg["tie_word_embeddings"] and matrices["lm_head"].kind == Kind.FLOAT:
-            del matrices["lm_head"]     # a tied fp32 table is the head as it is
-        # else a tied head is stored too, at the table's bits: a quantized model runs it (a plain
-        # one, reading the table in fp32, ties the head to that as ever)
         layers = {}
         for name, p in matrices.items():
             state.update(stored(name, p))

@@ -349,6 +349,15 @@ class Llama(nn.Module):
         # run in its place for one token on a cache of fixed shapes; None: step itself.
         self.compiled_step = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its norms'), whatever its weights are stored in."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None,
                 last_only: bool = False, mask: torch.Tensor | None = None,
                 features: torch.Tensor | None = None, hidden: bool = False):
@@ -452,7 +461,10 @@ def adopt_checkpoint(model: "Llama", model_dir, device: torch.device, dtype: tor
     tied = (cfg.tie_embeddings and isinstance(model.lm_head, nn.Linear)
             and "lm_head.weight" not in model.borrowed)
     if tied:
-        state.pop("lm_head.weight", None)
+        head = state.pop("lm_head.weight", None)
+        if "embed_tokens.weight" not in state and head is not None:
+            # a GGUF conversion stores a tied table once, as the head (at the file's bits)
+            state["embed_tokens.weight"] = head
     safetensors_io.check_tensors(state, checkpoint_shapes(model), model_dir)
     state = safetensors_io.cast(state, device, lambda k, v: dtype if plain(k, v) else None)
     safetensors_io.check_finite({k: v for k, v in state.items() if plain(k, v)}, model_dir)
@@ -581,7 +593,7 @@ def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
     """O(N²): every step runs the whole sequence so far through the model."""
     stats = stats if stats is not None else GenerationStats()
     check_context(model, len(prompt))
-    dev, tokens = model.embed_tokens.weight.device, list(prompt)
+    dev, tokens = model.device, list(prompt)
     gen = seeded_generator(p.seed, dev)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     for i in range(p.max_new_tokens):
@@ -611,7 +623,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
     cache = cache if cache is not None else Cache(model.config)
     start, limit = cache.length, context_limit(model, cache)
     check_context(model, start + len(prompt), cache)
-    dev = model.embed_tokens.weight.device
+    dev = model.device
     gen = seeded_generator(p.seed, dev)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     ids, pos = (torch.tensor([prompt], device=dev),

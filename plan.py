@@ -103,6 +103,10 @@ class ModelInfo:
     # a GGUF's matrices: parameters per layout kind ("int4", "int8", "half") and their bytes
     file_params: dict = field(default_factory=dict)
     file_bytes: int = 0
+    # a GGUF's embedding table apart from the matrices: its bytes (0 where it is the head's)
+    # and its layout kind ("float": fp32)
+    table_bytes: int = 0
+    table_kind: str | None = None
 
     @property
     def head(self) -> str | None:
@@ -122,9 +126,9 @@ class ModelInfo:
         group's scale and minimum travel in ``dtype``), the embedding in ``dtype``."""
         size, c = SIZES[dtype], self.config
         head = c.vocab_size * c.hidden_size
-        if weights == "gguf":       # the table stays fp32 beside the head's own copy
+        if weights == "gguf":       # the table as the file holds it, apart unless tied
             floats = self.matrix_params - sum(self.file_params.values())
-            return self.file_bytes + head * 4 + floats * size
+            return self.file_bytes + self.table_bytes + floats * size
         per = {"float": size, "int8": 1, "int4": 0.5 + 2 * size / quantize.GROUP}[weights]
         body = self.matrix_params - head
         head_scheme = quantize.scheme_of("lm_head", weights, self.head)
@@ -133,9 +137,8 @@ class ModelInfo:
 
     def token_bytes(self, weights: str, dtype: str) -> int:
         """Bytes one decode step reads: every matrix once (the embedding: one row)."""
-        if weights == "gguf":       # the fp32 table beside the file's head
-            c = self.config
-            return self.weight_bytes(weights, dtype) - c.vocab_size * c.hidden_size * 4
+        if weights == "gguf":
+            return self.weight_bytes(weights, dtype) - self.table_bytes
         return self.weight_bytes(weights, dtype) - self.embed_params * SIZES[dtype]
 
     def kv_bytes(self, ctx: int, kv_dtype: str, dtype: str) -> int:
@@ -186,20 +189,33 @@ def model_info(name: str) -> ModelInfo:
     head = c.vocab_size * c.hidden_size
     source = (c.quantization or {}).get("weights")
     kinds, stored = {}, 0
-    for layer, layout in ((c.quantization or {}).get("layers") or {}).items():
+    layers = dict((c.quantization or {}).get("layers") or {})
+    table = layers.pop("embed_tokens", None)
+    for layer, layout in layers.items():
         rows, cols = matrix_shape(c, layer)
         kinds[layout["kind"]] = kinds.get(layout["kind"], 0) + rows * cols
         stored += layout_bytes(layout, rows, cols)
+    table_bytes, table_kind = 0, None
+    if source == "gguf":    # the table: at its bits, tied to the head (in it), or fp32 apart
+        table_kind = table["kind"] if table else layers.get("lm_head", {}).get("kind", "float")
+        table_bytes = (layout_bytes(table, c.vocab_size, c.hidden_size) if table
+                       else 0 if c.tie_embeddings else 4 * head)
     return ModelInfo(name, c, c.n_layers * per_layer + head, 0 if c.tie_embeddings else head,
-                     source, fitting_drafts(hf), kinds, stored)
+                     source, fitting_drafts(hf), kinds, stored, table_bytes, table_kind)
 
 
 def describe_layouts(info: ModelInfo) -> str:
-    """A GGUF's matrices by layout, largest first: "int4 134.5M, int8 28.3M (the head)"."""
-    names = {"int4": "int4 groups of 32", "int8": "int8 groups", "half": "16-bit"}
+    """A GGUF's matrices by layout, largest first, and its embedding table's: "int4 groups of 32
+    79%, int8 groups 21%; the embedding table int8 groups (the LM head's: tied)"."""
+    names = {"int4": "int4 groups of 32", "int8": "int8 groups", "half": "16-bit",
+             "float": "fp32"}
     total = sum(info.file_params.values())
-    return ", ".join(f"{names[k]} {n / total:.0%}" for k, n in
-                     sorted(info.file_params.items(), key=lambda kv: -kv[1]))
+    matrices = ", ".join(f"{names[k]} {n / total:.0%}" for k, n in
+                         sorted(info.file_params.items(), key=lambda kv: -kv[1]))
+    if info.table_kind is None:
+        return matrices
+    tied = " (the LM head's: tied)" if info.config.tie_embeddings else ""
+    return f"{matrices}; the embedding table {names[info.table_kind]}{tied}"
 
 
 def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
@@ -209,7 +225,7 @@ def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
     part = layer.rsplit(".", 1)[-1]
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
-            "lm_head": (c.vocab_size, h)}[part]
+            "lm_head": (c.vocab_size, h), "embed_tokens": (c.vocab_size, h)}[part]
 
 
 def layout_bytes(layout: dict, rows: int, cols: int) -> int:

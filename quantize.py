@@ -358,6 +358,33 @@ def with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 STORED = (Int8Linear, Int4Linear, HalfLinear)
 
 
+class StoredEmbedding(nn.Module):
+    """The embedding table at a GGUF's bits, in a stored layer's layout (int4 or int8 groups,
+    16-bit): a lookup widens the rows it reads to their exact values (safetensors_io.widened), so
+    the table is held at the file's size, not at 4 bytes a weight (TinyLlama's: 403 MB in fp32
+    against 57 in Q4_K), and a step reads one row of it. A table tied to the LM head is the
+    head's own tensors (``persistent=False``: not the checkpoint's a second time)."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype = torch.float32,
+                 persistent: bool = True):
+        super().__init__()
+        self.int4 = isinstance(layer, Int4Linear)
+        self.dtype = dtype          # of the rows it returns: the model's
+        for name in ("weight", "weight_scale", "weight_min"):
+            self.register_buffer(name, getattr(layer, name, None), persistent=persistent)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.reshape(-1)
+        q = self.weight[ids]
+        if self.weight_scale is None:       # 16-bit
+            rows = q.float()
+        else:
+            lo = None if self.weight_min is None else self.weight_min[ids]
+            rows = safetensors_io.widened(split_nibbles(q) if self.int4 else q,
+                                          self.weight_scale[ids], lo)
+        return rows.to(self.dtype).reshape(*tokens.shape, -1)
+
+
 def float_weight(layer: nn.Module) -> torch.Tensor:
     """A Linear's W in full precision, whether the layer is quantized or not (an EAGLE
     head or Medusa heads copy rows of the target's LM head)."""
@@ -435,6 +462,12 @@ def empty_quantized(model: nn.Module, spec: dict):
             if (layout := gguf_layout(spec["layers"], name)) is not None:
                 replace_layer(model, name, stored_layer(layout, lin.in_features, lin.out_features,
                                                         lin.bias is not None))
+        vocab, hidden = model.embed_tokens.weight.shape
+        if (table := spec["layers"].get("embed_tokens")) is not None:
+            model.embed_tokens = StoredEmbedding(stored_layer(table, hidden, vocab, False))
+        elif model.config.tie_embeddings and isinstance(model.lm_head, STORED):
+            # stored once, as the head: from_pretrained ties the table to it once loaded
+            model.embed_tokens = StoredEmbedding(model.lm_head, persistent=False)
         return
     weights, group = spec.get("weights"), spec.get("group_size", GROUP)
     if weights not in WEIGHT_SCHEMES:
@@ -537,10 +570,15 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     gguf = cfg.quantization["weights"] == "gguf"
     plain = (lambda name, t: is_plain(name, t) and t.dtype == torch.float32) if gguf else is_plain
     adopt_checkpoint(model, model_dir, device, dtype, plain, widen=False)
-    check_quantized_tensors(dict(model.named_buffers()), any_sign=gguf)
+    # (a tied table is still the meta placeholder: the head's, checked as the head)
+    check_quantized_tensors({k: v for k, v in model.named_buffers() if not v.is_meta}, any_sign=gguf)
     for layer in model.modules():
         if prepare and isinstance(layer, STORED):
             layer.prepare(dtype)
+    if isinstance(model.embed_tokens, StoredEmbedding):
+        if "embed_tokens" not in cfg.quantization["layers"]:    # tied: the head's tensors, loaded
+            model.embed_tokens = StoredEmbedding(model.lm_head, persistent=False)
+        model.embed_tokens.dtype = dtype
     return model
 
 

@@ -247,7 +247,7 @@ def plain_step_s(model: Llama, cache=None, context: int = 64, steps: int = 6) ->
     and are cropped off again: timed right after the answer, because a CPU's bandwidth
     drifts minute to minute and the baseline must see the answer's own minute. An empty
     cache first takes a `context`-token prompt. 0.0 when the cache has no room left."""
-    dev = model.embed_tokens.weight.device
+    dev = model.device
     cache = kvcache.new_cache(model) if cache is None else cache
     start, times = cache.length, []
     with torch.inference_mode():
@@ -388,7 +388,7 @@ def warm_up(chat: Chat, argv: list[str] | None = None):
         # An EAGLE head reads the target's features, so a one-token target step (a
         # turn's last token, where nothing is left to draft) asks for them: a second
         # variant of the compiled step, compiled now rather than mid-answer (~7 s).
-        dev = chat.model.embed_tokens.weight.device
+        dev = chat.model.device
         with torch.inference_mode():
             chat.model(torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([chat.cache.length], device=dev),
                        chat.cache, last_only=True, hidden=True)
@@ -564,13 +564,12 @@ def main(argv=None) -> int:
             print(tp.describe(model), file=sys.stderr)
         else:
             model, tok = nanoinfer.load.load(cfg)
-        w = model.embed_tokens.weight
         quant = f", weights {q['weights']}" if (q := quantize.scheme(model)) else ""
         packed = kernels.prepacked_bytes(model)
         packed = f" + {packed / 1e6:.0f} MB of oneDNN-prepacked copies" if packed else ""
         print(f"loaded in {time.perf_counter() - t0:.1f} s: {count_parameters(model) / 1e6:.0f}M "
               f"parameters in {quantize.weight_bytes(model) / 1e6:.0f} MB{packed}, "
-              f"{str(w.dtype).removeprefix('torch.')}{quant}, {w.device}", file=sys.stderr)
+              f"{str(model.dtype).removeprefix('torch.')}{quant}, {model.device}", file=sys.stderr)
         raw = args.raw or tok.chat_template is None
         if not 1 <= cfg.block_size <= cfg.ctx:
             raise ValueError(f"--block-size must be between 1 and the context ({cfg.ctx} tokens), "

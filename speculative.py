@@ -277,7 +277,7 @@ def generate_simple(model: Llama, prompt: list[int], p: SamplingParams, draft: L
     the rule keeps the agreed prefix plus one token of the target's, and both
     caches are cropped back to what was kept. Greedy or sampled, exact either way;
     `generate` with a DraftModel produces the same tokens (the tests check it)."""
-    dev = model.embed_tokens.weight.device
+    dev = model.device
     gen, eos = seeded_generator(p.seed, dev), set(model.config.eos_ids)
     cache, dcache, limit = kvcache.new_cache(model), kvcache.new_cache(draft), context_limit(model)
     check_context(model, len(prompt))
@@ -356,7 +356,7 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
                          "are kept in input order")
     limit = context_limit(model, cache)
     check_context(model, cache.length + len(prompt), cache)
-    dev = model.embed_tokens.weight.device
+    dev = model.device
     gen = seeded_generator(p.seed, dev)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     pos = torch.arange(cache.length, cache.length + len(prompt), device=dev)

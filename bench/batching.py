@@ -162,7 +162,7 @@ def bench_batching(args):
     model, tok = load(RunConfig(args.model, kernels.pick_device(), kernels.DTYPES[args.dtype]))
     if args.long_prompts_only:
         return bench_long_prompts(model, args)
-    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    dtype = str(model.dtype).removeprefix("torch.")
     jobs = chat_workload(args.requests, model.config.vocab_size, seed=0)
     outs = sorted(j.output_len for j in jobs)
     prompts = [len(j.prompt) for j in jobs]
@@ -257,7 +257,7 @@ def bench_long_prompts(model: Llama, args):
     decoders = [Job(j.prompt, args.decode_tokens) for j in chat_workload(args.decoders, vocab, seed=1)]
     long = [Job([rng.randrange(vocab) for _ in range(rng.randint(1500, 2000))], 8) for _ in range(args.long_prompts)]
     every = max(1, (args.decode_tokens - 8) // args.long_prompts)
-    title = (f"chunked prefill, {args.model} ({str(model.embed_tokens.weight.dtype).removeprefix('torch.')}), "
+    title = (f"chunked prefill, {args.model} ({str(model.dtype).removeprefix('torch.')}), "
              f"{torch.get_num_threads()} threads: {args.decoders} requests decode {args.decode_tokens} tokens each "
              f"while {args.long_prompts} prompts of {min(len(j.prompt) for j in long)}-"
              f"{max(len(j.prompt) for j in long)} tokens arrive, one every {every} steps (8 new tokens each); "

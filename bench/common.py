@@ -81,7 +81,7 @@ def long_system_prompt() -> str:
 def run_setup(name: str, model: Llama) -> str:
     """What a table's and a plot's title say the numbers ran on."""
     threads = torch.get_num_threads()
-    return (f"{name}, {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}, "
+    return (f"{name}, {str(model.dtype).removeprefix('torch.')}, "
             f"{threads} thread{'s' if threads > 1 else ''}")
 
 

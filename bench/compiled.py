@@ -36,7 +36,7 @@ def bench_engine_step(args):
     """One batched decode step of engine.Engine, eager against compiled for a fixed
     batch size (one compile per bucket), at each thread count."""
     model, _ = load(RunConfig(args.model, kernels.pick_device(), kernels.DTYPES[args.dtype]))
-    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    dtype = str(model.dtype).removeprefix("torch.")
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)

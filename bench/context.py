@@ -106,7 +106,7 @@ def bench_context(name: str, dtype: str, contexts: list[int], steps: int = 8, re
         raise ValueError(f"--contexts must be between 1 and {c.max_seq_len - steps - 2} (the model's context "
                          f"less the decode steps), got {contexts}")
     weights = bytes_per_token(model, 0)      # every weight a decode step reads (bench decode's rule)
-    kv_token = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.embed_tokens.weight.element_size())
+    kv_token = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.dtype.itemsize)
     gen, rows, measured = torch.Generator().manual_seed(0), [], []
     for n in contexts:
         prompt = torch.randint(100, c.vocab_size - 100, (n,), generator=gen).tolist()

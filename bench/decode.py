@@ -56,9 +56,10 @@ def bytes_per_token(model: Llama, context: int) -> int:
     Quantized weights count as stored, scales included (quantize.weight_bytes)."""
     c = model.config
     weights = quantize.weight_bytes(model)
-    if not c.tie_embeddings or quantize.scheme(model):   # a quantized head is its own copy
-        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    kv = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.embed_tokens.weight.element_size())
+    # the table, unless it is the head's own tensor (counted once: weight_bytes)
+    if model.embed_tokens.weight.data_ptr() != model.lm_head.weight.data_ptr():
+        weights -= quantize.weight_bytes(model.embed_tokens)
+    kv = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.dtype.itemsize)
     return weights + context * kv
 
 

@@ -79,7 +79,7 @@ def bench_kv_bytes(model_name: str = checkpoint.DEFAULT_MODEL, new_tokens: int =
     n = len(prompt) + new_tokens
     cache = kvcache.new_cache(model, "static", max_len=n)
     out = list(generate_cached(model, prompt, SamplingParams(max_new_tokens=new_tokens), cache=cache))
-    size = model.embed_tokens.weight.element_size()
+    size = model.dtype.itemsize
     formula = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, size)
     table = results.Table(
         f"{model_name}: a static cache after a generation ({len(prompt)} prompt + {len(out)} generated tokens) "
@@ -103,10 +103,10 @@ def bench_offload(model_name: str = checkpoint.DEFAULT_MODEL, contexts=(256, 102
         raise ValueError(f"--contexts must be positive, --steps at least 2 and --device-gib positive, got "
                          f"{list(contexts)}, {steps} and {list(device_gib)}")
     model, _ = load(RunConfig(model_name, kernels.pick_device()))
-    c, dev = model.config, model.embed_tokens.weight.device
+    c, dev = model.config, model.device
     if max(contexts) + steps + 1 > c.max_seq_len:
         raise ValueError(f"--contexts must leave {steps + 1} tokens of the model's {c.max_seq_len}-token context")
-    per_token = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.embed_tokens.weight.element_size())
+    per_token = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.dtype.itemsize)
     weights = quantize.weight_bytes(model)
     fits = []
     for gib in device_gib:

@@ -111,16 +111,16 @@ def load_draft(name: str, target: Llama, target_tok, compile: bool = False) -> L
         if not (where / "config.json").is_file():
             raise ValueError(f"no trained draft in {where}: run `{drafting.TRAIN[name]} or pass --draft MODEL")
         name = str(where)
-    path, w = Path(name), target.embed_tokens.weight
+    path, dtype, device = Path(name), target.dtype, target.device
     if path.is_dir() and "medusa_heads" in safetensors_io.read_config(path):
-        heads = drafting.MedusaHeads.from_dir(path, w.dtype, w.device)
+        heads = drafting.MedusaHeads.from_dir(path, dtype, device)
         if len(heads.head_ids) and int(heads.head_ids.max()) >= target.config.vocab_size:
             raise ValueError(f"the Medusa heads in {path} score tokens beyond the target's vocabulary "
                              f"({target.config.vocab_size} ids): they were trained for another model")
         return heads.share_target(target)       # MedusaDraft checks their width
-    cfg = RunConfig(name, w.device, w.dtype)
+    cfg = RunConfig(name, device, dtype)
     if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        if narrow_draft(safetensors_io.read_config(path).get("torch_dtype"), w.device, w.dtype):
+        if narrow_draft(safetensors_io.read_config(path).get("torch_dtype"), device, dtype):
             cfg = replace(cfg, dtype=torch.bfloat16)
         draft, tok = build(path, cfg), target_tok
     else:

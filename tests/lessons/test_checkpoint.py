@@ -17,6 +17,7 @@ import torch
 import checkpoint
 import gguf_hf
 import model as M
+import quantize
 import safetensors_io
 from conftest import ROOT, TEXT, bundled_gguf, fails_with, make_checkpoint, make_qwen_checkpoint, run_cli
 from tokenizer import PRE_TOKENIZER_SPLITS, Tokenizer
@@ -232,10 +233,33 @@ def test_a_quantized_gguf_converts_at_its_own_bits(tmp_path):
             for t in reader.tensors}
     model = M.Llama.from_pretrained(back, "cpu", "float32")
     got = dict(M.unfuse(model))
-    for name in ("layers.1.mlp.down_proj.weight", "layers.0.self_attn.v_proj.weight", "lm_head.weight"):
+    for name in ("layers.1.mlp.down_proj.weight", "layers.0.self_attn.v_proj.weight", "lm_head.weight",
+                 "embed_tokens.weight"):
         np.testing.assert_array_equal(got[name].numpy(), want[name].reshape(got[name].shape))
     q = gguf_hf.unpermute_rows(want["layers.0.self_attn.q_proj.weight"].reshape(128, 128), 4)
     np.testing.assert_array_equal(got["layers.0.self_attn.q_proj.weight"].numpy(), q)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_embedding_table_keeps_its_bits(tmp_path, tied):
+    """The table stays at the file's bits too (Q8_0 here: 34 bytes per 32 weights, not 128): a
+    lookup widens the rows it reads (quantize.StoredEmbedding) to exactly the plain model's fp32
+    rows. Tied to the head, it is stored once, as the head, and the two share its tensors."""
+    src = make_checkpoint(tmp_path / "hf", hidden_size=128, intermediate_size=256,
+                          tie_word_embeddings=tied)
+    path = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "q8_0")
+    back = gguf_hf.convert_gguf(path, tmp_path / "cache")
+    layers = json.loads((back / "config.json").read_text())[M.QUANTIZATION_KEY]["layers"]
+    assert ("embed_tokens" in layers) != tied and layers["lm_head"]["kind"] == "int8"
+    stored = safetensors_io.read_weights(back)
+    assert ("model.embed_tokens.weight" in stored) != tied
+    fast = quantize.from_pretrained(back, "cpu", torch.float32)
+    plain = M.Llama.from_pretrained(back, "cpu", torch.float32)
+    assert isinstance(fast.embed_tokens, quantize.StoredEmbedding)
+    assert (fast.embed_tokens.weight.data_ptr() == fast.lm_head.weight.data_ptr()) == tied
+    ids = torch.tensor([[0, 5, 319, 5], [7, 1, 2, 3]])
+    assert torch.equal(fast.embed_tokens(ids), plain.embed_tokens(ids))
+    assert fast.embed_tokens.weight.dtype == torch.int8       # the file's q, not fp32
 
 
 def test_conversion_is_cached(cache_home):
