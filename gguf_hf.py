@@ -43,8 +43,8 @@ import torch
 from safetensors.torch import save_file
 
 import tokenizer
-from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, join_nibbles, read_weights,
-                            stack, widened)
+from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, block_scaled, join_nibbles,
+                            read_weights, stack, widened)
 
 
 # ----------------------------------------------------------------------------
@@ -187,22 +187,34 @@ class Kind(Enum):
 @dataclass
 class Packed:
     """One GGUF matrix (rows, K) in a kernel layout: W[r, k] = lo[r, k // group] + q[r, k] ·
-    scale[r, k // group] (lo absent: 0); HALF and FLOAT hold the weights in ``q``."""
+    scale[r, k // group] (lo absent: 0); HALF and FLOAT hold the weights in ``q``. A K-quant's
+    scale and lo are int8 per group times ``scale_d`` and ``lo_d``, fp16 per 256 weights
+    (safetensors_io.block_scaled)."""
     kind: Kind
     q: torch.Tensor
     scale: torch.Tensor | None = None
     lo: torch.Tensor | None = None
     group: int | None = None
+    scale_d: torch.Tensor | None = None
+    lo_d: torch.Tensor | None = None
 
     def dequantized(self) -> torch.Tensor:
         if self.kind in (Kind.HALF, Kind.FLOAT):
             return self.q.float()
-        return widened(self.q, self.scale, self.lo)
+        return widened(self.q, self.scale, self.lo, self.scale_d, self.lo_d)
 
     def rows(self, index) -> "Packed":
         """The same layout over a selection of rows (llama.cpp's Q/K row order undone)."""
         pick = lambda t: None if t is None else t[index]
-        return Packed(self.kind, pick(self.q), pick(self.scale), pick(self.lo), self.group)
+        return Packed(self.kind, pick(self.q), pick(self.scale), pick(self.lo), self.group,
+                      pick(self.scale_d), pick(self.lo_d))
+
+    def flat(self) -> "Packed":
+        """The same values with one fp32 scale (and minimum) per group: no super-blocks."""
+        if self.scale_d is None:
+            return self
+        return Packed(self.kind, self.q, block_scaled(self.scale, self.scale_d),
+                      block_scaled(self.lo, self.lo_d), self.group)
 
 
 def halves(qs: np.ndarray) -> np.ndarray:
@@ -234,21 +246,23 @@ def k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def unpack_blocks(blocks: np.ndarray, kind: str):
-    """(n, type size) bytes of one GGUF block type -> (q, s, lo, group): q (n, block) integers,
-    s and lo (n, block // group) fp32 (lo None where the type has none)."""
+    """(n, type size) bytes of one GGUF block type -> (q, s, lo, group, s_d, lo_d): q (n, block)
+    integers, s and lo (n, block // group) fp32 (lo None where the type has none); a K-quant's
+    s and lo are its int8 sc and m, s_d and lo_d its fp16 d and -dmin per block (else None)."""
     if kind == "Q4_0":
         d = fp16(blocks[:, :2])
-        return halves(blocks[:, 2:]), d, -8 * d, 32
+        return halves(blocks[:, 2:]), d, -8 * d, 32, None, None
     if kind == "Q4_1":
-        return halves(blocks[:, 4:]), fp16(blocks[:, :2]), fp16(blocks[:, 2:4]), 32
+        return halves(blocks[:, 4:]), fp16(blocks[:, :2]), fp16(blocks[:, 2:4]), 32, None, None
     if kind == "Q5_0":
         q = halves(blocks[:, 6:]) | (high_bits(blocks[:, 2:6], 32) << 4)
-        return q.astype(np.int8) - 16, fp16(blocks[:, :2]), None, 32
+        return q.astype(np.int8) - 16, fp16(blocks[:, :2]), None, 32, None, None
     if kind == "Q5_1":
         q = halves(blocks[:, 8:]) | (high_bits(blocks[:, 4:8], 32) << 4)
-        return q.astype(np.int8), fp16(blocks[:, :2]), fp16(blocks[:, 2:4]), 32
+        return q.astype(np.int8), fp16(blocks[:, :2]), fp16(blocks[:, 2:4]), 32, None, None
     if kind == "Q8_0":
-        return np.ascontiguousarray(blocks[:, 2:]).view(np.int8), fp16(blocks[:, :2]), None, 32
+        q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
+        return q, fp16(blocks[:, :2]), None, 32, None, None
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = fp16(blocks[:, :2]), fp16(blocks[:, 2:4])
         sc, mn = k_scales(blocks[:, 4:16])
@@ -259,14 +273,14 @@ def unpack_blocks(blocks: np.ndarray, kind: str):
             bit = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             qh = blocks[:, 16:48].reshape(-1, 1, 32) >> bit
             q = q | ((qh & 1).reshape(-1, 256) << 4)
-        return q.astype(np.int8 if kind == "Q5_K" else np.uint8), d * sc, -(dmin * mn), 32
+        return q.astype(np.int8 if kind == "Q5_K" else np.uint8), sc, mn, 32, d, -dmin
     if kind == "Q6_K":
         ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
         qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
             1, 1, 4, 1)
         q = ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).astype(np.int8) - 32
-        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-        return q, fp16(blocks[:, 208:210]) * sc, None, 16
+        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
+        return q, sc, None, 16, fp16(blocks[:, 208:210]), None
     raise CheckpointError(f"GGUF tensor type {kind} is not supported: use a file quantized to "
                           f"F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K")
 
@@ -285,32 +299,39 @@ def packed(tensor) -> Packed:
         return Packed(Kind.HALF, raw.view(torch.bfloat16))
     import gguf
     block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    q, s, lo, group = unpack_blocks(data.reshape(-1, size), kind)
-    q = q.reshape(rows, k)
-    s, lo = s.reshape(rows, k // group), None if lo is None else lo.reshape(rows, k // group)
-    int4 = q.dtype == np.uint8
-    return Packed(Kind.INT4 if int4 else Kind.INT8, torch.from_numpy(np.ascontiguousarray(q)),
-                  torch.from_numpy(np.ascontiguousarray(s, np.float32)),
-                  None if lo is None else torch.from_numpy(np.ascontiguousarray(lo, np.float32)),
-                  group)
+    q, s, lo, group, s_d, lo_d = unpack_blocks(data.reshape(-1, size), kind)
+    blocks = s_d is not None
+    per_row = lambda a, n, dtype: None if a is None else torch.from_numpy(
+        np.ascontiguousarray(a.reshape(rows, n), dtype))
+    # a K-quant's sc and m (6-bit, or Q6_K's int8) as int8, d and -dmin as the file's fp16
+    sub = np.int8 if blocks else np.float32
+    return Packed(Kind.INT4 if q.dtype == np.uint8 else Kind.INT8,
+                  torch.from_numpy(np.ascontiguousarray(q.reshape(rows, k))),
+                  per_row(s, k // group, sub), per_row(lo, k // group, sub), group,
+                  per_row(s_d, k // 256, np.float16), per_row(lo_d, k // 256, np.float16))
 
 
 def common_layout(parts: list[Packed]) -> list[Packed]:
     """The parts of a group the model multiplies as one matrix (q/k/v, gate/up) in one layout,
     so that their rows stack. A Q4_K_M file keeps some layers' V in Q6_K beside Q4_K Q and K:
     int4 becomes int8 with a minimum, a group of 32 two groups of 16 (both exact, for those
-    layers' Q and K only); anything beside a 16-bit or fp32 part becomes fp32."""
-    if len({(p.kind, p.group, p.lo is None, p.q.dtype) for p in parts}) == 1:
+    layers' Q and K only; K-quants keep their int8 scales and fp16 super-block numbers); anything
+    beside a 16-bit or fp32 part becomes fp32."""
+    if len({(p.kind, p.group, p.lo is None, p.q.dtype, p.scale_d is None) for p in parts}) == 1:
         return parts
     if any(p.kind in (Kind.HALF, Kind.FLOAT) for p in parts):
         return [Packed(Kind.FLOAT, p.dequantized()) for p in parts]
+    if any(p.scale_d is None for p in parts):     # K-quants beside others: one fp32 per group
+        parts = [p.flat() for p in parts]
     group = min(p.group for p in parts)
     out = []
     for p in parts:
         n = p.group // group
         lo = p.lo if p.lo is not None else torch.zeros_like(p.scale)
+        lo_d = None if p.scale_d is None else (
+            p.lo_d if p.lo_d is not None else torch.zeros_like(p.scale_d))
         out.append(Packed(Kind.INT8, p.q.to(torch.int8), p.scale.repeat_interleave(n, 1),
-                          lo.repeat_interleave(n, 1), group))
+                          lo.repeat_interleave(n, 1), group, p.scale_d, lo_d))
     return out
 
 
@@ -320,7 +341,8 @@ def half_scales(parts: list[Packed]) -> list[Packed]:
     half the bytes of fp32 and the same values. A K-quant's d·sc is not one, in general."""
     def exact(t):
         return t is None or torch.equal(t.half().float(), t)
-    if not all(p.kind in (Kind.INT4, Kind.INT8) and exact(p.scale) and exact(p.lo) for p in parts):
+    if not all(p.kind in (Kind.INT4, Kind.INT8) and p.scale_d is None and exact(p.scale)
+               and exact(p.lo) for p in parts):
         return parts
     half = lambda t: None if t is None else t.half()
     return [Packed(p.kind, p.q, half(p.scale), half(p.lo), p.group) for p in parts]
@@ -336,6 +358,10 @@ def stored(name: str, p: Packed) -> dict[str, torch.Tensor]:
     out = {f"{name}.weight": q, f"{name}.weight_scale": p.scale}
     if p.lo is not None:
         out[f"{name}.weight_min"] = p.lo
+    if p.scale_d is not None:
+        out[f"{name}.weight_scale_d"] = p.scale_d
+        if p.lo_d is not None:
+            out[f"{name}.weight_min_d"] = p.lo_d
     return out
 
 
@@ -343,8 +369,10 @@ def layout_of(p: Packed) -> dict:
     """A layer's entry in config.json's quantization map."""
     spec = {"kind": p.kind.value}
     if p.kind in (Kind.INT4, Kind.INT8):
+        # "blocks": int8 per group times an fp16 per 256 weights (a K-quant's)
         spec |= {"group": p.group, "min": p.lo is not None,
-                 "scales": str(p.scale.dtype).removeprefix("torch.")}
+                 "scales": "blocks" if p.scale_d is not None
+                 else str(p.scale.dtype).removeprefix("torch.")}
     if p.kind == Kind.HALF:
         spec["dtype"] = str(p.q.dtype).removeprefix("torch.")
     return spec
@@ -353,8 +381,9 @@ def layout_of(p: Packed) -> dict:
 # What convert_gguf writes, by version; a new one keys a new cache directory, so every
 # cache converts again, once. 2: groups stored stacked, the largest |w| recorded. 3: matrices
 # at the file's own bits (Packed), not widened to fp32. 4: fp16 scales where the file's are.
-# 5: the embedding table at its bits (tied: stored once, as the head).
-CONVERTED_FORMAT = 5
+# 5: the embedding table at its bits (tied: stored once, as the head). 6: K-quants' scales as
+# int8 per group times fp16 per 256 weights.
+CONVERTED_FORMAT = 6
 
 
 def gguf_fingerprint(path: Path) -> str:

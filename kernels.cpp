@@ -41,6 +41,59 @@ static inline float f32(c10::Half v) { return _cvtsh_ss(v.x); }
 static inline float f32(c10::Half v) { return float(v); }
 #endif
 
+// A K-quant's scales (or minimums): an int8 per group times its 256-weight super-block's fp16
+// number (Q4_K and Q5_K: d·sc and -dmin·m, sc and m 6-bit; Q6_K: d·sc, sc 8-bit), 1.06 bytes a
+// group where fp32 takes 4. Each product is exact in fp32 (an 11-bit significand times at most
+// 8 bits), so every sum is the one the same scales stored in fp32 give. The kernels take it
+// where they take a pointer to fp32 or fp16 scales: s[g] is group g's, s + n starts n groups on.
+struct KScales {
+  const c10::Half* d = nullptr;
+  const int8_t* sc = nullptr;
+  int shift = 0;        // log2 of the groups in a super-block
+  int64_t at = 0;       // the group s[0] stands for
+  KScales(std::nullptr_t = nullptr) {}
+  KScales(const c10::Half* d, const int8_t* sc, int shift, int64_t at = 0)
+      : d(d), sc(sc), shift(shift), at(at) {}
+  float operator[](int64_t g) const { return f32(d[(at + g) >> shift]) * float(sc[at + g]); }
+  KScales operator+(int64_t n) const { return KScales(d, sc, shift, at + n); }
+  explicit operator bool() const { return sc != nullptr; }
+};
+
+static KScales kscales(const at::Tensor& sc, const at::Tensor& d, int64_t group, const char* op) {
+  int64_t per = 256 / group;
+  int shift = 0;
+  while ((int64_t(1) << shift) < per) shift++;
+  TORCH_CHECK(sc.scalar_type() == at::kChar && d.scalar_type() == at::kHalf && sc.dim() == 2 &&
+              d.dim() == 2 && sc.is_contiguous() && d.is_contiguous() && group * per == 256 &&
+              (int64_t(1) << shift) == per && sc.size(0) == d.size(0) &&
+              sc.size(1) == d.size(1) * per,
+              op, ": K-quant scales: int8 (N, G) and fp16 (N, G / (256 / group))");
+  return KScales(d.data_ptr<c10::Half>(), sc.data_ptr<int8_t>(), shift);
+}
+
+// run(s, lo) with the scales as the kernels read them: pointers to fp32 or fp16 numbers, or
+// KScales where the super-blocks' numbers (sd, lod) are given; lo absent: a null of s's type.
+template <typename F>
+static void with_scales(const at::Tensor& s, const std::optional<at::Tensor>& lo,
+                        const std::optional<at::Tensor>& sd, const std::optional<at::Tensor>& lod,
+                        int64_t group, const char* op, F run) {
+  const bool has_lo = lo.has_value() && lo->defined(), block = sd.has_value() && sd->defined();
+  TORCH_CHECK(s.is_contiguous() && (!has_lo || (lo->sizes() == s.sizes() && lo->is_contiguous() &&
+                                                lo->scalar_type() == s.scalar_type())),
+              op, ": lo shaped and typed as the scale, or None");
+  if (block) {
+    TORCH_CHECK(has_lo == (lod.has_value() && lod->defined()),
+                op, ": a K-quant's minimums come with their super-blocks' numbers");
+    run(kscales(s, *sd, group, op), has_lo ? kscales(*lo, *lod, group, op) : KScales());
+  } else if (s.scalar_type() == at::kHalf) {
+    run(s.data_ptr<c10::Half>(), has_lo ? lo->data_ptr<c10::Half>() : nullptr);
+  } else {
+    TORCH_CHECK(s.scalar_type() == at::kFloat,
+                op, ": scales fp32, fp16, or int8 with their super-blocks' fp16 numbers");
+    run(s.data_ptr<float>(), has_lo ? lo->data_ptr<float>() : nullptr);
+  }
+}
+
 // Weight rows a decode step's int4 loop takes at a time, sharing x's loads. With AVX-512, 4 rows
 // took 4.25 cycles per 32 weights and row from L2 against 4.46 at 2, but the runner's step was
 // slower with them (3 of 4 alternating runs; W streams from DRAM). With AVX2, 4 rows would not fit
@@ -155,8 +208,13 @@ static inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 scales8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 }
+static inline __m256 scales8(KScales p) {
+  float t[8];
+  for (int i = 0; i < 8; i++) t[i] = p[i];
+  return _mm256_loadu_ps(t);
+}
 template <typename S>
-static inline float lo_share(const S* lo, const float* sx, int64_t G) {
+static inline float lo_share(S lo, const float* sx, int64_t G) {
   __m256 a = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8)
@@ -173,7 +231,7 @@ static inline float lo_share(const S* lo, const float* sx, int64_t G) {
 // latency does not gate the next); then the minimum's share. shift = log2(group / 32): block c's
 // scale is s[c >> shift].
 template <int MT, typename S>
-static void int4_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
+static void int4_row(const uint8_t* q, S s, S lo, int64_t K, int shift,
                      const float* xp, const float* sx, float* y, int64_t N) {
   __m256 acc[MT][2];
   UNROLL
@@ -203,7 +261,7 @@ static inline float hsum(__m512 a0, __m512 a1) {
 }
 
 template <int R, typename S>
-static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const S* s, int64_t G,
+static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, S s, int64_t G,
                                    const float* xc, __m512 table, int64_t fetch, __m512* acc) {
   __m512 xe = _mm512_loadu_ps(xc), xo = _mm512_loadu_ps(xc + 16);
   UNROLL
@@ -217,7 +275,7 @@ static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const S*
   }
 }
 template <int R, typename S>
-static void int4_rows(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
+static void int4_rows(const uint8_t* q, S s, S lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -239,7 +297,7 @@ static void int4_rows(const uint8_t* q, const S* s, const S* lo, int64_t K, int 
 // R rows (R = 2: 9% faster than one row at a time, W from DRAM). Each row keeps int4_row<1>'s sums
 // and order.
 template <int R, typename S>
-static void int4_rows(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
+static void int4_rows(const uint8_t* q, S s, S lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   __m256 acc[R][2];
@@ -387,7 +445,7 @@ static inline float hsum(const float* a) {
   return hsum8(l);
 }
 template <int MT, typename S>
-static void int4_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
+static void int4_row(const uint8_t* q, S s, S lo, int64_t K, int shift,
                      const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   for (int t = 0; t < MT; t++) {
@@ -407,7 +465,7 @@ static void int4_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int s
   }
 }
 template <int R, typename S>
-static void int4_rows(const uint8_t* q, const S* s, const S* lo, int64_t K, int shift,
+static void int4_rows(const uint8_t* q, S s, S lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   for (int r = 0; r < R; r++)
@@ -449,7 +507,8 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
   });
 
 static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
-                          const at::Tensor& lo, int64_t group) {
+                          const at::Tensor& lo, int64_t group,
+                          const std::optional<at::Tensor>& sd, const std::optional<at::Tensor>& lod) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int4_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
@@ -458,9 +517,6 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   int shift = 0;
   while ((32 << shift) < group) shift++;
   TORCH_CHECK((32 << shift) == group, "int4_mm: group 32, 64 or 128");
-  TORCH_CHECK((s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf) &&
-              lo.scalar_type() == s.scalar_type() && s.is_contiguous() && lo.is_contiguous() &&
-              lo.sizes() == s.sizes(), "int4_mm: scale and lo (N, K/group), both fp32 or fp16");
   auto y = at::empty({M, N}, x.options());
   std::vector<float> reordered(M * K), sums(M * G);
   float *xp = reordered.data(), *sx = sums.data();
@@ -468,7 +524,7 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
     reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](const auto* sp, const auto* lp) {
+  auto run = [&](auto sp, auto lp) {
     if (M == 1) {
       at::parallel_for(0, N / ROWS, 16 / ROWS, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; p++)
@@ -483,8 +539,7 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
                                     sx + m * G, yp + m * N + n, N)
     TILED(INT4)
   };
-  if (s.scalar_type() == at::kHalf) run(s.data_ptr<c10::Half>(), lo.data_ptr<c10::Half>());
-  else run(s.data_ptr<float>(), lo.data_ptr<float>());
+  with_scales(s, lo, sd, lod, group, "int4_mm", run);
   return y;
 }
 
@@ -578,7 +633,7 @@ static inline __m512 widen16(const c10::BFloat16* p) { return bf16x16(p); }
 // One int8 row in groups against MT rows of x: lanes 0-15 take the scale s[c·step], lanes 16-31
 // s[c·step + step - 1] (step = 32 / group).
 template <int MT, typename S>
-static void int8g_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
+static void int8g_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group, ahead = STREAM_AHEAD;
   __m512 acc[MT][2];
@@ -622,7 +677,7 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 }
 #else
 template <int MT, typename S>
-static void int8g_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
+static void int8g_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group;
   __m256 acc[MT][4], w[4];
@@ -660,13 +715,13 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 #endif
 #else
 template <typename S>
-static inline float lo_share(const S* lo, const float* sx, int64_t G) {
+static inline float lo_share(S lo, const float* sx, int64_t G) {
   float l[8] = {0};
   for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lo[g]), sx[g], l[g % 8]);
   return hsum8(l);
 }
 template <int MT, typename S>
-static void int8g_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
+static void int8g_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t G = K / group;
   for (int t = 0; t < MT; t++) {
@@ -690,33 +745,29 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 #endif
 
 static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
-                           const std::optional<at::Tensor>& lo_, int64_t group) {
+                           const std::optional<at::Tensor>& lo_, int64_t group,
+                           const std::optional<at::Tensor>& sd, const std::optional<at::Tensor>& lod) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8g_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   TORCH_CHECK((group == 16 || group == 32) && K % 32 == 0, "int8g_mm: group 16 or 32, K a multiple "
               "of 32");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == K &&
-              s.dim() == 2 && (s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf) &&
-              s.is_contiguous() && s.size(0) == N && s.size(1) == G,
-              "int8g_mm: q (N, K) int8, scale (N, K/group) fp32 or fp16");
+              s.dim() == 2 && s.size(0) == N && s.size(1) == G,
+              "int8g_mm: q (N, K) int8, scale (N, K/group)");
   const bool has_lo = lo_.has_value() && lo_->defined();
-  TORCH_CHECK(!has_lo || (lo_->sizes() == s.sizes() && lo_->scalar_type() == s.scalar_type() &&
-                          lo_->is_contiguous()), "int8g_mm: lo as scale, or None");
   auto y = at::empty({M, N}, x.options());
   std::vector<float> sums(has_lo ? M * G : 0);
   const float *xp = x.data_ptr<float>(), *sx = sums.data();
   for (int64_t m = 0; has_lo && m < M; m++) group_sums(xp + m * K, K, group, sums.data() + m * G);
   const int8_t* qp = q.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](const auto* sp, const auto* lp) {
+  auto run = [&](auto sp, auto lp) {
 #define INT8G(MT, n, m) int8g_row<MT>(qp + n * K, sp + n * G, lp ? lp + n * G : nullptr, K, group, \
                                       xp + m * K, lp ? sx + m * G : nullptr, yp + m * N + n, N)
     TILED(INT8G)
   };
-  if (s.scalar_type() == at::kHalf)
-    run(s.data_ptr<c10::Half>(), has_lo ? lo_->data_ptr<c10::Half>() : nullptr);
-  else run(s.data_ptr<float>(), has_lo ? lo_->data_ptr<float>() : nullptr);
+  with_scales(s, lo_, sd, lod, group, "int8g_mm", run);
   return y;
 }
 
@@ -762,7 +813,7 @@ static inline void put8(float* o, __m256 w, __m256 s, const __m256* lo) {
   _mm256_storeu_ps(o, lo ? _mm256_fmadd_ps(w, s, *lo) : _mm256_mul_ps(w, s));
 }
 template <typename S>
-static void dequant_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
+static void dequant_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t j = 0; j < K / group; j++) {
     __m256 vs = _mm256_set1_ps(f32(s[j])), vl = _mm256_set1_ps(lo ? f32(lo[j]) : 0.f);
@@ -772,7 +823,7 @@ static void dequant_row(const int8_t* q, const S* s, const S* lo, int64_t K, int
 }
 // 16 bytes: their low and high nibbles interleaved back into the 32 weights' order.
 template <typename S>
-static void dequant_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
+static void dequant_row(const uint8_t* q, S s, S lo, int64_t K, int64_t group,
                         float* out) {
   const __m128i nib = _mm_set1_epi8(15);
   for (int64_t j = 0; j < K / group; j++) {
@@ -788,26 +839,26 @@ static void dequant_row(const uint8_t* q, const S* s, const S* lo, int64_t K, in
   }
 }
 template <typename T, typename S>
-static void dequant_row(const T* w, const S*, const S*, int64_t K, int64_t, float* out) {
+static void dequant_row(const T* w, S, S, int64_t K, int64_t, float* out) {
   for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(out + k, widen8(w + k));
 }
 #else
 template <typename S>
-static void dequant_row(const int8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
+static void dequant_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t k = 0; k < K; k++)
     out[k] = lo ? std::fma(float(q[k]), f32(s[k / group]), f32(lo[k / group]))
                 : float(q[k]) * f32(s[k / group]);
 }
 template <typename S>
-static void dequant_row(const uint8_t* q, const S* s, const S* lo, int64_t K, int64_t group,
+static void dequant_row(const uint8_t* q, S s, S lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t k = 0; k < K; k++)
     out[k] = std::fma(float(k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15), f32(s[k / group]),
                       f32(lo[k / group]));
 }
 template <typename T, typename S>
-static void dequant_row(const T* w, const S*, const S*, int64_t K, int64_t, float* out) {
+static void dequant_row(const T* w, S, S, int64_t K, int64_t, float* out) {
   for (int64_t k = 0; k < K; k++) out[k] = float(w[k]);
 }
 #endif
@@ -818,8 +869,8 @@ static void dequant_row(const T* w, const S*, const S*, int64_t K, int64_t, floa
 // 2048×5632 matrix took 6x as long tile by tile). Tiles of WIDE_ROWS rows, fewer where that would
 // leave a thread without 4 of them.
 template <typename T, typename S>
-static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, const S* s,
-                       const S* lo, int64_t group, at::Tensor& y) {
+static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, S s, S lo,
+                       int64_t group, at::Tensor& y) {
   int64_t K = x.size(1), N = y.size(1), G = group ? K / group : 0;
   int64_t rows = std::min<int64_t>(WIDE_ROWS, (N + 4 * at::get_num_threads() - 1) /
                                                   (4 * at::get_num_threads()));
@@ -844,7 +895,8 @@ static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, const S
 // scale and lo (N, K/group); fp16 or bf16 (N, K) alone.
 static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
-                          int64_t group) {
+                          int64_t group, const std::optional<at::Tensor>& sd,
+                          const std::optional<at::Tensor>& lod) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && w.dim() == 2 &&
               w.is_contiguous() && x.size(1) % 32 == 0,
               "wide_mm: x (M, K) fp32, K a multiple of 32, w (N, ·) contiguous");
@@ -858,13 +910,9 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
     else wide_tiles(x, w.data_ptr<c10::BFloat16>(), K, none, none, 0, y);
     return y;
   }
-  TORCH_CHECK(s_.has_value() && (s_->scalar_type() == at::kFloat || s_->scalar_type() == at::kHalf)
-              && s_->is_contiguous() && s_->size(0) == N,
-              "wide_mm: a scale (N,) or (N, K/group) fp32 or fp16");
+  TORCH_CHECK(s_.has_value() && s_->defined() && s_->size(0) == N, "wide_mm: a scale (N,) or (N, K/group)");
   const at::Tensor& s = *s_;
   const bool has_lo = lo_.has_value() && lo_->defined();
-  TORCH_CHECK(!has_lo || (lo_->sizes() == s.sizes() && lo_->scalar_type() == s.scalar_type() &&
-                          lo_->is_contiguous()), "wide_mm: lo as scale, or None");
   if (s.dim() == 1) group = K;
   TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0 && s.numel() == N * (K / group),
               "wide_mm: scale (N, K/group), group a multiple of 16");
@@ -874,13 +922,11 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
     TORCH_CHECK(type == at::kByte && w.size(1) * 2 == K && has_lo && group % 32 == 0,
                 "wide_mm: int4 w (N, K/2) with scale and lo");
   }
-  auto run = [&](const auto* sp, const auto* lp) {
+  auto run = [&](auto sp, auto lp) {
     if (type == at::kChar) wide_tiles(x, w.data_ptr<int8_t>(), K, sp, lp, group, y);
     else wide_tiles(x, w.data_ptr<uint8_t>(), K / 2, sp, lp, group, y);
   };
-  if (s.scalar_type() == at::kHalf)
-    run(s.data_ptr<c10::Half>(), has_lo ? lo_->data_ptr<c10::Half>() : nullptr);
-  else run(s.data_ptr<float>(), has_lo ? lo_->data_ptr<float>() : nullptr);
+  with_scales(s, lo_, sd, lod, group, "wide_mm", run);
   return y;
 }
 
@@ -1079,11 +1125,15 @@ static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, con
 #endif
 #define DEFINE(ns, m) TORCH_LIBRARY(ns, m)
 DEFINE(LIBRARY, m) {
-  m.def("int4_mm(Tensor x, Tensor q, Tensor scale, Tensor lo, int group) -> Tensor");
+  // scale_d, lo_d: a K-quant's super-block numbers (KScales), with int8 scale and lo
+  m.def("int4_mm(Tensor x, Tensor q, Tensor scale, Tensor lo, int group, Tensor? scale_d=None, "
+        "Tensor? lo_d=None) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor");
-  m.def("int8g_mm(Tensor x, Tensor q, Tensor scale, Tensor? lo, int group) -> Tensor");
+  m.def("int8g_mm(Tensor x, Tensor q, Tensor scale, Tensor? lo, int group, Tensor? scale_d=None, "
+        "Tensor? lo_d=None) -> Tensor");
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
-  m.def("wide_mm(Tensor x, Tensor w, Tensor? scale, Tensor? lo, int group) -> Tensor");
+  m.def("wide_mm(Tensor x, Tensor w, Tensor? scale, Tensor? lo, int group, Tensor? scale_d=None, "
+        "Tensor? lo_d=None) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
 }

@@ -433,15 +433,15 @@ def native_kernels(quiet: bool = False) -> bool:
         return False
     # their outputs' shapes, for torch.compile and torch.export to trace them
     torch.library.register_fake("nanoinfer::int4_mm")(
-        lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
+        lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8_mm")(
         lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8g_mm")(
-        lambda x, q, s, lo, group: x.new_empty(x.shape[0], q.shape[0]))
+        lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::half_mm")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("nanoinfer::wide_mm")(
-        lambda x, w, s, lo, group: x.new_empty(x.shape[0], w.shape[0]))
+        lambda x, w, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("nanoinfer::decode_attention")(
         lambda q, k, v, mask: q.new_empty(q.shape))
     torch.library.register_fake("nanoinfer::bf16_mm")(
@@ -488,11 +488,13 @@ def build_kernels(library: str, vector: list[str], quiet: bool = False) -> bool:
 
 
 def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
-            group: int) -> torch.Tensor:
+            group: int, scale_d: torch.Tensor | None = None,
+            lo_d: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ for W (N, K) int4 as quantize.Int4Linear stores it: q (N, K/2) uint8 (even
-    column in the low nibble), scale and lo (N, K/group) fp32; W = lo + q·s. Needs
+    column in the low nibble), scale and lo (N, K/group) fp32 or fp16, or int8 times their
+    256-weight super-block's fp16 number (scale_d, lo_d: a K-quant's); W = lo + q·s. Needs
     native_kernels()."""
-    return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group)
+    return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group, scale_d, lo_d)
 
 
 def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -508,11 +510,12 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 
 def int8g_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None,
-             group: int) -> torch.Tensor:
+             group: int, scale_d: torch.Tensor | None = None,
+             lo_d: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ for W int8 in groups as quantize.Int8Linear holds it: q (N, K) int8,
-    scale (N, K/group) fp32, lo None or as scale, group 16 or 32, K a multiple of 32; W = lo + q·s.
-    Needs native_kernels()."""
-    return torch.ops.nanoinfer.int8g_mm(x, q, scale, lo, group)
+    scale (N, K/group) as int4_mm's, lo None or as scale, group 16 or 32, K a multiple of 32;
+    W = lo + q·s. Needs native_kernels()."""
+    return torch.ops.nanoinfer.int8g_mm(x, q, scale, lo, group, scale_d, lo_d)
 
 
 def half_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -522,12 +525,13 @@ def half_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def wide_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-            lo: torch.Tensor | None = None, group: int = 0) -> torch.Tensor:
+            lo: torch.Tensor | None = None, group: int = 0, scale_d: torch.Tensor | None = None,
+            lo_d: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ for many rows of x (a prefill) on BLAS's matrix-matrix kernel, W
     dequantized a tile of rows at a time into an fp32 scratch: no fp32 copy of W is held. W as a
     stored layer holds it: int8 (N, K) with scale (N,) (group 0) or in groups; int4 bytes (N, K/2)
-    with scale and lo; fp16 or bf16 (N, K) alone. Needs native_kernels()."""
-    return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group)
+    with scale and lo (scales as int4_mm's); fp16 or bf16 (N, K) alone. Needs native_kernels()."""
+    return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group, scale_d, lo_d)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -575,10 +579,13 @@ def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bo
     return fits and (native_kernels() if native is None else native)
 
 
-def kernel_scales(t: torch.Tensor) -> torch.Tensor:
-    """A layer's group scales or minimums as the C++ kernels read them: fp16 kept (a GGUF's own:
-    half the bytes, widened exactly as they are read), anything else as fp32."""
-    return (t if t.dtype == torch.float16 else t.float()).contiguous()
+def kernel_scales(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A layer's group scales or minimums as the C++ kernels read them: a GGUF's fp16 and int8
+    ones kept (widened exactly as they are read: half or a quarter of fp32's bytes), anything
+    else as fp32."""
+    if t is None:
+        return None
+    return (t if t.dtype in (torch.float16, torch.int8) else t.float()).contiguous()
 
 
 def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -594,7 +601,8 @@ def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if isinstance(layer, quantize.HalfLinear):
             y = wide_mm(rows, layer.weight)
         else:
-            y = wide_mm(rows, layer.weight, layer.weight_scale, layer.weight_min, layer.group or 0)
+            y = wide_mm(rows, layer.weight, layer.weight_scale, layer.weight_min, layer.group or 0,
+                        layer.weight_scale_d, layer.weight_min_d)
         return y.reshape(*x.shape[:-1], -1)
     return F.linear(x, layer.dequantized().to(x.dtype))
 
@@ -619,9 +627,8 @@ class Int8Linear(quantize.Int8Linear):
         self.native = uses_native(self, dtype, native)
         if self.native and self.group is not None:
             self.weight = self.weight.contiguous()
-            self.weight_scale = kernel_scales(self.weight_scale)
-            if self.weight_min is not None:
-                self.weight_min = kernel_scales(self.weight_min)
+            for name in ("weight_scale", "weight_min", "weight_scale_d", "weight_min_d"):
+                setattr(self, name, kernel_scales(getattr(self, name)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -630,7 +637,8 @@ class Int8Linear(quantize.Int8Linear):
                 return quantize.with_bias(wide_linear(self, x), self.bias)
             flat = x.reshape(rows, -1).contiguous()
             y = (int8_mm(flat, self.weight, self.weight_scale) if self.group is None
-                 else int8g_mm(flat, self.weight, self.weight_scale, self.weight_min, self.group))
+                 else int8g_mm(flat, self.weight, self.weight_scale, self.weight_min, self.group,
+                               self.weight_scale_d, self.weight_min_d))
             return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
         if rows == 1 and self.group is None and x.device.type == "cpu" and \
                 torch.compiler.is_compiling():
@@ -650,8 +658,8 @@ class Int4Linear(quantize.Int4Linear):
             return super().prepare(dtype)
         self.dtype = dtype
         self.weight = self.weight.contiguous()
-        self.weight_scale = kernel_scales(self.weight_scale)
-        self.weight_min = kernel_scales(self.weight_min)
+        for name in ("weight_scale", "weight_min", "weight_scale_d", "weight_min_d"):
+            setattr(self, name, kernel_scales(getattr(self, name)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -659,7 +667,7 @@ class Int4Linear(quantize.Int4Linear):
             if rows >= quantize.PREFILL_ROWS:
                 return quantize.with_bias(wide_linear(self, x), self.bias)
             y = int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
-                        self.weight_min, self.group)
+                        self.weight_min, self.group, self.weight_scale_d, self.weight_min_d)
             return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
         return super().forward(x)
 

@@ -230,12 +230,16 @@ def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
 
 def layout_bytes(layout: dict, rows: int, cols: int) -> int:
     """Bytes of one matrix in a GGUF layout (gguf_hf.Packed): the integers, then a scale (and a
-    minimum) per group, fp32 or fp16 (gguf_hf.half_scales)."""
+    minimum) per group, fp32, fp16 (gguf_hf.half_scales) or a K-quant's int8 times fp16 per 256 weights."""
     n = rows * cols
     if layout["kind"] == "half":
         return 2 * n
-    per_group = (2 if layout.get("scales") == "float16" else 4) * (2 if layout.get("min") else 1)
-    return n // (2 if layout["kind"] == "int4" else 1) + n // layout["group"] * per_group
+    numbers = 2 if layout.get("min") else 1
+    if layout.get("scales") == "blocks":    # int8 per group, fp16 per 256 weights
+        extra = n // layout["group"] * numbers + n // 256 * 2 * numbers
+    else:
+        extra = n // layout["group"] * (2 if layout.get("scales") == "float16" else 4) * numbers
+    return n // (2 if layout["kind"] == "int4" else 1) + extra
 
 
 # ----------------------------------------------------------------------------

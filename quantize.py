@@ -105,11 +105,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) ->
 
 
 def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None = None,
-                       dtype=torch.float32) -> torch.Tensor:
+                       dtype=torch.float32, scale_d: torch.Tensor | None = None,
+                       lo_d: torch.Tensor | None = None) -> torch.Tensor:
     """W = lo + q·s per group along each row: q (rows, cols) integers, scale and lo (rows, groups),
-    each group cols/groups long (lo None: 0). The rule is the checkpoint format's
-    (safetensors_io.widened), which a plain model's loader also applies."""
-    return safetensors_io.widened(q, scale, lo).to(dtype)
+    each group cols/groups long (lo None: 0; scale_d, lo_d: a K-quant's super-block numbers).
+    The rule is the checkpoint format's (safetensors_io.widened), which a plain model's loader
+    also applies."""
+    return safetensors_io.widened(q, scale, lo, scale_d, lo_d).to(dtype)
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,6 +202,23 @@ GROUP = 32
 PREFILL_ROWS = 16
 
 
+def block_scales(layer: nn.Module, in_features: int, out_features: int, group: int | None,
+                 has_min: bool, blocks: bool):
+    """A stored layer's K-quant scales (``blocks``): weight_scale (and weight_min) int8 per group,
+    weight_scale_d (and weight_min_d) fp16 per 256 weights; else those two are None."""
+    if blocks and (group is None or in_features % 256 or 256 % group):
+        raise ValueError(f"K-quant scales need rows of a multiple of 256 weights in groups that "
+                         f"divide 256, not {in_features} in groups of {group}")
+    per = (out_features, in_features // 256) if blocks else None
+    if blocks:
+        layer.weight_scale = layer.weight_scale.to(torch.int8)
+        if has_min:
+            layer.weight_min = layer.weight_min.to(torch.int8)
+    layer.register_buffer("weight_scale_d", torch.ones(per, dtype=torch.float16) if blocks else None)
+    layer.register_buffer("weight_min_d", torch.zeros(per, dtype=torch.float16)
+                          if blocks and has_min else None)
+
+
 class Int8Linear(nn.Module):
     """y = x·Wᵀ with W stored as int8 rows and one scale per row:
     W[r] ≈ weight[r] · weight_scale[r]. The scale factors out of each row's dot
@@ -210,13 +229,14 @@ class Int8Linear(nn.Module):
 
         W[r, k] = weight_min[r, k // g] + weight[r, k] · weight_scale[r, k // g]
 
-    A GGUF's 5-, 6- and 8-bit blocks load this way at their own bits (+4 or 8 bytes per group of
-    16 or 32). A scale per group no longer factors out of the row, so this layer dequantizes and
-    runs one matmul (the reference; kernels.py applies each group's scale inside its loop).
-    ``bias``: added to the output."""
+    A GGUF's 5-, 6- and 8-bit blocks load this way at their own bits, with their fp32 or fp16
+    scales, or (``blocks``: a K-quant's) an int8 per group times an fp16 per 256 weights
+    (weight_scale_d, weight_min_d: safetensors_io.block_scaled). A scale per group no longer
+    factors out of the row, so this layer dequantizes and runs one matmul (the reference;
+    kernels.py applies each group's scale inside its loop). ``bias``: added to the output."""
 
     def __init__(self, in_features: int, out_features: int, group: int | None = None,
-                 has_min: bool = False, bias: bool = False):
+                 has_min: bool = False, bias: bool = False, blocks: bool = False):
         super().__init__()
         if group is not None and (group <= 0 or in_features % group):
             raise ValueError(f"int8 groups of {group} do not divide a row of {in_features} "
@@ -229,6 +249,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(out_features, *groups))
         self.register_buffer("weight_min",
                              torch.zeros(out_features, *groups) if has_min else None)
+        block_scales(self, in_features, out_features, group, has_min, blocks)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     @classmethod
@@ -253,7 +274,8 @@ class Int8Linear(nn.Module):
         if self.group is None:
             return dequantize_int8(self.weight, self.weight_scale[:, None],
                                    self.weight_scale.dtype)
-        return dequantize_grouped(self.weight, self.weight_scale, self.weight_min)
+        return dequantize_grouped(self.weight, self.weight_scale, self.weight_min, torch.float32,
+                                  self.weight_scale_d, self.weight_min_d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -275,7 +297,8 @@ class Int4Linear(nn.Module):
     scale and a minimum per group: W ≈ lo + q·s. Half a byte per weight plus
     the group's two numbers (fp32 on disk, the model's dtype in the kernel)."""
 
-    def __init__(self, in_features: int, out_features: int, group: int = GROUP, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, group: int = GROUP, bias: bool = False,
+                 blocks: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
         # of the dequantized matrix; prepare() sets the model's
@@ -284,6 +307,8 @@ class Int4Linear(nn.Module):
                              torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.ones(out_features, in_features // group))
         self.register_buffer("weight_min", torch.zeros(out_features, in_features // group))
+        # Q4_K's: an int8 scale and minimum per group of 32, an fp16 pair per 256 (Int8Linear's)
+        block_scales(self, in_features, out_features, group, True, blocks)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         # the CPU kernel's layout
         self.register_buffer("tiled", None, persistent=False)
@@ -304,15 +329,16 @@ class Int4Linear(nn.Module):
         if self.weight.device.type != "cpu":
             return
         q = split_nibbles(self.weight).to(torch.int32)
-        z = self.weight_min + 8 * self.weight_scale
+        s = safetensors_io.block_scaled(self.weight_scale, self.weight_scale_d).float()
+        z = safetensors_io.block_scaled(self.weight_min, self.weight_min_d).float() + 8 * s
         self.tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.scales_and_zeros = (torch.stack([self.weight_scale, z], -1).transpose(0, 1)
-                                 .contiguous().to(dtype))
+        self.scales_and_zeros = (torch.stack([s, z], -1).transpose(0, 1).contiguous().to(dtype))
         self.weight = self.weight_scale = self.weight_min = None
+        self.weight_scale_d = self.weight_min_d = None
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int4(split_nibbles(self.weight), self.weight_scale, self.weight_min,
-                               self.dtype)
+        return dequantize_grouped(split_nibbles(self.weight), self.weight_scale, self.weight_min,
+                                  self.dtype, self.weight_scale_d, self.weight_min_d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiled is not None:
@@ -370,7 +396,7 @@ class StoredEmbedding(nn.Module):
         super().__init__()
         self.int4 = isinstance(layer, Int4Linear)
         self.dtype = dtype          # of the rows it returns: the model's
-        for name in ("weight", "weight_scale", "weight_min"):
+        for name in ("weight", "weight_scale", "weight_min", "weight_scale_d", "weight_min_d"):
             self.register_buffer(name, getattr(layer, name, None), persistent=persistent)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -379,9 +405,10 @@ class StoredEmbedding(nn.Module):
         if self.weight_scale is None:       # 16-bit
             rows = q.float()
         else:
-            lo = None if self.weight_min is None else self.weight_min[ids]
+            pick = lambda t: None if t is None else t[ids]
             rows = safetensors_io.widened(split_nibbles(q) if self.int4 else q,
-                                          self.weight_scale[ids], lo)
+                                          self.weight_scale[ids], pick(self.weight_min),
+                                          pick(self.weight_scale_d), pick(self.weight_min_d))
         return rows.to(self.dtype).reshape(*tokens.shape, -1)
 
 
@@ -495,10 +522,12 @@ def gguf_layout(layers: dict[str, dict], name: str) -> dict | None:
 
 def stored_layer(layout: dict, in_features: int, out_features: int, bias: bool) -> nn.Module:
     """An empty layer holding one GGUF layout: int4 or int8 groups, or 16-bit weights."""
+    blocks = layout.get("scales") == "blocks"
     if layout["kind"] == "int4":
-        return Int4Linear(in_features, out_features, layout["group"], bias=bias)
+        return Int4Linear(in_features, out_features, layout["group"], bias=bias, blocks=blocks)
     if layout["kind"] == "int8":
-        return Int8Linear(in_features, out_features, layout["group"], layout["min"], bias=bias)
+        return Int8Linear(in_features, out_features, layout["group"], layout["min"], bias=bias,
+                          blocks=blocks)
     return HalfLinear(in_features, out_features, getattr(torch, layout["dtype"]), bias=bias)
 
 
@@ -525,7 +554,7 @@ def check_quantized_tensors(state: dict[str, torch.Tensor], any_sign: bool = Fal
     file's own, of either sign (Q4_0's d is negative for half its blocks) and 0 for an all-zero
     block."""
     for name, t in state.items():
-        if name.endswith(("weight_scale", "weight_min")):
+        if name.endswith(("weight_scale", "weight_min", "weight_scale_d", "weight_min_d")):
             signed = name.endswith("scale") and not any_sign
             bad = ~torch.isfinite(t) | (t <= 0 if signed else torch.zeros_like(t, dtype=torch.bool))
             if bad.any():

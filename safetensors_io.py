@@ -177,8 +177,9 @@ def check_finite(state: dict[str, torch.Tensor], model_dir):
 # model keeps each group stacked by rows in one matrix (model.py says why). A layout
 # maps each fused name to its parts, in their row order.
 
-# A layer's tensors in a checkpoint: its weight, a quantized layer's scales and minimums, a bias
-SUFFIXES = ("weight", "weight_scale", "weight_min", "bias")
+# A layer's tensors in a checkpoint: its weight, a quantized layer's scales and minimums (and a
+# K-quant's super-block numbers for them: block_scaled), a bias
+SUFFIXES = ("weight", "weight_scale", "weight_min", "weight_scale_d", "weight_min_d", "bias")
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -289,9 +290,21 @@ def split_nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
 
 
-def widened(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
+def block_scaled(sub: torch.Tensor | None, d: torch.Tensor | None) -> torch.Tensor | None:
+    """A group's scale (or minimum) as one number. A K-quant stores an int8 per group (``sub``)
+    and an fp16 per 256-weight super-block (``d``): their product, exact in fp32. Without
+    ``d``, ``sub`` as it is."""
+    if sub is None or d is None:
+        return sub
+    return d.float().repeat_interleave(sub.shape[-1] // d.shape[-1], -1) * sub.float()
+
+
+def widened(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None,
+            scale_d: torch.Tensor | None = None, lo_d: torch.Tensor | None = None) -> torch.Tensor:
     """W = lo + q·scale in fp32, a scale (and a minimum) per group of q's columns (one group:
-    a scale per row): the value every kernel's sums stand for."""
+    a scale per row): the value every kernel's sums stand for. ``scale_d``, ``lo_d``: the
+    super-blocks' numbers of a K-quant's int8 scale and lo (block_scaled)."""
+    scale, lo = block_scaled(scale, scale_d), block_scaled(lo, lo_d)
     rows, cols = q.shape
     g = q.float().reshape(rows, scale.shape[1] if scale.dim() == 2 else 1, -1)
     w = g * scale.float().reshape(rows, -1, 1)
@@ -317,7 +330,10 @@ def widen_layers(state: dict[str, torch.Tensor], layers: dict[str, dict]) -> dic
         w = take("weight")
         if spec["kind"] in ("int4", "int8"):
             q = split_nibbles(w) if spec["kind"] == "int4" else w
-            w = widened(q, take("weight_scale"), take("weight_min") if spec.get("min") else None)
+            blocks, has_min = spec.get("scales") == "blocks", spec.get("min")
+            w = widened(q, take("weight_scale"), take("weight_min") if has_min else None,
+                        take("weight_scale_d") if blocks else None,
+                        take("weight_min_d") if blocks and has_min else None)
         state.update(zip([f"{n}.weight" for n in names], w.float().split(rows)))
     return state
 

@@ -168,7 +168,8 @@ def test_every_gguf_type_keeps_its_bits(kind):
     """Re-laid, not re-rounded: each GGUF block type's Packed layout (int4 or int8 groups, 16-bit,
     fp32) stands for exactly the values gguf-py (ggml's reference) dequantizes (equal as numbers:
     a -0.0 may come back +0.0); the scales keep their sign (Q4_0's and Q6_K's d), and are stored
-    in fp16, the same numbers, where the file's are (half_scales: not a K-quant's d·sc)."""
+    in fp16, the same numbers, where the file's are (half_scales); a K-quant's as the file holds
+    them, an int8 per group times an fp16 per 256 weights."""
     from gguf.quants import dequantize
     t = gguf_blocks(kind)
     want = dequantize(t.data, t.tensor_type).reshape(6, 512).astype(np.float32)
@@ -183,7 +184,10 @@ def test_every_gguf_type_keeps_its_bits(kind):
         assert p.q.dtype == (torch.uint8 if p.kind.value == "int4" else torch.int8)
         assert p.q.min() >= 0 and p.q.max() <= 15 if p.kind.value == "int4" else True
         half = kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-        assert narrow.scale.dtype == (torch.float16 if half else torch.float32)
+        # a K-quant's: int8 sc (and m) per group, its fp16 d (and -dmin) per 256 weights
+        blocks = kind in ("Q4_K", "Q5_K", "Q6_K")
+        assert narrow.scale.dtype == (torch.float16 if half else torch.int8 if blocks else torch.float32)
+        assert (p.scale_d is not None) == blocks and (p.lo_d is not None) == (kind in ("Q4_K", "Q5_K"))
 
 
 def test_an_unsupported_gguf_type_is_refused_in_one_line():

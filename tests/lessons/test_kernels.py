@@ -7,6 +7,7 @@ import kernels
 import kvcache
 import model as M
 import quantize
+import safetensors_io
 from conftest import make_checkpoint
 
 
@@ -333,6 +334,31 @@ def test_fp16_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k):
         wide = [t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t for t in args]
         for lib in builds.values():
             assert torch.equal(lib.wide_mm(rows, *args), kernels.wide_mm(rows, *wide))
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_k_quant_block_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k):
+    """A K-quant's scales as the file holds them (an int8 per group times an fp16 per 256
+    weights: KScales) give int4_mm, int8g_mm and wide_mm the bits of their products stored in
+    fp32, in every build: each product is exact in fp32. Q4_K (int4, groups of 32, a minimum),
+    Q6_K (int8, groups of 16, none), Q5_K (int8, groups of 32, a minimum)."""
+    torch.manual_seed(k)
+    n, x, rows = 77, torch.randn(5, k), torch.randn(40, k)
+    d = lambda: (torch.randn(n, k // 256) * 0.01).half()
+    sub = lambda group, low=0: torch.randint(low, 64, (n, k // group), dtype=torch.int8)
+    q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    q8 = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    cases = [("int4_mm", q4, sub(32), sub(32), 32, d(), d()),          # Q4_K
+             ("int8g_mm", q8, sub(16, -64), None, 16, d(), None),      # Q6_K
+             ("int8g_mm", q8, sub(32), sub(32), 32, d(), d())]         # Q5_K
+    for op, q, sc, m, group, sd, md in cases:
+        flat = (safetensors_io.block_scaled(sc, sd), safetensors_io.block_scaled(m, md))
+        call = lambda lib, x: getattr(lib, op)(x, q, sc, m, group, sd, md)
+        y = same_bits_everywhere(builds, call, x)
+        assert torch.equal(y, getattr(torch.ops.nanoinfer, op)(x, q, *flat, group))
+        for lib in builds.values():
+            assert torch.equal(lib.wide_mm(rows, q, sc, m, group, sd, md),
+                               kernels.wide_mm(rows, q, *flat, group))
 
 
 def test_tiled_prefill_equals_the_dequantized_matrix(builds):
