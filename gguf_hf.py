@@ -311,28 +311,16 @@ def packed(tensor) -> Packed:
                   per_row(s_d, k // 256, np.float16), per_row(lo_d, k // 256, np.float16))
 
 
-def common_layout(parts: list[Packed]) -> list[Packed]:
-    """The parts of a group the model multiplies as one matrix (q/k/v, gate/up) in one layout,
-    so that their rows stack. A Q4_K_M file keeps some layers' V in Q6_K beside Q4_K Q and K:
-    int4 becomes int8 with a minimum, a group of 32 two groups of 16 (both exact, for those
-    layers' Q and K only; K-quants keep their int8 scales and fp16 super-block numbers); anything
-    beside a 16-bit or fp32 part becomes fp32."""
-    if len({(p.kind, p.group, p.lo is None, p.q.dtype, p.scale_d is None) for p in parts}) == 1:
-        return parts
-    if any(p.kind in (Kind.HALF, Kind.FLOAT) for p in parts):
-        return [Packed(Kind.FLOAT, p.dequantized()) for p in parts]
-    if any(p.scale_d is None for p in parts):     # K-quants beside others: one fp32 per group
-        parts = [p.flat() for p in parts]
-    group = min(p.group for p in parts)
-    out = []
-    for p in parts:
-        n = p.group // group
-        lo = p.lo if p.lo is not None else torch.zeros_like(p.scale)
-        lo_d = None if p.scale_d is None else (
-            p.lo_d if p.lo_d is not None else torch.zeros_like(p.scale_d))
-        out.append(Packed(Kind.INT8, p.q.to(torch.int8), p.scale.repeat_interleave(n, 1),
-                          lo.repeat_interleave(n, 1), group, p.scale_d, lo_d))
-    return out
+def grouped(parts: list[Packed]) -> list[Packed]:
+    """The parts of a group the model multiplies as one matrix (q/k/v, gate/up) as they are
+    stored: in one layout they stack (one matrix, one kernel call), else each keeps its own
+    (quantize.StoredParts: Q4_K_M keeps some layers' V in Q6_K beside Q4_K Q and K); beside an
+    fp32 part, all in fp32."""
+    if any(p.kind == Kind.FLOAT for p in parts):
+        return [p if p.kind == Kind.FLOAT else Packed(Kind.FLOAT, p.dequantized()) for p in parts]
+    if len({json.dumps(layout_of(p)) for p in parts}) == 1:
+        return half_scales(parts)
+    return [half_scales([p])[0] for p in parts]
 
 
 def half_scales(parts: list[Packed]) -> list[Packed]:
@@ -382,8 +370,8 @@ def layout_of(p: Packed) -> dict:
 # cache converts again, once. 2: groups stored stacked, the largest |w| recorded. 3: matrices
 # at the file's own bits (Packed), not widened to fp32. 4: fp16 scales where the file's are.
 # 5: the embedding table at its bits (tied: stored once, as the head). 6: K-quants' scales as
-# int8 per group times fp16 per 256 weights.
-CONVERTED_FORMAT = 6
+# int8 per group times fp16 per 256 weights. 7: a group's parts at different bits kept apart.
+CONVERTED_FORMAT = 7
 
 
 def gguf_fingerprint(path: Path) -> str:
@@ -440,7 +428,7 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
         for i in range(cfg["num_hidden_layers"]):
             for parts in FUSED.values():
                 names = [f"layers.{i}.{part}" for part in parts]
-                matrices.update(zip(names, half_scales(common_layout([matrices[n] for n in names]))))
+                matrices.update(zip(names, grouped([matrices[n] for n in names])))
         fused = {f"layers.{i}.{part}" for i in range(cfg["num_hidden_layers"])
                  for parts in FUSED.values() for part in parts}
         matrices.update((n, half_scales([p])[0]) for n, p in matrices.items() if n not in fused)
@@ -578,7 +566,8 @@ def add_vocabulary(w, model_dir: Path, vocab_size: int) -> None:
         w.add_eos_token_id(2)
 
 
-def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
+def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16",
+                mixed: dict[str, str] | None = None) -> Path:
     """Write an HF directory as a GGUF file of its architecture (llama; qwen2 where q/k/v have
     a bias, qwen3 where q and k are normalised): the inverse of `convert_gguf`.
 
@@ -586,13 +575,15 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     on the very same weights, not on some other file's rounding or quantization.
     So we write them ourselves: {arch}.* metadata from config.json, tensors
     renamed by GGUF_NAMES, a llama's Q/K rows permuted to llama.cpp's order, matrices
-    stored as ``dtype`` ("f32", "f16", "bf16" or "q8_0"; norms and biases stay f32, as
+    stored as ``dtype`` ("f32", "f16", "bf16", "q8_0" or "q4_0"; norms and biases stay f32, as
     llama.cpp's own converter does). The vocabulary comes from the directory's
     byte-level BPE tokenizer.json; a directory without one (a random benchmark
     checkpoint) gets a synthetic vocabulary of the right size, enough for
     llama.cpp to load the file and run token ids — but not to tokenize text.
     ``c`` is the directory's parsed config (model.LlamaConfig): config.json is
-    parsed in one place, above this module, so the caller passes it down.
+    parsed in one place, above this module, so the caller passes it down. ``mixed``: another
+    type for the matrices whose name ends so ({"v_proj.weight": "q4_0"}), as llama-quantize's
+    K-mixes keep some tensors at more bits.
     """
     import gguf
     from gguf.quants import quantize
@@ -601,8 +592,10 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
     formats = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
                "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
                "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
-               "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
-    if dtype not in formats:
+               "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+               "q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0)}
+    mixed = mixed or {}
+    if dtype not in formats or not set(mixed.values()) <= set(formats):
         raise ValueError(f"unknown GGUF dtype '{dtype}': use one of {', '.join(formats)}")
     qtype, file_type = formats[dtype]
     model_dir, out_path = Path(model_dir), Path(out_path)
@@ -623,6 +616,8 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
             raise CheckpointError(f"tensor '{name}' in {model_dir} has no GGUF counterpart: "
                                   f"not a {arch} model")
         a = tensor.float().numpy()
+        qtype = next((formats[t][0] for end, t in mixed.items() if name.endswith(end)),
+                     formats[dtype][0])
         product = name.split(".")[-2]       # model.layers.3.self_attn.q_proj.weight -> q_proj
         if arch in PERMUTED and product in ("q_proj", "k_proj"):
             a = permute_rows(a, c.n_heads if product == "q_proj" else c.n_kv_heads)
@@ -630,7 +625,7 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16") -> Path:
             w.add_tensor(to_gguf[name], np.ascontiguousarray(a, dtype=np.float32))
         elif qtype == Q.F16:
             w.add_tensor(to_gguf[name], a.astype(np.float16))
-        else:   # bf16 and q8_0 come back from gguf.quants as raw bytes
+        else:   # bf16, q8_0 and q4_0 come back from gguf.quants as raw bytes
             w.add_tensor(to_gguf[name], quantize(a, qtype), raw_dtype=qtype)
 
     # Write into a temporary sibling and rename: an interrupted export never looks finished.

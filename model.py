@@ -300,13 +300,17 @@ class Block(nn.Module):
 FUSED = safetensors_io.FUSED
 
 
+def fused_rows(model: "Llama") -> list[dict[str, list[int]]]:
+    """Per layer, each fused matrix's parts' row counts (FUSED's order)."""
+    return [{"self_attn.qkv_proj": list(layer.self_attn.split),
+             "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
+            for layer in model.layers]
+
+
 def unfuse(model: "Llama") -> dict:
     """The model's tensors by checkpoint names (without "model."): each fused matrix
     split back into its parts (a quantized layer's scales too)."""
-    rows = [{"self_attn.qkv_proj": layer.self_attn.split,
-             "mlp.gate_up_proj": [model.config.intermediate_size] * 2}
-            for layer in model.layers]
-    return safetensors_io.split_fused(dict(model.state_dict()), FUSED, rows)
+    return safetensors_io.split_fused(dict(model.state_dict()), FUSED, fused_rows(model))
 
 
 def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:

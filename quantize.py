@@ -70,7 +70,7 @@ import safetensors_io
 # kernel converts it into its own layout at load time)
 from safetensors_io import join_nibbles, split_nibbles
 from model import (FUSED, QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype,
-                   attend)
+                   attend, fused_rows)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                   # the largest finite e4m3 number
@@ -485,10 +485,18 @@ def empty_quantized(model: nn.Module, spec: dict):
     quantized layer of the right shape (on the meta device, like the model). A GGUF
     conversion names each layer's layout (gguf_hf.Packed); quantize.py's, one scheme."""
     if spec.get("weights") == "gguf":
+        rows = {f"layers.{i}.{fused}": n for i, layer in enumerate(fused_rows(model))
+                for fused, n in layer.items()}
         for name, lin in quantized_layers(model).items():
-            if (layout := gguf_layout(spec["layers"], name)) is not None:
-                replace_layer(model, name, stored_layer(layout, lin.in_features, lin.out_features,
-                                                        lin.bias is not None))
+            if (layouts := gguf_layouts(spec["layers"], name)) is None:
+                continue
+            bias = lin.bias is not None
+            if all(layout == layouts[0] for layout in layouts):     # stored stacked
+                layer = stored_layer(layouts[0], lin.in_features, lin.out_features, bias)
+            else:
+                layer = StoredParts([stored_layer(layout, lin.in_features, n, bias)
+                                     for layout, n in zip(layouts, rows[name])])
+            replace_layer(model, name, layer)
         vocab, hidden = model.embed_tokens.weight.shape
         if (table := spec["layers"].get("embed_tokens")) is not None:
             model.embed_tokens = StoredEmbedding(stored_layer(table, hidden, vocab, False))
@@ -512,12 +520,28 @@ def empty_quantized(model: nn.Module, spec: dict):
             replace_layer(model, name, Int4Linear(lin.in_features, lin.out_features, group, bias))
 
 
-def gguf_layout(layers: dict[str, dict], name: str) -> dict | None:
-    """A model layer's layout in a GGUF conversion's map (by checkpoint names): a fused layer
-    (model.FUSED) has its parts', which the conversion made one (gguf_hf.common_layout)."""
+def gguf_layouts(layers: dict[str, dict], name: str) -> list[dict] | None:
+    """A model layer's layouts in a GGUF conversion's map (by checkpoint names), one per part of
+    a fused layer (model.FUSED); None where the file holds it in fp32 (a plain Linear)."""
     prefix, _, fused = name.rpartition(".")
     parts = FUSED.get(f"{prefix.rpartition('.')[2]}.{fused}") if prefix else None
-    return layers.get(f"{prefix.rpartition('.')[0]}.{parts[0]}" if parts else name)
+    names = [f"{prefix.rpartition('.')[0]}.{p}" for p in parts] if parts else [name]
+    found = [layers.get(n) for n in names]
+    return found if found[0] is not None else None
+
+
+class StoredParts(nn.Module):
+    """A fused projection (q/k/v, gate/up) whose parts a GGUF holds at different bits (Q4_K_M
+    keeps some layers' V in Q6_K beside Q4_K Q and K): each part its own stored layer, their
+    outputs side by side. A kernel call more per part, and no part re-laid into a wider layout
+    (int4 Q and K as int8 would take 2.3x their bytes)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], -1)
 
 
 def stored_layer(layout: dict, in_features: int, out_features: int, bias: bool) -> nn.Module:

@@ -186,14 +186,33 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
 
 
 def fuse(state: dict, layout: dict[str, tuple[str, ...]], n_layers: int) -> dict:
-    """Checkpoint tensors -> the model's: each group's parts stacked by rows, in every layer."""
+    """Checkpoint tensors -> the model's: each group's parts stacked by rows, in every layer;
+    parts that cannot stack (apart) keep their tensors, as ``{fused}.parts.{j}.{suffix}``."""
     for i in range(n_layers):
         for fused, parts in layout.items():
-            first = f"layers.{i}.{parts[0]}."
-            for suffix in [k.removeprefix(first) for k in list(state) if k.startswith(first)]:
+            names = [f"layers.{i}.{p}." for p in parts]
+            own = [{k.removeprefix(n): k for k in state if k.startswith(n)} for n in names]
+            if not own[0]:
+                continue
+            if apart([{suffix: state[k] for suffix, k in o.items()} for o in own]):
+                for j, o in enumerate(own):
+                    for suffix, k in o.items():
+                        state[f"layers.{i}.{fused}.parts.{j}.{suffix}"] = state.pop(k)
+                continue
+            for suffix in own[0]:
                 state[f"layers.{i}.{fused}.{suffix}"] = joined(
-                    [state.pop(f"layers.{i}.{p}.{suffix}") for p in parts])
+                    [state.pop(f"{n}{suffix}") for n in names])
     return state
+
+
+def apart(parts: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether a group's parts (each one's tensors by suffix) cannot stack into one matrix: a
+    GGUF may hold them at different bits (Q4_K_M keeps some layers' V in Q6_K beside Q4_K Q
+    and K: int8 rows beside int4 ones, other scales)."""
+    first = parts[0]
+    return any(p.keys() != first.keys() or any(
+        p[k].dtype != first[k].dtype or p[k].shape[1:] != first[k].shape[1:] for k in p)
+        for p in parts[1:])
 
 
 def back_to_back(parts: list[torch.Tensor]) -> bool:
@@ -247,9 +266,12 @@ def stack(state: dict, n_layers: int) -> tuple[dict, str]:
     into one tensor per suffix (its weights, a quantized layer's scales and minimums, and its
     biases where it has them: Qwen2's q/k/v), and the header entry that names its parts and rows
     for read_weights."""
+    def own(part):
+        return {s: state[f"{part}.{s}"] for s in SUFFIXES if f"{part}.{s}" in state}
     groups = {f"model.layers.{i}.{fused}.{suffix}":
               [[f"model.layers.{i}.{p}.{suffix}", 0] for p in parts]
               for i in range(n_layers) for fused, parts in FUSED.items()
+              if not apart([own(f"model.layers.{i}.{p}") for p in parts])
               for suffix in SUFFIXES if f"model.layers.{i}.{parts[0]}.{suffix}" in state}
     for name, parts in groups.items():
         for part in parts:
@@ -265,6 +287,10 @@ def split_fused(state: dict, layout: dict[str, tuple[str, ...]],
         for fused, parts in layout.items():
             prefix = f"layers.{i}.{fused}."
             for key in [k for k in state if k.startswith(prefix)]:
+                if key.startswith(f"{prefix}parts."):       # kept apart: part j's own tensors
+                    j, suffix = key.removeprefix(f"{prefix}parts.").split(".", 1)
+                    state[f"layers.{i}.{parts[int(j)]}.{suffix}"] = state.pop(key)
+                    continue
                 for part, t in zip(parts, state.pop(key).split(layer_rows[fused])):
                     state[f"layers.{i}.{part}.{key.removeprefix(prefix)}"] = t.contiguous()
     return state
@@ -314,14 +340,16 @@ def widened(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None,
 def widen_layers(state: dict[str, torch.Tensor], layers: dict[str, dict]) -> dict:
     """A GGUF conversion's quantized layers (``layers``: config.json's map, by checkpoint name
     without "model.") as fp32 weights, for a reader that runs the plain model: the file's
-    exact values, four bytes each. A group stored stacked (FUSED) is widened as one matrix, so
-    its parts come out back to back again and `fuse` joins them without a copy."""
+    exact values, four bytes each. A group stored stacked (FUSED: its parts in one layout) is
+    widened as one matrix, so its parts come out back to back again and `fuse` joins them
+    without a copy."""
     groups, seen = [], set()
     for name in layers:
         prefix, _, _ = name.rpartition(".")       # "layers.3.self_attn"
         for parts in FUSED.values():
             names = [f"{prefix.rpartition('.')[0]}.{p}" for p in parts]
-            if name in names and all(n in layers for n in names) and name not in seen:
+            if name in names and all(layers.get(n) == layers[name] for n in names) \
+                    and name not in seen:
                 groups.append(names)
                 seen.update(names)
     for names in groups + [[n] for n in layers if n not in seen]:

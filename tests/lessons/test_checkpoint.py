@@ -201,18 +201,31 @@ def test_an_unsupported_gguf_type_is_refused_in_one_line():
         gguf_hf.packed(t)
 
 
-def test_a_group_of_mixed_types_shares_one_exact_layout():
-    """Q4_K_M keeps some layers' V in Q6_K beside Q4_K Q and K: a stacked q/k/v needs one layout,
-    int8 groups of 16 with a minimum, which holds all three exactly. Beside 16-bit: fp32."""
+def test_a_group_of_mixed_types_keeps_each_part_at_its_bits(tmp_path):
+    """Q4_K_M keeps some layers' V in Q6_K beside Q4_K Q and K. Parts in one layout stack into one
+    matrix; parts at different bits (here V in Q4_0 beside Q8_0 Q and K, gate in Q4_0 beside a
+    Q8_0 up) stay apart, each its own stored layer (quantize.StoredParts), none re-laid wider;
+    beside an fp32 part, all fp32. The model's logits are the plain (widened) model's."""
     q, v = gguf_hf.packed(gguf_blocks("Q4_K")), gguf_hf.packed(gguf_blocks("Q6_K", seed=1))
-    same = gguf_hf.common_layout([q, q])
-    assert same[0] is q and same[1] is q
-    mixed = gguf_hf.common_layout([q, q, v])
-    assert {(p.kind.value, p.group, p.lo is not None) for p in mixed} == {("int8", 16, True)}
-    for before, after in zip([q, q, v], mixed):
-        assert torch.equal(before.dequantized(), after.dequantized())
-    wide = gguf_hf.common_layout([q, gguf_hf.packed(gguf_blocks("F16"))])
+    assert [p.kind.value for p in gguf_hf.grouped([q, q, v])] == ["int4", "int4", "int8"]
+    wide = gguf_hf.grouped([q, gguf_hf.packed(gguf_blocks("F32"))])
     assert {p.kind.value for p in wide} == {"float"} and torch.equal(wide[0].dequantized(), q.dequantized())
+    src = make_checkpoint(tmp_path / "hf", hidden_size=128, intermediate_size=256)
+    path = gguf_hf.export_gguf(src, tmp_path / "mixed.gguf", config(src), "q8_0",
+                               mixed={"v_proj.weight": "q4_0", "gate_proj.weight": "q4_0"})
+    back = gguf_hf.convert_gguf(path, tmp_path / "cache")
+    fast = quantize.from_pretrained(back, "cpu", torch.float32)
+    qkv = fast.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, quantize.StoredParts)
+    assert [type(p).__name__ for p in qkv.parts] == ["Int8Linear", "Int8Linear", "Int4Linear"]
+    plain = M.Llama.from_pretrained(back, "cpu", torch.float32)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids, torch.arange(8)), plain(ids, torch.arange(8)),
+                                   atol=1e-4, rtol=0)
+    stored = safetensors_io.read_weights(back)      # each part as the file holds it
+    assert stored["model.layers.0.self_attn.v_proj.weight"].dtype == torch.uint8        # int4
+    assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
 
 
 def test_a_quantized_gguf_converts_at_its_own_bits(tmp_path):
