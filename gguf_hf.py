@@ -170,11 +170,14 @@ def gguf_config(reader) -> dict:
 #     F16, BF16          -                              16-bit weights, fp32 arithmetic
 #     F32                -                              fp32
 #
-# Each s and lo is computed in fp32 as ggml's own dequantization computes it (d and dmin are
-# fp16, sc and m 6-bit integers: their products are exact in fp32), so lo + q·s is, bit for bit,
-# the value llama.cpp dequantizes. A negative s (Q4_0 and Q6_K store d with the sign of the
-# group's largest weight) stays negative: the kernels' sums do not care. Where every s and lo of
-# a matrix is an fp16 number (d, m and -8d are), they are stored in fp16 (half_scales).
+# Each s and lo is what ggml's own dequantization computes, in fp32 (d and dmin are fp16, sc and
+# m 6-bit integers, Q6_K's sc 8-bit: their products are exact in fp32), so lo + q·s is, bit for
+# bit, the value llama.cpp dequantizes. A negative s (Q4_0 and Q6_K store d with the sign of the
+# group's largest weight) stays negative: the kernels' sums do not care. The numbers are stored
+# as the file holds them, not widened: d, m and -8d in fp16 (half_scales), a K-quant's sc and m
+# as int8 per group beside its fp16 d and -dmin per 256 weights (Packed.scale_d, lo_d), which the
+# kernels multiply as they read them. Q4_K then takes 148 bytes per 256 weights (the file 144),
+# Q6_K 274 (the file 210: 6-bit values held in 8), Q8_0 and Q4_1 as many as the file.
 
 
 class Kind(Enum):

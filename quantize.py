@@ -20,8 +20,11 @@ a step, s/2, so small groups (one row, one token of one head) keep s small.
     fp8 e4m3, plain cast       1                             KV, for comparison:
                                                              no scale, range ±448
     int4, asymmetric, grouped  0.5 + 4/group (s and a zero)  weights, groups of 32-128 along a row
-    int8, grouped              1 + 4/group (an fp32 s),      a GGUF's 5-8-bit weights (Q8_0,
-                               + 4/group with a minimum      Q5_0/1, Q5_K, Q6_K): groups of 16, 32
+    int8, grouped              1 + 2/group (an fp16 s),      a GGUF's 5-8-bit weights (Q8_0,
+                               + 2/group with a minimum      Q5_0/1, Q5_K, Q6_K): groups of 16, 32
+    int4/int8, K-quant scales  + 1/group (an int8 s) + 2/256 a GGUF's Q4_K, Q5_K, Q6_K: a
+                               (an fp16 per block), twice    super-block's fp16 times the group's
+                               with a minimum                int8, multiplied as it is read
     fp16, bf16 (storage only)  2                             a GGUF's F16/BF16 weights, widened
                                                              to fp32 as they are read
 
@@ -34,9 +37,11 @@ row scales), 84 MB in int4 with groups of 32 (4 bits + two 16-bit numbers per
 A GGUF file arrives already quantized, in llama.cpp's blocks, and runs at its
 own bits rather than widened to fp32 (4-8x the bytes). Its 4-bit blocks become
 int4 groups of 32; its 5-, 6- and 8-bit blocks a byte per value with a scale (and
-a minimum) per group of 16 or 32: int4's W = lo + q·s with a wider q, 1.1-1.25
-bytes a weight against the file's 0.7-1.1, for one kernel per width instead of
-one per block format. Its F16/BF16 tensors stay in 16 bits.
+a minimum) per group of 16 or 32: int4's W = lo + q·s with a wider q, its scales
+kept as the file stores them (gguf_hf.py: Q4_1, Q8_0 and Q4_K within 3% of the
+file's bytes, the 5- and 6-bit ones a byte per value), for one kernel per width
+instead of one per block format. Its F16/BF16 tensors stay in 16 bits, and its
+embedding table in its own layout (StoredEmbedding: a lookup widens one row).
 
 Kernels. Weights are stored quantized and never held expanded: each quantized
 Linear calls PyTorch's own matrix-vector kernel for its format on a CPU:
