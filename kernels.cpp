@@ -71,6 +71,41 @@ static KScales kscales(const at::Tensor& sc, const at::Tensor& d, int64_t group,
   return KScales(d.data_ptr<c10::Half>(), sc.data_ptr<int8_t>(), shift);
 }
 
+// n scales (or minimums) as fp32, for the loops below to read one fp32 a group: fp32 ones as
+// they are, fp16 or a K-quant's widened into buf (exactly), a row at a time (a decode step) or a
+// matrix at a time (a pass over several rows), so that no loop converts a scale per block and
+// row (a K-quant's int4 step took 1.8x as long that way). nullptr stays nullptr.
+static inline const float* as_f32(const float* s, int64_t, std::vector<float>&) { return s; }
+static inline const float* as_f32(const c10::Half* s, int64_t n, std::vector<float>& buf) {
+  if (!s) return nullptr;
+  buf.resize(n);
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(buf.data() + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+#endif
+  for (; i < n; i++) buf[i] = f32(s[i]);
+  return buf.data();
+}
+static inline const float* as_f32(KScales s, int64_t n, std::vector<float>& buf) {
+  if (!s) return nullptr;
+  buf.resize(n);
+  int64_t i = 0;
+#if defined(__AVX2__)
+  // 8 groups share a super-block's d (Q4_K's 8 groups of 32, Q6_K's 16 of 16): a row starts on
+  // a super-block, so every 8 aligned groups do
+  if (s.shift >= 3 && (s.at & ((int64_t(1) << s.shift) - 1)) == 0)
+    for (; i + 8 <= n; i += 8) {
+      __m256 d = _mm256_set1_ps(f32(s.d[(s.at + i) >> s.shift]));
+      __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64((const __m128i*)(s.sc + s.at + i))));
+      _mm256_storeu_ps(buf.data() + i, _mm256_mul_ps(d, v));
+    }
+#endif
+  for (; i < n; i++) buf[i] = s[i];
+  return buf.data();
+}
+
 // run(s, lo) with the scales as the kernels read them: pointers to fp32 or fp16 numbers, or
 // KScales where the super-blocks' numbers (sd, lod) are given; lo absent: a null of s's type.
 template <typename F>
@@ -524,17 +559,23 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
     reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](auto sp, auto lp) {
+  auto run = [&](auto s_, auto lo_) {
     if (M == 1) {
       at::parallel_for(0, N / ROWS, 16 / ROWS, [&](int64_t p0, int64_t p1) {
+        std::vector<float> sb, lb;
         for (int64_t p = p0; p < p1; p++)
-          int4_rows<ROWS>(qp + p * ROWS * K / 2, sp + p * ROWS * G, lp + p * ROWS * G, K, shift,
-                          xp, sx, yp + p * ROWS);
+          int4_rows<ROWS>(qp + p * ROWS * K / 2, as_f32(s_ + p * ROWS * G, ROWS * G, sb),
+                          as_f32(lo_ + p * ROWS * G, ROWS * G, lb), K, shift, xp, sx,
+                          yp + p * ROWS);
       });
+      std::vector<float> sb, lb;
       for (int64_t n = N / ROWS * ROWS; n < N; n++)
-        int4_rows<1>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp, sx, yp + n);
+        int4_rows<1>(qp + n * K / 2, as_f32(s_ + n * G, G, sb), as_f32(lo_ + n * G, G, lb), K,
+                     shift, xp, sx, yp + n);
       return;
     }
+    std::vector<float> sb, lb;
+    const float *sp = as_f32(s_, N * G, sb), *lp = as_f32(lo_, N * G, lb);
 #define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, \
                                     sx + m * G, yp + m * N + n, N)
     TILED(INT4)
@@ -762,7 +803,19 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
   for (int64_t m = 0; has_lo && m < M; m++) group_sums(xp + m * K, K, group, sums.data() + m * G);
   const int8_t* qp = q.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](auto sp, auto lp) {
+  auto run = [&](auto s_, auto lo_) {
+    if (M == 1) {
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        std::vector<float> sb, lb;
+        for (int64_t n = n0; n < n1; n++)
+          int8g_row<1>(qp + n * K, as_f32(s_ + n * G, G, sb),
+                       lo_ ? as_f32(lo_ + n * G, G, lb) : nullptr, K, group, xp,
+                       lo_ ? sx : nullptr, yp + n, N);
+      });
+      return;
+    }
+    std::vector<float> sb, lb;
+    const float *sp = as_f32(s_, N * G, sb), *lp = lo_ ? as_f32(lo_, N * G, lb) : nullptr;
 #define INT8G(MT, n, m) int8g_row<MT>(qp + n * K, sp + n * G, lp ? lp + n * G : nullptr, K, group, \
                                       xp + m * K, lp ? sx + m * G : nullptr, yp + m * N + n, N)
     TILED(INT8G)

@@ -266,14 +266,16 @@ class Int8Linear(nn.Module):
 
     def prepare(self, dtype: torch.dtype):
         """Ready the layer for ``dtype`` activations on its device."""
-        # The CPU kernel wants a row's scales in the activations' dtype (grouped ones stay fp32: a
-        # bf16 scale would move every weight of its group), and its own memory: it uses aligned
-        # vector loads, and a tensor mapped straight from a safetensors file may start anywhere (a
-        # crash, not an error).
+        # aten's CPU kernel (a scale per row) wants a row's scales in the activations' dtype, and
+        # its own memory: it uses aligned vector loads, and a tensor mapped straight from a
+        # safetensors file may start anywhere (a crash, not an error). Grouped scales stay as
+        # stored (a bf16 scale would move every weight of its group), and so do grouped weights:
+        # no kernel here needs them aligned, and a copy would hold them twice (the copy and the
+        # file's pages it read).
         if self.group is None:
             self.weight_scale = self.weight_scale.to(dtype).contiguous()
-        if self.weight.device.type == "cpu" and self.weight.data_ptr() % 64:
-            self.weight = self.weight.clone()
+            if self.weight.device.type == "cpu" and self.weight.data_ptr() % 64:
+                self.weight = self.weight.clone()
 
     def dequantized(self) -> torch.Tensor:
         if self.group is None:
