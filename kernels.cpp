@@ -183,7 +183,9 @@ static bool intel() {
 // Ask for the weights 1 KB ahead of the loop: each 16 bytes of int4 feed ~20 instructions, so the
 // core's own lookahead reaches only ~100 bytes ahead (a few % at one row, in alternating runs).
 // On the Xeon, 4 KB ahead (above).
+#ifndef AHEAD
 #define AHEAD 1024
+#endif
 #define FAR_AHEAD 4096
 #define STREAM_AHEAD (intel() ? FAR_AHEAD : AHEAD)    // int8 and int4 with AVX-512
 
