@@ -44,8 +44,8 @@ static inline float f32(c10::Half v) { return float(v); }
 // A K-quant's scales (or minimums): an int8 per group times its 256-weight super-block's fp16
 // number (Q4_K and Q5_K: d·sc and -dmin·m, sc and m 6-bit; Q6_K: d·sc, sc 8-bit), 1.06 bytes a
 // group where fp32 takes 4. Each product is exact in fp32 (an 11-bit significand times at most
-// 8 bits), so every sum is the one the same scales stored in fp32 give. The kernels take it
-// where they take a pointer to fp32 or fp16 scales: s[g] is group g's, s + n starts n groups on.
+// 8 bits), so every sum is the one the same scales stored in fp32 give. Read like a pointer to
+// fp32 scales (s[g] is group g's, s + n starts n groups on): by as_f32, and by dequant_row.
 struct KScales {
   const c10::Half* d = nullptr;
   const int8_t* sc = nullptr;
@@ -72,9 +72,13 @@ static KScales kscales(const at::Tensor& sc, const at::Tensor& d, int64_t group,
 }
 
 // n scales (or minimums) as fp32, for the loops below to read one fp32 a group: fp32 ones as
-// they are, fp16 or a K-quant's widened into buf (exactly), a row at a time (a decode step) or a
-// matrix at a time (a pass over several rows), so that no loop converts a scale per block and
-// row (a K-quant's int4 step took 1.8x as long that way). nullptr stays nullptr.
+// they are, fp16 or a K-quant's widened into buf (exactly), WIDEN_ROWS rows at a time (a decode
+// step: the buffer stays in L1) or a matrix at a time (a pass over several rows), so that no
+// loop converts a scale per block and row (a K-quant's int4 step took 1.8x as long that way),
+// and none pays a call per row (SmolLM2's 576-wide rows: 18 groups). nullptr stays nullptr.
+#ifndef WIDEN_ROWS
+#define WIDEN_ROWS 64
+#endif
 static inline const float* as_f32(const float* s, int64_t, std::vector<float>&) { return s; }
 static inline const float* as_f32(const c10::Half* s, int64_t n, std::vector<float>& buf) {
   if (!s) return nullptr;
@@ -241,25 +245,15 @@ static inline void int4_block(const uint8_t* q, float scale, const float* xp, in
 
 // The minimum's share, lo·Σx over the row's groups, 8 groups to a vector: a scalar chain of 18 FMAs
 // (SmolLM2's 576 columns) would hold each row back by ~70 cycles.
-static inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 scales8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-}
-static inline __m256 scales8(KScales p) {
-  float t[8];
-  for (int i = 0; i < 8; i++) t[i] = p[i];
-  return _mm256_loadu_ps(t);
-}
-template <typename S>
-static inline float lo_share(S lo, const float* sx, int64_t G) {
+static inline float lo_share(const float* lo, const float* sx, int64_t G) {
   __m256 a = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8)
-    a = _mm256_fmadd_ps(scales8(lo + g), _mm256_loadu_ps(sx + g), a);
-  if (g < G) {        // the last groups, the lanes past them 0·0
-    float l[8] = {0}, t[8] = {0};
-    for (int64_t i = 0; g + i < G; i++) l[i] = f32(lo[g + i]), t[i] = sx[g + i];
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(l), _mm256_loadu_ps(t), a);
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(lo + g), _mm256_loadu_ps(sx + g), a);
+  if (g < G) {
+    __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(G - g)),
+                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    a = _mm256_fmadd_ps(_mm256_maskload_ps(lo + g, tail), _mm256_maskload_ps(sx + g, tail), a);
   }
   return hsum8(a);
 }
@@ -267,14 +261,14 @@ static inline float lo_share(S lo, const float* sx, int64_t G) {
 // One weight row against MT rows of x (two 8-lane halves of the 16 lanes, two chains: one FMA's
 // latency does not gate the next); then the minimum's share. shift = log2(group / 32): block c's
 // scale is s[c >> shift].
-template <int MT, typename S>
-static void int4_row(const uint8_t* q, S s, S lo, int64_t K, int shift,
+template <int MT>
+static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
                      const float* xp, const float* sx, float* y, int64_t N) {
   __m256 acc[MT][2];
   UNROLL
   for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++)
-    int4_block<MT>(q + c * 16, f32(s[c >> shift]), xp + c * 32, K, acc);
+    int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, acc);
   int64_t G = (K / 32) >> shift;
   UNROLL
   for (int t = 0; t < MT; t++)
@@ -297,8 +291,8 @@ static inline float hsum(__m512 a0, __m512 a1) {
   return hsum(h);
 }
 
-template <int R, typename S>
-static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, S s, int64_t G,
+template <int R>
+static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G,
                                    const float* xc, __m512 table, int64_t fetch, __m512* acc) {
   __m512 xe = _mm512_loadu_ps(xc), xo = _mm512_loadu_ps(xc + 16);
   UNROLL
@@ -307,12 +301,12 @@ static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, S s, int
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes)));
     __m512 e = _mm512_permutexvar_ps(b, table),
            o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-    acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo, _mm512_mul_ps(e, xe)), _mm512_set1_ps(f32(s[r * G])),
+    acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo, _mm512_mul_ps(e, xe)), _mm512_set1_ps(s[r * G]),
                              acc[r]);
   }
 }
-template <int R, typename S>
-static void int4_rows(const uint8_t* q, S s, S lo, int64_t K, int shift,
+template <int R>
+static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -333,8 +327,8 @@ static void int4_rows(const uint8_t* q, S s, S lo, int64_t K, int shift,
 // One row of x (a decode step) against R weight rows at a time: x's four loads per 32 weights serve
 // R rows (R = 2: 9% faster than one row at a time, W from DRAM). Each row keeps int4_row<1>'s sums
 // and order.
-template <int R, typename S>
-static void int4_rows(const uint8_t* q, S s, S lo, int64_t K, int shift,
+template <int R>
+static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   __m256 acc[R][2];
@@ -346,7 +340,7 @@ static void int4_rows(const uint8_t* q, S s, S lo, int64_t K, int shift,
            x3 = _mm256_loadu_ps(xc + 24);
     UNROLL
     for (int r = 0; r < R; r++) {
-      __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(f32(s[r * G + (c >> shift)]));
+      __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (c >> shift)]);
       widen(q + r * (K / 2) + c * 16, e0, o0, e1, o1);
       acc[r][0] = _mm256_fmadd_ps(_mm256_fmadd_ps(o0, x2, _mm256_mul_ps(e0, x0)), vs, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(o1, x3, _mm256_mul_ps(e1, x1)), vs, acc[r][1]);
@@ -481,8 +475,8 @@ static inline float hsum(const float* a) {
   for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
   return hsum8(l);
 }
-template <int MT, typename S>
-static void int4_row(const uint8_t* q, S s, S lo, int64_t K, int shift,
+template <int MT>
+static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
                      const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   for (int t = 0; t < MT; t++) {
@@ -492,17 +486,17 @@ static void int4_row(const uint8_t* q, S s, S lo, int64_t K, int shift,
       const float* xc = xp + t * K + c * 32;
       for (int i = 0; i < 16; i++)
         acc[i] = std::fma(std::fma(float(b[i] >> 4), xc[16 + i], float(b[i] & 15) * xc[i]),
-                          f32(s[c >> shift]), acc[i]);
+                          s[c >> shift], acc[i]);
     }
     for (int i = 0; i < 8; i++) l[i] = 0.f;
-    for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lo[g]), sx[t * G + g], l[g % 8]);
+    for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[t * G + g], l[g % 8]);
     float m = hsum8(l);
     for (int i = 0; i < 8; i++) l[i] = acc[i] + acc[8 + i];
     y[t * N] = hsum8(l) + m;
   }
 }
-template <int R, typename S>
-static void int4_rows(const uint8_t* q, S s, S lo, int64_t K, int shift,
+template <int R>
+static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
   for (int r = 0; r < R; r++)
@@ -545,7 +539,8 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
 
 static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                           const at::Tensor& lo, int64_t group,
-                          const std::optional<at::Tensor>& sd, const std::optional<at::Tensor>& lod) {
+                          const std::optional<at::Tensor>& sd,
+                          const std::optional<at::Tensor>& lod) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int4_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
@@ -565,10 +560,14 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
     if (M == 1) {
       at::parallel_for(0, N / ROWS, 16 / ROWS, [&](int64_t p0, int64_t p1) {
         std::vector<float> sb, lb;
-        for (int64_t p = p0; p < p1; p++)
-          int4_rows<ROWS>(qp + p * ROWS * K / 2, as_f32(s_ + p * ROWS * G, ROWS * G, sb),
-                          as_f32(lo_ + p * ROWS * G, ROWS * G, lb), K, shift, xp, sx,
-                          yp + p * ROWS);
+        for (int64_t b0 = p0; b0 < p1; b0 += WIDEN_ROWS / ROWS) {
+          int64_t b1 = std::min(p1, b0 + WIDEN_ROWS / ROWS), n = (b1 - b0) * ROWS * G;
+          const float *sp = as_f32(s_ + b0 * ROWS * G, n, sb),
+                      *lp = as_f32(lo_ + b0 * ROWS * G, n, lb);
+          for (int64_t p = b0; p < b1; p++)
+            int4_rows<ROWS>(qp + p * ROWS * K / 2, sp + (p - b0) * ROWS * G,
+                            lp + (p - b0) * ROWS * G, K, shift, xp, sx, yp + p * ROWS);
+        }
       });
       std::vector<float> sb, lb;
       for (int64_t n = N / ROWS * ROWS; n < N; n++)
@@ -675,8 +674,8 @@ static inline __m512 widen16(const c10::BFloat16* p) { return bf16x16(p); }
 
 // One int8 row in groups against MT rows of x: lanes 0-15 take the scale s[c·step], lanes 16-31
 // s[c·step + step - 1] (step = 32 / group).
-template <int MT, typename S>
-static void int8g_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
+template <int MT>
+static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group, ahead = STREAM_AHEAD;
   __m512 acc[MT][2];
@@ -685,7 +684,7 @@ static void int8g_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
   for (int64_t c = 0; c < K / 32; c++) {
     if ((c & 1) == 0) _mm_prefetch((const char*)(q + c * 32 + ahead), _MM_HINT_T0);
     __m512 w0 = widen16(q + c * 32), w1 = widen16(q + c * 32 + 16);
-    __m512 s0 = _mm512_set1_ps(f32(s[c * step])), s1 = _mm512_set1_ps(f32(s[c * step + step - 1]));
+    __m512 s0 = _mm512_set1_ps(s[c * step]), s1 = _mm512_set1_ps(s[c * step + step - 1]);
     UNROLL
     for (int t = 0; t < MT; t++) {
       const float* xc = x + t * K + c * 32;
@@ -719,8 +718,8 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]);
 }
 #else
-template <int MT, typename S>
-static void int8g_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
+template <int MT>
+static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group;
   __m256 acc[MT][4], w[4];
@@ -728,7 +727,7 @@ static void int8g_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
   for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
     _mm_prefetch((const char*)(q + c * 32 + AHEAD), _MM_HINT_T0);
-    __m256 sc[2] = {_mm256_set1_ps(f32(s[c * step])), _mm256_set1_ps(f32(s[c * step + step - 1]))};
+    __m256 sc[2] = {_mm256_set1_ps(s[c * step]), _mm256_set1_ps(s[c * step + step - 1])};
     for (int j = 0; j < 4; j++) w[j] = widen8(q + c * 32 + 8 * j);
     UNROLL
     for (int t = 0; t < MT; t++)
@@ -757,21 +756,20 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 }
 #endif
 #else
-template <typename S>
-static inline float lo_share(S lo, const float* sx, int64_t G) {
+static inline float lo_share(const float* lo, const float* sx, int64_t G) {
   float l[8] = {0};
-  for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lo[g]), sx[g], l[g % 8]);
+  for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[g], l[g % 8]);
   return hsum8(l);
 }
-template <int MT, typename S>
-static void int8g_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
+template <int MT>
+static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t G = K / group;
   for (int t = 0; t < MT; t++) {
     float a[32] = {0};
     for (int64_t k = 0; k < K; k++) {
       float p = float(q[k]) * x[t * K + k];
-      a[k % 32] = std::fma(p, f32(s[k / group]), a[k % 32]);
+      a[k % 32] = std::fma(p, s[k / group], a[k % 32]);
     }
     float v = hsum(a);
     y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
@@ -789,7 +787,8 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 
 static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                            const std::optional<at::Tensor>& lo_, int64_t group,
-                           const std::optional<at::Tensor>& sd, const std::optional<at::Tensor>& lod) {
+                           const std::optional<at::Tensor>& sd,
+                           const std::optional<at::Tensor>& lod) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8g_mm: x (M, K) fp32");
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
@@ -809,10 +808,14 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
     if (M == 1) {
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         std::vector<float> sb, lb;
-        for (int64_t n = n0; n < n1; n++)
-          int8g_row<1>(qp + n * K, as_f32(s_ + n * G, G, sb),
-                       lo_ ? as_f32(lo_ + n * G, G, lb) : nullptr, K, group, xp,
-                       lo_ ? sx : nullptr, yp + n, N);
+        for (int64_t b0 = n0; b0 < n1; b0 += WIDEN_ROWS) {
+          int64_t b1 = std::min(n1, b0 + WIDEN_ROWS), n = (b1 - b0) * G;
+          const float *sp = as_f32(s_ + b0 * G, n, sb),
+                      *lp = lo_ ? as_f32(lo_ + b0 * G, n, lb) : nullptr;
+          for (int64_t r = b0; r < b1; r++)
+            int8g_row<1>(qp + r * K, sp + (r - b0) * G, lp ? lp + (r - b0) * G : nullptr, K, group,
+                         xp, lp ? sx : nullptr, yp + r, N);
+        }
       });
       return;
     }
@@ -965,7 +968,8 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
     else wide_tiles(x, w.data_ptr<c10::BFloat16>(), K, none, none, 0, y);
     return y;
   }
-  TORCH_CHECK(s_.has_value() && s_->defined() && s_->size(0) == N, "wide_mm: a scale (N,) or (N, K/group)");
+  TORCH_CHECK(s_.has_value() && s_->defined() && s_->size(0) == N,
+              "wide_mm: a scale (N,) or (N, K/group)");
   const at::Tensor& s = *s_;
   const bool has_lo = lo_.has_value() && lo_->defined();
   if (s.dim() == 1) group = K;
