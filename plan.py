@@ -230,7 +230,8 @@ def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
 
 def layout_bytes(layout: dict, rows: int, cols: int) -> int:
     """Bytes of one matrix in a GGUF layout (gguf_hf.Packed): the integers, then a scale (and a
-    minimum) per group, fp32, fp16 (gguf_hf.half_scales) or a K-quant's int8 times fp16 per 256 weights."""
+    minimum) per group: fp32, fp16 (gguf_hf.half_scales), or a K-quant's int8 times an fp16 per
+    256 weights."""
     n = rows * cols
     if layout["kind"] == "half":
         return 2 * n

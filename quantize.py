@@ -219,7 +219,8 @@ def block_scales(layer: nn.Module, in_features: int, out_features: int, group: i
         layer.weight_scale = layer.weight_scale.to(torch.int8)
         if has_min:
             layer.weight_min = layer.weight_min.to(torch.int8)
-    layer.register_buffer("weight_scale_d", torch.ones(per, dtype=torch.float16) if blocks else None)
+    layer.register_buffer("weight_scale_d",
+                          torch.ones(per, dtype=torch.float16) if blocks else None)
     layer.register_buffer("weight_min_d", torch.zeros(per, dtype=torch.float16)
                           if blocks and has_min else None)
 
@@ -631,7 +632,8 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
     plain = (lambda name, t: is_plain(name, t) and t.dtype == torch.float32) if gguf else is_plain
     adopt_checkpoint(model, model_dir, device, dtype, plain, widen=False)
     # (a tied table is still the meta placeholder: the head's, checked as the head)
-    check_quantized_tensors({k: v for k, v in model.named_buffers() if not v.is_meta}, any_sign=gguf)
+    check_quantized_tensors({k: v for k, v in model.named_buffers() if not v.is_meta},
+                            any_sign=gguf)
     for layer in model.modules():
         if prepare and isinstance(layer, STORED):
             layer.prepare(dtype)
