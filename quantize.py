@@ -588,7 +588,8 @@ def check_quantized_tensors(state: dict[str, torch.Tensor], any_sign: bool = Fal
     for name, t in state.items():
         if name.endswith(("weight_scale", "weight_min", "weight_scale_d", "weight_min_d")):
             positive = name.endswith("scale") and not any_sign
-            bad = ~torch.isfinite(t) | (t <= 0 if positive else torch.zeros_like(t, dtype=torch.bool))
+            bad = ~torch.isfinite(t) | (t <= 0 if positive
+                                        else torch.zeros_like(t, dtype=torch.bool))
             if bad.any():
                 raise ValueError(f"corrupt quantized checkpoint: {name} has {int(bad.sum())} "
                                  f"invalid values (not finite{' or ≤ 0' if positive else ''}); "
