@@ -107,6 +107,8 @@ class ModelInfo:
     # and its layout kind ("float": fp32)
     table_bytes: int = 0
     table_kind: str | None = None
+    # a GGUF's LM head layout kind ("float": fp32)
+    head_kind: str | None = None
 
     @property
     def head(self) -> str | None:
@@ -195,27 +197,30 @@ def model_info(name: str) -> ModelInfo:
         rows, cols = matrix_shape(c, layer)
         kinds[layout["kind"]] = kinds.get(layout["kind"], 0) + rows * cols
         stored += layout_bytes(layout, rows, cols)
-    table_bytes, table_kind = 0, None
+    table_bytes, table_kind, head_kind = 0, None, None
     if source == "gguf":    # the table: at its bits, tied to the head (in it), or fp32 apart
-        table_kind = table["kind"] if table else layers.get("lm_head", {}).get("kind", "float")
+        head_kind = layers.get("lm_head", {}).get("kind", "float")
+        table_kind = table["kind"] if table else head_kind
         table_bytes = (layout_bytes(table, c.vocab_size, c.hidden_size) if table
                        else 0 if c.tie_embeddings else 4 * head)
     return ModelInfo(name, c, c.n_layers * per_layer + head, 0 if c.tie_embeddings else head,
-                     source, fitting_drafts(hf), kinds, stored, table_bytes, table_kind)
+                     source, fitting_drafts(hf), kinds, stored, table_bytes, table_kind, head_kind)
 
 
 def describe_layouts(info: ModelInfo) -> str:
-    """A GGUF's matrices by layout, largest first, and its embedding table's: "int4 groups of 32
-    79%, int8 groups 21%; the embedding table int8 groups (the LM head's: tied)"."""
+    """A GGUF's bits by tensor kind: its matrices by layout, largest first, then its LM head's and
+    its embedding table's: "matrices int4 groups of 32 79%, int8 groups 21%; LM head int8 groups;
+    embedding table int8 groups (the LM head's: tied)"."""
     names = {"int4": "int4 groups of 32", "int8": "int8 groups", "half": "16-bit",
              "float": "fp32"}
     total = sum(info.file_params.values())
-    matrices = ", ".join(f"{names[k]} {n / total:.0%}" for k, n in
-                         sorted(info.file_params.items(), key=lambda kv: -kv[1]))
+    matrices = "matrices " + ", ".join(f"{names[k]} {n / total:.0%}" for k, n in
+                                       sorted(info.file_params.items(), key=lambda kv: -kv[1]))
     if info.table_kind is None:
         return matrices
     tied = " (the LM head's: tied)" if info.config.tie_embeddings else ""
-    return f"{matrices}; the embedding table {names[info.table_kind]}{tied}"
+    return (f"{matrices}; LM head {names[info.head_kind]}; "
+            f"embedding table {names[info.table_kind]}{tied}")
 
 
 def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:

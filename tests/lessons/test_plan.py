@@ -45,6 +45,9 @@ def test_model_info_from_configs(smol, tiny):
     assert smol.source == "gguf" and smol.drafts == ["bundled", "medusa"] and smol.main_kind == "int4"
     # the file's Q4_1 matrices (int4) and its tied Q8_0 head (int8 groups of 32), as stored
     assert set(smol.file_params) == {"int4", "int8"} and smol.file_params["int8"] == 49152 * 576
+    # --plan names the bits of each kind of tensor
+    assert plan.describe_layouts(smol) == ("matrices int4 groups of 32 79%, int8 groups 21%; LM head "
+                                           "int8 groups; embedding table int8 groups (the LM head's: tied)")
     # re-rounded to int4, the head would stay fp32 (ModelInfo.head): the file's Q8_0 head reads less
     assert smol.token_bytes("gguf", "float32") < smol.token_bytes("int4", "float32")
     assert 134e6 < smol.matrix_params < 136e6 and smol.embed_params == 0      # tied: the head is the table
@@ -67,7 +70,7 @@ def test_cpu_without_bf16(smol):
     assert "no native bf16" in text and "verify passes would run eagerly" in text and "exact: in fp32" in text
     q = overlay(p, "--compile")                            # asked for: compiled, still speculating
     assert (q.cache, q.compile, q.draft) == ("static", True, "bundled")
-    assert "the GGUF's own bits (int4 groups of 32" in text and "compute slower here (calibrated int4 1.200" in text
+    assert "the GGUF's own bits (matrices int4 groups of 32" in text and "compute slower here (calibrated int4 1.200" in text
     tok = smol.token_bytes("float", "float32")
     assert f"{20e9 / tok:,.0f} tok/s empty" in text            # ceiling = bandwidth / bytes per token
     assert len(p.reasons) == 6 and all(p.reasons)
