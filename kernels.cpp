@@ -45,7 +45,7 @@ static inline float f32(c10::Half v) { return float(v); }
 // number (Q4_K and Q5_K: d·sc and -dmin·m, sc and m 6-bit; Q6_K: d·sc, sc 8-bit), 1.06 bytes a
 // group where fp32 takes 4. Each product is exact in fp32 (an 11-bit significand times at most
 // 8 bits), so every sum is the one the same scales stored in fp32 give. Read like a pointer to
-// fp32 scales (s[g] is group g's, s + n starts n groups on): by as_f32, and by dequant_row.
+// fp32 scales (s[g] is group g's, s + n starts n groups on), by as_f32.
 struct KScales {
   const c10::Half* d = nullptr;
   const int8_t* sc = nullptr;
@@ -73,9 +73,10 @@ static KScales kscales(const at::Tensor& sc, const at::Tensor& d, int64_t group,
 
 // n scales (or minimums) as fp32, for the loops below to read one fp32 a group: fp32 ones as
 // they are, fp16 or a K-quant's widened into buf (exactly), WIDEN_ROWS rows at a time (a decode
-// step: the buffer stays in L1) or a matrix at a time (a pass over several rows), so that no
-// loop converts a scale per block and row (a K-quant's int4 step took 1.8x as long that way),
-// and none pays a call per row (SmolLM2's 576-wide rows: 18 groups). nullptr stays nullptr.
+// step: the buffer stays in L1), a tile at a time (wide_tiles) or a matrix at a time (a pass
+// over several rows), so that no loop converts a scale per block and row (a K-quant's int4 step
+// took 1.8x as long that way), and none pays a call per row (SmolLM2's 576-wide rows: 18
+// groups). nullptr stays nullptr.
 #ifndef WIDEN_ROWS
 #define WIDEN_ROWS 64
 #endif
@@ -870,22 +871,20 @@ static at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {
 static inline void put8(float* o, __m256 w, __m256 s, const __m256* lo) {
   _mm256_storeu_ps(o, lo ? _mm256_fmadd_ps(w, s, *lo) : _mm256_mul_ps(w, s));
 }
-template <typename S>
-static void dequant_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
+static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t j = 0; j < K / group; j++) {
-    __m256 vs = _mm256_set1_ps(f32(s[j])), vl = _mm256_set1_ps(lo ? f32(lo[j]) : 0.f);
+    __m256 vs = _mm256_set1_ps(s[j]), vl = _mm256_set1_ps(lo ? lo[j] : 0.f);
     for (int64_t k = j * group; k < (j + 1) * group; k += 8)
       put8(out + k, widen8(q + k), vs, lo ? &vl : nullptr);
   }
 }
 // 16 bytes: their low and high nibbles interleaved back into the 32 weights' order.
-template <typename S>
-static void dequant_row(const uint8_t* q, S s, S lo, int64_t K, int64_t group,
+static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
   const __m128i nib = _mm_set1_epi8(15);
   for (int64_t j = 0; j < K / group; j++) {
-    __m256 vs = _mm256_set1_ps(f32(s[j])), vl = _mm256_set1_ps(f32(lo[j]));
+    __m256 vs = _mm256_set1_ps(s[j]), vl = _mm256_set1_ps(lo[j]);
     for (int64_t k = j * group; k < (j + 1) * group; k += 32) {
       __m128i b = _mm_loadu_si128((const __m128i*)(q + k / 2));
       __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
@@ -896,27 +895,23 @@ static void dequant_row(const uint8_t* q, S s, S lo, int64_t K, int64_t group,
     }
   }
 }
-template <typename T, typename S>
-static void dequant_row(const T* w, S, S, int64_t K, int64_t, float* out) {
+template <typename T>
+static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
   for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(out + k, widen8(w + k));
 }
 #else
-template <typename S>
-static void dequant_row(const int8_t* q, S s, S lo, int64_t K, int64_t group,
+static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t k = 0; k < K; k++)
-    out[k] = lo ? std::fma(float(q[k]), f32(s[k / group]), f32(lo[k / group]))
-                : float(q[k]) * f32(s[k / group]);
+    out[k] = lo ? std::fma(float(q[k]), s[k / group], lo[k / group]) : float(q[k]) * s[k / group];
 }
-template <typename S>
-static void dequant_row(const uint8_t* q, S s, S lo, int64_t K, int64_t group,
+static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t k = 0; k < K; k++)
-    out[k] = std::fma(float(k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15), f32(s[k / group]),
-                      f32(lo[k / group]));
+    out[k] = std::fma(float(k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15), s[k / group], lo[k / group]);
 }
-template <typename T, typename S>
-static void dequant_row(const T* w, S, S, int64_t K, int64_t, float* out) {
+template <typename T>
+static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
   for (int64_t k = 0; k < K; k++) out[k] = float(w[k]);
 }
 #endif
@@ -925,7 +920,7 @@ static void dequant_row(const T* w, S, S, int64_t K, int64_t, float* out) {
 // at::mm each (inside a parallel region aten and BLAS do not fork again): one fork and join per
 // call, not two per tile, which on a busy machine cost a time slice each (a 128-row prefill of a
 // 2048×5632 matrix took 6x as long tile by tile). Tiles of WIDE_ROWS rows, fewer where that would
-// leave a thread without 4 of them.
+// leave a thread without 4 of them. A tile's scales are widened to fp32 once (as_f32).
 template <typename T, typename S>
 static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, S s, S lo,
                        int64_t group, at::Tensor& y) {
@@ -938,11 +933,14 @@ static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, S s, S 
     at::ThreadLocalStateGuard same(caller);
     auto tile = at::empty({rows, K}, x.options());
     float* tp = tile.data_ptr<float>();
+    std::vector<float> sb, lb;
     for (int64_t t = t0; t < t1; t++) {
       int64_t n0 = t * rows, n1 = std::min(N, n0 + rows);
+      const float *sp = s ? as_f32(s + n0 * G, (n1 - n0) * G, sb) : nullptr,
+                  *lp = lo ? as_f32(lo + n0 * G, (n1 - n0) * G, lb) : nullptr;
       for (int64_t n = n0; n < n1; n++)
-        dequant_row(w + n * row_len, s ? s + n * G : nullptr, lo ? lo + n * G : nullptr, K, group,
-                    tp + (n - n0) * K);
+        dequant_row(w + n * row_len, sp ? sp + (n - n0) * G : nullptr,
+                    lp ? lp + (n - n0) * G : nullptr, K, group, tp + (n - n0) * K);
       auto out = y.narrow(1, n0, n1 - n0);
       at::mm_out(out, x, tile.narrow(0, 0, n1 - n0).t());
     }
