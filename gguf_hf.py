@@ -43,8 +43,8 @@ import torch
 from safetensors.torch import save_file
 
 import tokenizer
-from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, block_scaled, join_nibbles,
-                            read_weights, stack, widened)
+from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, join_nibbles, read_weights,
+                            stack, widened)
 
 
 # ----------------------------------------------------------------------------
@@ -211,13 +211,6 @@ class Packed:
         pick = lambda t: None if t is None else t[index]
         return Packed(self.kind, pick(self.q), pick(self.scale), pick(self.lo), self.group,
                       pick(self.scale_d), pick(self.lo_d))
-
-    def flat(self) -> "Packed":
-        """The same values with one fp32 scale (and minimum) per group: no super-blocks."""
-        if self.scale_d is None:
-            return self
-        return Packed(self.kind, self.q, block_scaled(self.scale, self.scale_d),
-                      block_scaled(self.lo, self.lo_d), self.group)
 
 
 def halves(qs: np.ndarray) -> np.ndarray:
