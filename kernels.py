@@ -47,6 +47,7 @@ import checkpoint
 import flash
 import model
 import quantize
+import safetensors_io
 
 # Triton (GPU kernels written in Python): optional, used by flash_kernel and paged_decode below.
 # They run on a CUDA GPU or in Triton's CPU interpreter; elsewhere its import (79 modules) is
@@ -579,13 +580,14 @@ def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bo
     return fits and (native_kernels() if native is None else native)
 
 
-def kernel_scales(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A layer's group scales or minimums as the C++ kernels read them: a GGUF's fp16 and int8
-    ones kept (widened exactly as they are read: half or a quarter of fp32's bytes), anything
-    else as fp32."""
-    if t is None:
-        return None
-    return (t if t.dtype in (torch.float16, torch.int8) else t.float()).contiguous()
+def kernel_scales(layer: nn.Module):
+    """A stored layer's group scales and minimums as the C++ kernels read them: a GGUF's fp16 and
+    int8 ones kept (widened exactly as they are read: half or a quarter of fp32's bytes), any
+    other as fp32."""
+    for name in safetensors_io.SCALES:
+        if (t := getattr(layer, name)) is not None:
+            setattr(layer, name,
+                    (t if t.dtype in (torch.float16, torch.int8) else t.float()).contiguous())
 
 
 def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -627,8 +629,7 @@ class Int8Linear(quantize.Int8Linear):
         self.native = uses_native(self, dtype, native)
         if self.native and self.group is not None:
             self.weight = self.weight.contiguous()
-            for name in ("weight_scale", "weight_min", "weight_scale_d", "weight_min_d"):
-                setattr(self, name, kernel_scales(getattr(self, name)))
+            kernel_scales(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -658,8 +659,7 @@ class Int4Linear(quantize.Int4Linear):
             return super().prepare(dtype)
         self.dtype = dtype
         self.weight = self.weight.contiguous()
-        for name in ("weight_scale", "weight_min", "weight_scale_d", "weight_min_d"):
-            setattr(self, name, kernel_scales(getattr(self, name)))
+        kernel_scales(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -404,7 +404,7 @@ class StoredEmbedding(nn.Module):
         super().__init__()
         self.int4 = isinstance(layer, Int4Linear)
         self.dtype = dtype          # of the rows it returns: the model's
-        for name in ("weight", "weight_scale", "weight_min", "weight_scale_d", "weight_min_d"):
+        for name in ("weight", *safetensors_io.SCALES):
             self.register_buffer(name, getattr(layer, name, None), persistent=persistent)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -586,7 +586,7 @@ def check_quantized_tensors(state: dict[str, torch.Tensor], any_sign: bool = Fal
     file's own, of either sign (Q4_0's d is negative for half its blocks) and 0 for an all-zero
     block."""
     for name, t in state.items():
-        if name.endswith(("weight_scale", "weight_min", "weight_scale_d", "weight_min_d")):
+        if name.endswith(safetensors_io.SCALES):
             positive = name.endswith("scale") and not any_sign
             bad = ~torch.isfinite(t) | (t <= 0 if positive
                                         else torch.zeros_like(t, dtype=torch.bool))
@@ -647,7 +647,7 @@ def from_pretrained(model_dir, device="cpu", dtype=torch.float32, cfg=None, atte
 
 def is_plain(name: str, t: torch.Tensor) -> bool:
     """A tensor that loads in the model's dtype: floating point and not a quantization scale."""
-    return t.is_floating_point() and not name.endswith(("weight_scale", "weight_min"))
+    return t.is_floating_point() and not name.endswith(safetensors_io.SCALES)
 
 
 # ----------------------------------------------------------------------------

@@ -177,9 +177,10 @@ def check_finite(state: dict[str, torch.Tensor], model_dir):
 # model keeps each group stacked by rows in one matrix (model.py says why). A layout
 # maps each fused name to its parts, in their row order.
 
-# A layer's tensors in a checkpoint: its weight, a quantized layer's scales and minimums (and a
-# K-quant's super-block numbers for them: block_scaled), a bias
-SUFFIXES = ("weight", "weight_scale", "weight_min", "weight_scale_d", "weight_min_d", "bias")
+# A quantized layer's scales and minimums (and a K-quant's super-block numbers for them:
+# block_scaled); a layer's tensors in a checkpoint: its weight, those, a bias
+SCALES = ("weight_scale", "weight_min", "weight_scale_d", "weight_min_d")
+SUFFIXES = ("weight", *SCALES, "bias")
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
