@@ -210,11 +210,20 @@ static inline __m256 bf16x8(const c10::BFloat16* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
+// A decode loop over R weight rows at a time reads R streams side by side, so a row's bytes `ahead`
+// on are another row's, often those in use (TinyLlama's rows are 1 KB, as far as AHEAD). It asks a
+// whole number of R-row spans ahead instead: each prefetch lands on its own row of a later span.
+static inline int64_t spans_ahead(int64_t ahead, int64_t span) {
+  return (ahead + span - 1) / span * span;
+}
+
 // 32 weights of one int4 row (16 bytes, even weight in the low nibble) as fp32: per 8 bytes one
 // widening load, a mask and a shift give the 8 even (e) and 8 odd (o) nibbles, two conversions.
-static inline void widen(const uint8_t* q, __m256& e0, __m256& o0, __m256& e1, __m256& o1) {
+// The weights `ahead` bytes on are asked for.
+static inline void widen(const uint8_t* q, int64_t ahead, __m256& e0, __m256& o0, __m256& e1,
+                         __m256& o1) {
   const __m256i nib = _mm256_set1_epi32(0x0F);
-  _mm_prefetch((const char*)(q + AHEAD), _MM_HINT_T0);
+  _mm_prefetch((const char*)(q + ahead), _MM_HINT_T0);
   __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
   __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
   e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)),
@@ -230,7 +239,7 @@ template <int MT>
 static inline void int4_block(const uint8_t* q, float scale, const float* xp, int64_t K,
                               __m256 (*acc)[2]) {
   __m256 e0, o0, e1, o1;
-  widen(q, e0, o0, e1, o1);
+  widen(q, AHEAD, e0, o0, e1, o1);
   __m256 vs = _mm256_set1_ps(scale);
   UNROLL
   for (int t = 0; t < MT; t++) {
@@ -314,7 +323,7 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
   __m512 acc[R];
   UNROLL
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  const int64_t ahead = STREAM_AHEAD;
+  const int64_t ahead = spans_ahead(STREAM_AHEAD, R * (K / 2));
   for (int64_t c = 0; c < K / 32; c++)
     int4_block_rows<R>(q + c * 16, K / 2, s + (c >> shift), G, xp + c * 32, table,
                        (c & 3) == 0 ? ahead : 0, acc);
@@ -332,6 +341,7 @@ template <int R>
 static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y) {
   int64_t G = (K / 32) >> shift;
+  const int64_t ahead = spans_ahead(AHEAD, R * (K / 2));
   __m256 acc[R][2];
   UNROLL
   for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -342,7 +352,7 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
     UNROLL
     for (int r = 0; r < R; r++) {
       __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (c >> shift)]);
-      widen(q + r * (K / 2) + c * 16, e0, o0, e1, o1);
+      widen(q + r * (K / 2) + c * 16, ahead, e0, o0, e1, o1);
       acc[r][0] = _mm256_fmadd_ps(_mm256_fmadd_ps(o0, x2, _mm256_mul_ps(e0, x0)), vs, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(o1, x3, _mm256_mul_ps(e1, x1)), vs, acc[r][1]);
     }
