@@ -70,6 +70,10 @@ Decisions, and what they cost:
   the recompute: its tokens beyond the cached blocks, once.
 * n > 1 samples fork the prompt's table after one prefill (copy-on-write): branch
   i samples with seed + i, as an independent run with that seed would.
+* One request never harms another. What a step does for one request alone (fork its
+  branches, sample its token, apply the stop rule) is guarded: if it raises, that request
+  ends with Finish.ERROR and its blocks return, and the step goes on for the others.
+  Only the forward pass, which every row shares, resets the pool when it fails.
 * Exactness. A row's arithmetic is not bit-identical across batch sizes and
   key paddings (other matmul blockings, other reduction lengths): SmolLM2's
   logits (up to ~30) differ from the contiguous cache's by up to 1e-4, 3e-5
@@ -103,7 +107,8 @@ import torch
 from kvcache import PagedKVCache, kv_bytes_per_token
 from model import Llama, LlamaConfig, count_parameters, load
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable
-from sampling import Finish, SamplingParams, finish_reason, sample, seeded_generator, visible
+from sampling import (SEEDS, Finish, SamplingParams, finish_reason, sample, seeded_generator,
+                      visible)
 
 
 class Status(enum.Enum):
@@ -189,6 +194,7 @@ class Event:
     finish_reason: Finish | None = None  # set on the branch's last token
     logprob: float | None = None      # with params.logprobs: the token's log-probability,
     top: list[tuple[int, float]] | None = None   # and (id, log-probability) of the likeliest
+    error: str | None = None          # with Finish.ERROR: what failed (token is then -1)
 
     @property
     def finished(self) -> bool:       # this branch is done
@@ -358,7 +364,8 @@ class Scheduler:
         elif seq.status is Status.RUNNING:
             self.running.remove(seq)
             session = seq.request.session
-            if session is not None and reason != Finish.CANCELLED and seq.request.n == 1:
+            kept = reason not in (Finish.CANCELLED, Finish.ERROR)
+            if session is not None and kept and seq.request.n == 1:
                 self.end_session(session)     # an older table of this conversation, if any
                 self.parked[session] = seq.table
             else:
@@ -494,6 +501,8 @@ class Engine:
         if not 1 <= n <= self.scheduler.max_batch:
             raise ValueError(f"n must be between 1 and max_batch={self.scheduler.max_batch}, "
                              f"got {n}")
+        if params.seed is not None and params.seed + n - 1 >= SEEDS:
+            raise ValueError(f"seed must be below 2**64 - {n - 1}: branch i samples with seed + i")
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt is {len(ids)} tokens but a sequence may hold at most "
                              f"{self.max_len} (model context {self.model.config.max_seq_len}, "
@@ -560,16 +569,14 @@ class Engine:
                 logits = self._prefill(seq)
                 if seq.prefilling:        # more chunks to come: nothing to sample yet
                     continue
-                branches = [seq] + [self.scheduler.fork(seq, next(self._ids), b,
-                                                        self._generator(seq.request.params, b))
-                                    for b in range(1, seq.forks + 1)]
-                seq.forks = 0
-                events += [self._emit(s, logits) for s in branches]
+                events += self._guarded(seq, lambda: [self._emit(s, logits)
+                                                      for s in self._branches(seq)])
             batch = self.scheduler.schedule_decode()
             if batch:
                 logits = self._decode(batch)
                 for s, row in zip(batch, logits):
-                    events.append(self._emit(s, row))
+                    if s.status is not Status.FINISHED:   # not failed earlier in this step
+                        events += self._guarded(s, lambda: [self._emit(s, row)])
         except BaseException:
             # A forward pass stopped half-way (Ctrl-C, out of memory): some slots now hold
             # no K/V, and blocks registered in the prefix cache may be incomplete. Start
@@ -578,6 +585,29 @@ class Engine:
             raise
         self.counts.steps += 1
         return events
+
+    def _branches(self, seq: Sequence) -> list[Sequence]:
+        """A prefilled sequence and the n - 1 branches forked from its table."""
+        branches = [seq] + [self.scheduler.fork(seq, next(self._ids), b,
+                                                self._generator(seq.request.params, b))
+                            for b in range(1, seq.forks + 1)]
+        seq.forks = 0
+        return branches
+
+    def _guarded(self, seq: Sequence, work) -> list[Event]:
+        """work() for one request alone: if it raises, that request ends (Finish.ERROR, its
+        blocks freed) with one event saying why, and the step goes on for the others."""
+        try:
+            return work()
+        except Exception as e:
+            req = seq.request
+            for s in req.sequences:
+                if s.status is not Status.FINISHED:
+                    self.scheduler.finish(s, Finish.ERROR)
+            self.requests.pop(req.id, None)
+            req.finish = time.perf_counter()
+            return [Event(req.id, seq.branch, -1, False, Finish.ERROR,
+                          error=f"{type(e).__name__}: {e}")]
 
     def _prefill(self, seq: Sequence) -> torch.Tensor:
         self._apply_copies()

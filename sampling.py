@@ -54,6 +54,11 @@ class SamplingParams:
             raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 (0 returns none), got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < SEEDS:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+
+
+SEEDS = 2 ** 64    # torch.Generator's seeds: 64-bit
 
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -119,6 +124,7 @@ class Finish(enum.StrEnum):
     STOP = "stop"               # an EOS id (or, in a server, a stop string)
     LENGTH = "length"           # max_new_tokens or the context limit
     CANCELLED = "cancelled"     # the client left, or the request was cancelled
+    ERROR = "error"             # this request's own work (its sampling, its stop rule) raised
 
 
 def finish_reason(token: int, generated: int, length: int, p: SamplingParams, eos_ids,

@@ -251,6 +251,10 @@ def test_bad_requests_are_refused_and_nothing_is_queued(llama):
         engine.add_request([1, 2], {"temperature": 0})
     with pytest.raises(ValueError, match="n must be"):
         engine.add_request([1, 2], GREEDY(), n=0)
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        M.SamplingParams(seed=2 ** 64)
+    with pytest.raises(ValueError, match="seed must be below 2\\*\\*64 - 1"):
+        engine.add_request([1, 2], GREEDY(temperature=1, seed=2 ** 64 - 1), n=2)  # branch 1: 2**64
     assert not engine.has_work()
     llm = LLM(llama)
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
@@ -401,6 +405,38 @@ def test_a_step_that_fails_half_way_leaves_a_clean_engine(llama, monkeypatch):
     prompt = list(range(3, 40))
     assert list(engine.stream(engine.add_request(prompt, GREEDY(max_new_tokens=12)))) == \
         contiguous(llama, prompt, GREEDY(max_new_tokens=12))
+
+
+@pytest.mark.parametrize("where", ["sample", "finish_reason", "seeded_generator"])
+def test_a_failure_in_one_requests_own_work_ends_that_request_alone(llama, monkeypatch, where):
+    """Sampling, the stop rule or forking n > 1 branches raising for one request: it ends with
+    Finish.ERROR and an event saying why, its blocks return, and every other request produces
+    the tokens it produces alone."""
+    import engine as E
+    prompts = [list(range(3, 3 + k)) for k in (5, 17, 9, 30)]
+    solo = [contiguous(llama, p, GREEDY(max_new_tokens=8)) for p in prompts]
+    poison = GREEDY(max_new_tokens=8, temperature=1.0, seed=7)      # its own params object
+    real, calls = getattr(E, where), {"n": 0}
+
+    def failing(*args):
+        hit = poison in args or (where == "seeded_generator" and args[0] == poison.seed + 1)
+        calls["n"] += hit
+        if hit and calls["n"] == (1 if where == "seeded_generator" else 3):
+            raise RuntimeError("injected")
+        return real(*args)
+    monkeypatch.setattr(E, where, failing)
+    engine = Engine(llama, max_batch=8)
+    reqs = [engine.add(p, GREEDY(max_new_tokens=8)) for p in prompts[:2]]
+    bad = engine.add(list(range(40, 60)), poison, n=2)
+    reqs += [engine.add(p, GREEDY(max_new_tokens=8)) for p in prompts[2:]]
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    failed = [e for e in events if e.request_id == bad.id and e.finish_reason is M.Finish.ERROR]
+    assert len(failed) == 1 and failed[0].error == "RuntimeError: injected" and failed[0].token == -1
+    assert bad.finished and set(bad.finish_reasons) == {M.Finish.ERROR}
+    assert [r.sequences[0].output for r in reqs] == solo
+    all_blocks_back(engine)
 
 
 def test_sessions_keep_a_conversation_until_blocks_are_needed(llama):
