@@ -3,7 +3,8 @@ server.py — an OpenAI-compatible HTTP server on the batching engine: llama-ser
 
     python server.py                                  # the bundled model; chat page at http://127.0.0.1:8080/
     python server.py --model tinyllama --port 9000 --api-key secret
-    curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \
+         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 and any OpenAI client: ``OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="x")``.
 
@@ -33,13 +34,29 @@ the prefill of the prompt's uncached tokens, and a long prefill delays the
 running requests' next token by one chunk of it a step (engine.py: chunked prefill).
 ``python bench.py serve`` measures both against concurrency, beside llama-server.
 
-Limits and safety: binds 127.0.0.1 unless --host says otherwise; --api-key
-requires ``Authorization: Bearer KEY`` (compared in constant time) on /v1 and
-/metrics; bodies over --max-body bytes are refused (413); more than --max-queue
-requests in flight get 429 with Retry-After; every bad input is a 400 in
-OpenAI's error shape; a client that disconnects cancels its request, and its
-KV blocks return at once; SIGTERM stops accepting, lets the requests in flight
-finish, and exits 0.
+Limits and safety:
+* Binds 127.0.0.1 unless --host says otherwise. A web page the user visits must not drive
+  it: a request's ``Host`` must name the bound address, localhost or an --allow-host name
+  (a DNS-rebinding page's does not); an ``Origin``, when sent, must be the server's own
+  (the chat page) or an --allow-origin entry, which alone get CORS headers; a POST to /v1
+  must be ``Content-Type: application/json``, which a page can send cross-origin only
+  after a CORS preflight that this server grants to allowed origins alone.
+* --api-key requires ``Authorization: Bearer KEY`` (any case of "Bearer", the key compared
+  in constant time) on /v1 and /metrics.
+* Every value a request brings is checked before the engine sees it, and every list and
+  string it brings is capped (stop strings: STOPS of at most STOP_CHARS characters); a
+  bad one is a 400 in OpenAI's error shape. Bodies over --max-body bytes are refused
+  (413); more than --max-queue requests in flight get 429 with Retry-After.
+* One request never harms another: whatever raises while serving one request (its
+  sampling, its stop rule, its detokenization) fails that request alone, with a 500 in
+  OpenAI's shape (an error event, then ``[DONE]``, in a stream). Only a failing forward
+  pass, which every row shares, drops the requests in flight, and says so.
+* Bounded work per token: stop strings are matched in time linear in the text (StopText).
+* A client that disconnects, streaming or not, cancels its request, and its KV blocks
+  return at once.
+* SIGINT and SIGTERM alike: new requests get 503, those in flight may finish for up to
+  --drain-seconds, the rest end with an error (an error event and ``[DONE]`` in a
+  stream), and the process exits 0, saying how many finished and how many were cancelled.
 """
 
 from __future__ import annotations
@@ -48,9 +65,10 @@ import argparse
 import asyncio
 import concurrent.futures
 import hmac
+import ipaddress
 import json
 import queue
-import signal
+import socket
 import sys
 import threading
 import time
@@ -59,9 +77,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, AsyncIterator, Literal
+from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -73,7 +93,7 @@ import kernels
 import nanoinfer.load
 import quantize
 from nanoinfer.config import RunConfig
-from sampling import Finish, SamplingParams
+from sampling import SEEDS, Finish, SamplingParams
 from tokenizer import Tokenizer
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
@@ -89,15 +109,22 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
+        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                429: "rate_limit_error"}.get(self.status, "server_error")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 # ----------------------------------------------------------------------------
 # Request bodies. Unknown fields are ignored, as OpenAI's server does; wrong
-# types are a 400 (strict: "0.5" is not a temperature).
+# types are a 400 (strict: "0.5" is not a temperature). Every list and string a
+# request brings is capped, besides --max-body on the whole.
+
+STOPS, STOP_CHARS = 4, 1000         # stop strings a request may give, and their length
+MESSAGES, PROMPT_IDS = 4096, 1 << 17
+StopString = Annotated[str, Field(min_length=1, max_length=STOP_CHARS)]
+
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -106,17 +133,20 @@ class Body(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0            # not OpenAI's; llama-server and vLLM take it too
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=SEEDS)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=STOPS)] | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stream: bool = False
     stream_options: "StreamOptions | None" = None
 
     def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise APIError(400, "a stop string must not be empty", "stop")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check(self):
+        """What no field alone can say: branch i of n samples with seed + i, a 64-bit seed."""
+        if self.seed is not None and self.seed + self.n - 1 >= SEEDS:
+            raise APIError(400, f"seed must be below 2**64 - {self.n - 1} with n = {self.n}: "
+                           "branch i samples with seed + i", "seed")
 
 
 class StreamOptions(BaseModel):
@@ -133,25 +163,31 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MESSAGES)] | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
 
 class ChatBody(Body):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class CompletionBody(Body):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: (str | Annotated[list[int], Field(min_length=1, max_length=PROMPT_IDS)]
+             | Annotated[list[str], Field(min_length=1, max_length=1)])
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
 
 
 Body.model_rebuild()
+
+
+def is_shape(part) -> bool:
+    """A step of a pydantic error's location that names a union's shape, not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or "-" in part)
 
 
 def parse(body_type: type[Body], raw: bytes) -> Body:
@@ -162,11 +198,16 @@ def parse(body_type: type[Body], raw: bytes) -> Body:
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
     try:
-        return body_type.model_validate(data)
+        body = body_type.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
+        # A field of several shapes (a string or a list of them) fails once per shape: the
+        # error worth showing is one past the type check, in the shape the input has.
+        errors = e.errors()
+        err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
+        where = ".".join(str(p) for p in err["loc"] if not is_shape(p))
         raise APIError(400, f"{where}: {err['msg']}", param=where or None) from None
+    body.check()
+    return body
 
 
 # ----------------------------------------------------------------------------
@@ -175,20 +216,51 @@ def parse(body_type: type[Body], raw: bytes) -> Body:
 class StopText:
     """Watches one branch's text for stop strings. ``push`` returns the text that is
     safe to send and whether a stop string matched; a tail that could still become
-    a stop string is held back until the next push shows it does not."""
+    a stop string is held back until the next push shows it does not.
+
+    Linear in the text, whatever the stops: per stop string, the length of its
+    longest prefix that the text ends with, advanced a character at a time along
+    the string's failure links (Knuth-Morris-Pratt). The held tail is the longest
+    such prefix; the answer ends where a stop string first completes (of two
+    completing on the same character, at the one that began first)."""
 
     def __init__(self, stops: list[str]):
         self.stops, self.held = stops, ""
+        self.matched = [0] * len(stops)
+        self.links = [failure_links(s) for s in stops]
 
     def push(self, text: str, final: bool = False) -> tuple[str, bool]:
-        text, self.held = self.held + text, ""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            return text[:min(hits)], True
-        if not final:
-            self.held = text[len(text) - max((k for s in self.stops for k in range(1, len(s))
-                                              if text.endswith(s[:k])), default=0):]
-        return text[:len(text) - len(self.held)], False
+        out, base = self.held + text, len(self.held)
+        for i, ch in enumerate(text):
+            first = None
+            for j, stop in enumerate(self.stops):
+                k = self.matched[j]
+                while k and stop[k] != ch:
+                    k = self.links[j][k - 1]
+                k += stop[k] == ch
+                if k == len(stop):
+                    start = base + i + 1 - k
+                    first = start if first is None else min(first, start)
+                    k = self.links[j][k - 1]
+                self.matched[j] = k
+            if first is not None:
+                self.held = ""
+                return out[:first], True
+        keep = 0 if final else max(self.matched, default=0)
+        self.held = out[len(out) - keep:] if keep else ""
+        return out[:len(out) - keep], False
+
+
+def failure_links(s: str) -> list[int]:
+    """links[k]: the length of the longest proper prefix of s[:k + 1] that is also its suffix."""
+    links = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = links[k - 1]
+        k += s[i] == s[k]
+        links[i] = k
+    return links
 
 
 @dataclass
@@ -273,6 +345,10 @@ class EngineLoop:
     def cancel(self, job: Job, branch: int | None = None):
         self.inbox.put(("cancel", job, branch))
 
+    def cancel_all(self, error: APIError):
+        """End every request in flight with ``error`` (shutdown: the drain time is up)."""
+        self.inbox.put(("cancel_all", error))
+
     def call(self, fn) -> concurrent.futures.Future:
         """Run fn() on the engine thread between two steps (how a test checks the
         engine's invariants while it serves)."""
@@ -311,19 +387,28 @@ class EngineLoop:
             except (ValueError, TypeError) as e:     # this request alone fails; the engine goes on
                 job.put(APIError(400, str(e)))
                 return
+            except Exception as e:
+                job.put(APIError(500, f"the engine could not take this request: {e}"))
+                return
             self.jobs[job.request.id] = job
             job.put("accepted")
         elif kind == "cancel" and job.request is not None and job.request.id in self.jobs:
             self.engine.cancel(job.request.id, arg)
             self.retire(job)
+        elif kind == "cancel_all":
+            for j in list(self.jobs.values()):
+                self.engine.cancel(j.request.id)
+                self.jobs.pop(j.request.id)
+                j.put(job)                  # the error
         self.metrics.update(self.engine.stats())
 
     def step(self):
         try:
             events = self.engine.step()
-        except Exception as e:    # the model failed (NaN logits, out of memory): the engine reset its pool
+        except Exception as e:    # the forward pass failed (out of memory): the engine reset its pool
             for job in self.jobs.values():
-                job.put(APIError(500, f"the engine failed and dropped the requests in flight: {e}"))
+                job.put(APIError(500, "the model failed, so the engine reset its KV pool and dropped "
+                                 f"every request in flight: {type(e).__name__}: {e}"))
             self.jobs.clear()
             self.metrics.update(self.engine.stats())
             return
@@ -354,6 +439,77 @@ class EngineLoop:
 
 
 # ----------------------------------------------------------------------------
+# Who may drive the server from a browser.
+
+@dataclass
+class Guard:
+    """A web page the user visits can send requests to a loopback server: a form or a
+    fetch() in no-cors mode posts text/plain cross-origin without asking, and a page
+    whose name the attacker re-binds to 127.0.0.1 reads the answers as same-origin.
+    So every request's Host must name this server, an Origin must be its own or an
+    allowed one, and a POST to /v1 must be JSON (a cross-origin page may send that only
+    after a CORS preflight, which only allowed origins pass)."""
+    host: str = "127.0.0.1"                  # the bound address
+    allow_hosts: tuple[str, ...] = ()        # other names it is reached by (--allow-host)
+    allow_origins: tuple[str, ...] = ()      # pages that may use it (--allow-origin; * for any)
+
+    def hosts(self) -> set[str] | None:
+        """The names a Host header may give; None (any) when bound to every interface
+        with no --allow-host: whoever did that reaches it by names we cannot know."""
+        if self.host in ("0.0.0.0", "::", "") and not self.allow_hosts:
+            return None
+        return {self.host.lower(), "localhost", "127.0.0.1", "::1",
+                *(h.lower() for h in self.allow_hosts)}
+
+    def refuse(self, method: str, path: str, headers: dict[str, str]) -> APIError | None:
+        host = headers.get("host", "")
+        try:
+            name = urlsplit("//" + host).hostname
+        except ValueError:
+            name = None
+        allowed = self.hosts()
+        if allowed is not None and name not in allowed:
+            return APIError(403, f"this server does not answer to Host {host!r}: reach it as "
+                            f"{self.host} or localhost, or start it with --allow-host NAME")
+        origin = headers.get("origin")
+        if origin is not None and origin.lower() not in (f"http://{host}".lower(), f"https://{host}".lower()) \
+                and not {origin, "*"} & set(self.allow_origins):
+            return APIError(403, f"pages from {origin} may not use this server: start it with "
+                            f"--allow-origin {origin} to let them")
+        if method == "POST" and path.startswith("/v1/"):
+            media = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media != "application/json":
+                return APIError(415, "send the body as JSON, with the header "
+                                "'Content-Type: application/json'")
+        return None
+
+
+class Guarded:
+    """ASGI middleware: Guard.refuse's error for a request it refuses, before any route runs."""
+
+    def __init__(self, app, guard: Guard):
+        self.app, self.guard = app, guard
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            if (e := self.guard.refuse(scope["method"], scope["path"], headers)) is not None:
+                return await e.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def failed(e: Exception) -> APIError:
+    """Any error while serving one request, as that request's error (a 500 unless it says)."""
+    return e if isinstance(e, APIError) else APIError(500, f"this request failed: {type(e).__name__}: {e}")
+
+
+async def disconnected(request: Request):
+    """Return once the client has gone: ASGI's http.disconnect, after the body has been read."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ----------------------------------------------------------------------------
 # The HTTP side.
 
 @dataclass
@@ -379,20 +535,24 @@ class Server:
     """Requests in, jobs to the engine thread, OpenAI's responses out."""
 
     def __init__(self, eng: engine.Engine, tok: Tokenizer, name: str, api_key: str | None = None,
-                 max_queue: int = 256, max_body: int = 1 << 20):
+                 max_queue: int = 256, max_body: int = 1 << 20, guard: Guard | None = None):
         self.engine, self.tok, self.name = eng, tok, name
         self.api_key, self.max_queue, self.max_body = api_key, max_queue, max_body
+        self.guard = guard or Guard()
         self.metrics = Metrics()
         self.loop = EngineLoop(eng, self.metrics)
         self.in_flight = 0
+        self.draining = False               # shutting down: new requests get 503
+        self.drain_until = 0.0              # while draining: when the requests left are cancelled
 
     # --- checks ---------------------------------------------------------------
 
     def authorize(self, request: Request):
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 self.api_key.encode()):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -430,6 +590,9 @@ class Server:
         except ValueError as e:
             long = len(ids) >= self.engine.max_len
             raise APIError(400, str(e), param, "context_length_exceeded" if long else None) from None
+        if self.draining:
+            raise APIError(503, "the server is shutting down: send this request to another one",
+                           headers={"Connection": "close"})
         if self.in_flight >= self.max_queue:
             raise APIError(429, f"the server has {self.in_flight} requests in flight, its limit (--max-queue): "
                            "retry shortly", headers={"Retry-After": "1"})
@@ -455,6 +618,8 @@ class Server:
                 if item == "done":
                     done = True
                     continue
+                if item.finish_reason is Finish.ERROR:
+                    raise APIError(500, f"this request failed inside the engine: {item.error}")
                 b = branches[item.branch]
                 if b.finish_reason:           # cut by a stop string: tokens already in flight are moot
                     continue
@@ -487,20 +652,18 @@ class Server:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         ids = self.tok.encode_chat(messages)
-        body.stops()                    # checked before the engine takes the job
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = await self.start(ids, self.params(body, ids, body.max_completion_tokens or body.max_tokens, top),
                                body.n, "messages")
-        return await self.respond(job, body, "chat.completion", self.chat_choice, top)
+        return await self.respond(request, job, body, "chat.completion", self.chat_choice, top)
 
     async def complete(self, request: Request):
         body = await self.read(request, CompletionBody)
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) \
             else body.prompt
         ids = self.tok.encode(prompt, special=False) if isinstance(prompt, str) else list(prompt)   # text is data
-        body.stops()
         job = await self.start(ids, self.params(body, ids, body.max_tokens, body.logprobs), body.n, "prompt")
-        return await self.respond(job, body, "text_completion", self.completion_choice, body.logprobs)
+        return await self.respond(request, job, body, "text_completion", self.completion_choice, body.logprobs)
 
     def chat_choice(self, piece: Piece, top: int | None, first: bool) -> dict:
         lp = None
@@ -518,13 +681,27 @@ class Server:
                   "top_logprobs": [{self.token_text(t): v for t, v in piece.logprob[1][:top]}] if top else None}
         return {"index": piece.branch, "text": piece.text, "logprobs": lp, "finish_reason": piece.finish_reason}
 
-    async def respond(self, job: Job, body: Body, kind: str, choice, top: int | None):
+    async def respond(self, request: Request, job: Job, body: Body, kind: str, choice, top: int | None):
         stops = body.stops()
         head = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
                 "created": int(time.time()), "model": self.name}
         if body.stream:
             return StreamingResponse(self.events(job, stops, head, kind, choice, top, body),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        # Nothing is sent until the answer is whole, so only the ASGI disconnect message tells
+        # that the client left: watch for it beside the answer, and cancel the answer if it comes.
+        answer = asyncio.ensure_future(self.whole(job, stops, head, kind, choice, top))
+        gone = asyncio.ensure_future(disconnected(request))
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()                 # its pieces() generator closes: the request is cancelled
+            await asyncio.gather(answer, return_exceptions=True)
+            return Response(status_code=499)    # nobody is listening
+        return answer.result()
+
+    async def whole(self, job: Job, stops, head, kind, choice, top) -> dict:
+        """A non-streamed answer: every piece, merged per branch."""
         merged = [choice(Piece(b, "", 0, None, None), top, True) for b in range(job.n)]
         async for piece in self.pieces(job, stops):
             c = choice(piece, top, False)
@@ -560,8 +737,10 @@ class Server:
             if body.stream_options and body.stream_options.include_usage:
                 yield sse({**head, "object": obj, "choices": [], "usage": job.usage})
             yield "data: [DONE]\n\n"
-        except APIError as e:                   # after the headers went out: the error as an event
+        except Exception as e:                  # after the headers went out: the error as an event
+            e = failed(e)
             yield sse({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
+            yield "data: [DONE]\n\n"
 
     def models(self, request: Request):
         self.authorize(request)
@@ -579,6 +758,15 @@ class Server:
             yield
             self.loop.stop()
 
+        def alone(handler):
+            """handler, with anything it raises made this request's error: the server goes on."""
+            async def run(request: Request):
+                try:
+                    return await handler(request)
+                except Exception as e:
+                    raise failed(e) from None
+            return run
+
         app = FastAPI(title="nanoinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(APIError, lambda request, e: e.response())
         app.add_exception_handler(StarletteHTTPException, lambda request, e: APIError(
@@ -587,9 +775,29 @@ class Server:
         app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
         app.add_api_route("/metrics", self.scrape, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
-        app.add_api_route("/v1/completions", self.complete, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", alone(self.chat), methods=["POST"])
+        app.add_api_route("/v1/completions", alone(self.complete), methods=["POST"])
+        if self.guard.allow_origins:        # their pages' fetch() needs CORS headers; no other page's
+            app.add_middleware(CORSMiddleware, allow_origins=list(self.guard.allow_origins),
+                               allow_methods=["GET", "POST"], allow_headers=["*"])
+        app.add_middleware(Guarded, guard=self.guard)
         return app
+
+    async def drain(self, seconds: float) -> tuple[int, int]:
+        """Shutdown: refuse new requests, let those in flight finish for up to ``seconds``,
+        then end the rest with an error. Returns (finished, cancelled)."""
+        self.draining, start = True, self.in_flight
+        self.drain_until = time.perf_counter() + seconds
+        while self.in_flight and time.perf_counter() < self.drain_until:
+            await asyncio.sleep(0.05)
+        left = self.in_flight
+        if left:
+            self.loop.cancel_all(APIError(503, f"the server shut down before this answer finished "
+                                          f"(it waited {seconds:g} s: --drain-seconds)"))
+            deadline = time.perf_counter() + 5
+            while self.in_flight and time.perf_counter() < deadline:   # their error goes out
+                await asyncio.sleep(0.05)
+        return start - left, left
 
 
 # ----------------------------------------------------------------------------
@@ -613,6 +821,13 @@ def parse_args(argv=None):
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
     ap.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
     ap.add_argument("--max-body", type=int, default=1 << 20, help="largest request body, bytes (default: 1 MiB)")
+    ap.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                    help="another name clients reach this server by (its Host header); repeatable")
+    ap.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                    help="a web page origin (https://app.example) that may use this server, or * for "
+                    "any; repeatable (default: only the server's own chat page)")
+    ap.add_argument("--drain-seconds", type=float, default=30.0,
+                    help="on SIGINT or SIGTERM, how long requests in flight may take to finish (default: 30)")
     ap.set_defaults(kv="paged")     # what RunConfig.from_flags reads: the engine's block pool, eager
     return ap.parse_args(argv)
 
@@ -625,13 +840,56 @@ def build(args) -> Server:
             raise ValueError(f"{flag} must be positive, got {value}")
     if not args.kv_gib > 0:
         raise ValueError(f"--kv-gib must be positive, got {args.kv_gib}")
+    if not args.drain_seconds >= 0:
+        raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    check_port(args.host, args.port)      # before minutes of loading, not after
     # the runner's path: flags -> the plan (auto: its dtype; bf16 where native and measured faster) -> defaults
     cfg = RunConfig.from_flags(args)
     model, tok = nanoinfer.load.load(cfg)
     codec = quantize.kv_codec(cfg.kv_dtype)
     eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), codec=codec,
                         in_place=kernels.paged_reader(cfg.device, codec))
-    return Server(eng, tok, Path(cfg.model).name, args.api_key, args.max_queue, args.max_body)
+    guard = Guard(args.host, tuple(args.allow_host), tuple(args.allow_origin))
+    return Server(eng, tok, Path(cfg.model).name, args.api_key, args.max_queue, args.max_body, guard)
+
+
+def check_port(host: str, port: int):
+    """ValueError unless ``host:port`` can be bound now (uvicorn binds the same way)."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET                     # a name, such as localhost
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): another server may hold "
+                             "it; pick another with --port") from None
+
+
+class Uvicorn(uvicorn.Server):
+    """uvicorn's server, whose first SIGINT or SIGTERM drains (Server.drain) before uvicorn
+    stops: uvicorn alone would wait 30 s, then cancel the streams mid-answer. A second
+    signal cuts the drain short."""
+
+    def __init__(self, config: uvicorn.Config, server: Server, drain_seconds: float):
+        super().__init__(config)
+        self.server, self.drain_seconds, self.drain_task = server, drain_seconds, None
+        self.outcome: tuple[int, int] | None = None
+
+    def handle_exit(self, sig, frame):
+        if self.drain_task is not None:       # a second signal: no more waiting
+            self.server.drain_until = 0.0
+            return
+        loop = asyncio.get_running_loop()
+        print(f"stopping: {self.server.in_flight} requests in flight may finish for "
+              f"{self.drain_seconds:g} s (--drain-seconds)", file=sys.stderr, flush=True)
+        self.drain_task = loop.create_task(self.drain())
+
+    async def drain(self):
+        self.outcome = await self.server.drain(self.drain_seconds)
+        self.should_exit = True
 
 
 def main(argv=None) -> int:
@@ -647,17 +905,17 @@ def main(argv=None) -> int:
           file=sys.stderr)
     print(f"serving on http://{args.host}:{args.port}/ (chat page), API at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    # SIGTERM or Ctrl-C: uvicorn stops accepting, lets the requests in flight finish (up to
-    # 30 s), then raises the signal again once it has restored these handlers: a clean exit, 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.signal(signal.SIGINT, lambda *_: None)
+    config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    runner = Uvicorn(config, server, args.drain_seconds)
     try:
-        uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=30)
+        runner.run()
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print("stopped: every request finished", file=sys.stderr)
+    finished, cancelled = runner.outcome or (0, 0)
+    print(f"stopped: {finished} requests finished while draining, {cancelled} cancelled",
+          file=sys.stderr)
     return 0
 
 
