@@ -23,6 +23,7 @@ llama.cpp and transformers, in bench/peers.py); this file is the table of subcom
     python bench.py quantize --weights int4 --out DIR   # write a quantized checkpoint
     python bench.py tp                            # tp.py: decode step with 1 process and 2 ranks, time in all-reduce
     python bench.py serve                         # server.py against llama-server: 1-32 streaming clients
+    python bench.py soak                          # server.py: 1,000 mixed requests and disconnects, for leaks
     python bench.py gguf [FILE...]                # serve_local.py against llama-server on the same GGUFs
     python bench.py gguf --shapes tinyllama       # ... on random TinyLlama-shaped Q4_K_M, Q8_0, F16 files
 
@@ -35,7 +36,7 @@ import argparse
 import sys
 
 from bench import (attention, batching, compiled, context, decode, gguf, kvcache, paged, quantize_eval,
-                   runner, serve, speculative, tools, tp)
+                   runner, serve, soak, speculative, tools, tp)
 
 # name: (the function run with the parsed flags, help, the function adding the flags)
 TABLE = {
@@ -73,6 +74,9 @@ TABLE = {
            tp.tp_args),
     "serve": (serve.bench_serve, "server.py against llama-server: many streaming clients, tok/s, TTFT, ITL",
               serve.serve_args),
+    "soak": (soak.bench_soak, "server.py under 1,000 mixed requests (10%% leave mid-stream, 10%% leave a "
+             "non-streamed answer): RSS, KV blocks and running requests at the end, latency drift",
+             soak.soak_args),
     "runner": (runner.bench_runner, "serve_local.py as a user runs it (the plan, plain compiled and eager, "
                "fastest flags) against llama.cpp's defaults on the same GGUF", runner.runner_args),
     "gguf": (gguf.bench_gguf, "serve_local.py against llama-server on the same GGUF files (or random test "

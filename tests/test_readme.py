@@ -71,6 +71,7 @@ SLOW = {
     "python bench.py attention": "~5 min",
     "python bench.py attention --quick": "~1 min",
     "python bench.py batching": "~3 min",
+    "python bench.py soak": "~5 min",
     "python bench.py batching --threads 1": "~3 min",
     "python bench.py engine-step": "~8 min cold (four compiles), ~3 min with inductor's disk cache",
     "python bench.py engine-step --threads 1": "~3 min cold (two compiles), ~1.5 min with inductor's disk cache",
