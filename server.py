@@ -543,6 +543,9 @@ class Server:
         self.loop = EngineLoop(eng, self.metrics)
         self.in_flight = 0
         self.draining = False               # shutting down: new requests get 503
+        # Encoding a long prompt takes a while (~0.4 s a MB): on a thread of its own, so
+        # the event loop goes on streaming the others' tokens meanwhile.
+        self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self.drain_until = 0.0              # while draining: when the requests left are cancelled
 
     # --- checks ---------------------------------------------------------------
@@ -640,6 +643,9 @@ class Server:
             job.usage = {"prompt_tokens": len(job.ids), "completion_tokens": sum(b.tokens for b in branches),
                          "total_tokens": len(job.ids) + sum(b.tokens for b in branches)}
 
+    async def encode(self, fn, *args, **kwargs) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self.encoder, lambda: fn(*args, **kwargs))
+
     def token_text(self, token: int) -> str:
         return self.tok.decode([token])
 
@@ -651,7 +657,7 @@ class Server:
             raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
-        ids = self.tok.encode_chat(messages)
+        ids = await self.encode(self.tok.encode_chat, messages)
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = await self.start(ids, self.params(body, ids, body.max_completion_tokens or body.max_tokens, top),
                                body.n, "messages")
@@ -661,7 +667,8 @@ class Server:
         body = await self.read(request, CompletionBody)
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) \
             else body.prompt
-        ids = self.tok.encode(prompt, special=False) if isinstance(prompt, str) else list(prompt)   # text is data
+        ids = await self.encode(self.tok.encode, prompt, special=False) if isinstance(prompt, str) \
+            else list(prompt)                                                    # text is data
         job = await self.start(ids, self.params(body, ids, body.max_tokens, body.logprobs), body.n, "prompt")
         return await self.respond(request, job, body, "text_completion", self.completion_choice, body.logprobs)
 
@@ -757,6 +764,7 @@ class Server:
             self.loop.start()
             yield
             self.loop.stop()
+            self.encoder.shutdown(cancel_futures=True)
 
         def alone(handler):
             """handler, with anything it raises made this request's error: the server goes on."""

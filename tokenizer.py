@@ -98,14 +98,16 @@ class _HFBackend:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text):
-        # BOS is added by the caller, so one switch (Tokenizer.add_bos) governs it for both formats
-        return self.tok.encode(text, add_special_tokens=False).ids
+        # BOS is added by the caller, so one switch (Tokenizer.add_bos) governs it for both
+        # formats. encode_batch, because it lets go of Python's lock while it works (encode
+        # holds it): a server thread encoding a long prompt does not stop the others.
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_plain(self, text):
         """Special-token strings in ``text`` stay text (their characters' ids)."""
         self.tok.encode_special_tokens = True
         try:
-            return self.tok.encode(text, add_special_tokens=False).ids
+            return self.encode(text)
         finally:
             self.tok.encode_special_tokens = False
 

@@ -104,6 +104,27 @@ def test_stop_strings_are_capped(live):
                 ).status_code == 200
 
 
+def test_health_answers_while_a_long_prompt_is_encoded(live):
+    """Encoding ~0.9 MB of text takes ~0.4 s: off the event loop, which meanwhile answers."""
+    words = " ".join(["the quick brown fox jumps over a lazy dog"] * 20_000)
+    done, gaps = threading.Event(), []
+
+    def send():
+        r = post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": words}]})
+        assert error_of(r, 400)["code"] == "context_length_exceeded"
+        done.set()
+    sender = threading.Thread(target=send)
+    sender.start()
+    with httpx.Client() as c:
+        while not done.is_set():
+            t0 = time.perf_counter()
+            r = c.get(live.url + "/health")
+            assert r.status_code == 200, (r.status_code, r.text)
+            gaps.append(time.perf_counter() - t0)
+    sender.join()
+    assert len(gaps) > 3 and max(gaps) < 0.2, (len(gaps), max(gaps))
+
+
 def test_stop_matching_is_linear_in_the_text():
     """The worst case for a naive matcher: every stop is all but matched at every character
     (the old one sliced every prefix of every stop per token: quadratic, 35 s for 4 x 250k)."""
@@ -406,6 +427,7 @@ def test_after_the_fuzz_the_streams_were_unchanged_and_health_prompt(live, backg
     while not health and time.time() < deadline:      # at least one round of the streams
         time.sleep(0.2)
     assert not failures and health and max(health) < 1.0, (failures, max(health, default=None))
+    print(f"/health beside the fuzz: {len(health)} probes, max {max(health) * 1e3:.0f} ms")
     assert live.settled(timeout=60) == (0, False)
 
 
