@@ -624,7 +624,11 @@ SUMMARISE = "Summarise this text in a few sentences, keeping the key numbers:\n\
 # (`python bench.py speculative` compares every proposer on chat prompts).
 
 if __name__ == "__main__":
+    import argparse
     import results
+    ap = argparse.ArgumentParser(description="prompt lookup on a summary, against plain decoding")
+    ap.add_argument("--save", action="store_true", help="write results/speculative-demo.json")
+    args = ap.parse_args()
     model, tok = load()
     text = (ROOT / "data" / "handbook.txt").read_text().strip()[:1500]
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": SUMMARISE + text}]),
@@ -645,4 +649,5 @@ if __name__ == "__main__":
                           ["method", "decode tok/s", "speedup", "tokens/forward", "same tokens"],
                           rows)
     print(table.markdown())
-    results.save("speculative-demo", "speculative", [table])
+    if args.save:                 # the tracked results change only when asked
+        print(f"saved {results.save('speculative-demo', 'speculative', [table])}")

@@ -1229,7 +1229,11 @@ def quantized_table(n: int = 1536, k: int = 576, stream: int = 64 << 20):
 
 
 if __name__ == "__main__":
+    import argparse
     import results
+    ap = argparse.ArgumentParser(description="the linear layers' fast paths, timed")
+    ap.add_argument("--save", action="store_true", help="write results/kernels-linear.json")
+    args = ap.parse_args()
     dev = pick_device("cpu")
     print(f"device {dev}, {torch.get_num_threads()} threads; oneDNN: {ONEDNN}; computes bf16: "
           f"{bf16_supported(dev)}")
@@ -1255,4 +1259,5 @@ if __name__ == "__main__":
     if native_kernels():
         tables.append(quantized_table())
         print(tables[-1].markdown())
-    results.save("kernels-linear", "kernels", tables)
+    if args.save:                 # the tracked results change only when asked
+        print(f"saved {results.save('kernels-linear', 'kernels', tables)}")

@@ -4,7 +4,7 @@ Quantization: store numbers in fewer bits, and pay for it in accuracy.
 Batch-1 decoding is memory-bound (model.py): every generated token reads every
 weight once, and at long contexts the KV cache too. Halve the bytes and the
 ceiling on tokens/s doubles; the question is what the rounding costs. This file
-makes both trades and measures them (`python quantize.py --eval`).
+makes both trades and measures them (`python bench.py quantize --eval`).
 
 The recipe is the same for every format: pick a scale s for a group of numbers
 so that the largest one maps to the edge of the small format, store round(x/s)
@@ -516,7 +516,7 @@ def empty_quantized(model: nn.Module, spec: dict):
     if weights not in WEIGHT_SCHEMES:
         raise ValueError(f"config.json names quantization scheme '{weights}', "
                          f"which this version does not know (int8, int4); "
-                         f"re-quantize with `python quantize.py`")
+                         f"re-quantize with `python bench.py quantize --weights int4 --out DIR`")
     check_scheme(weights, group)
     for name, lin in quantized_layers(model).items():
         if (scheme := scheme_of(name, weights, spec.get("head"))) == "float":

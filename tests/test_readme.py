@@ -63,6 +63,8 @@ SLOW = {
     "python model.py": "~1 min",
     "python speculative.py": "~1 min",
     "python drafting.py": "~1 min",
+    "python drafting.py --save": "~1 min (writes results/speculative-demo.json)",
+    "python kernels.py --save": "~1 min (writes results/kernels-linear.json)",
     "python bench.py prefix": "~1 min",
     "python bench.py context": "~2 min",
     "python bench.py naive-vs-cached": "~1 min",
