@@ -305,7 +305,8 @@ def test_older_kernels_give_every_build_the_same_bits(builds):
     q4, s4, lo4 = torch.randint(0, 256, (50, 288), dtype=torch.uint8), torch.rand(50, 18), torch.randn(50, 18)
     q8, s8 = torch.randint(-127, 128, (50, 576), dtype=torch.int8), torch.rand(50)
     w16, x = torch.randn(50, 576).bfloat16(), torch.randn(5, 576)
-    same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q4, s4, lo4, 32), x)
+    for rows in (x, torch.randn(11, 576)):       # tiles of 4 + 4 + 2 + 1 rows
+        same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q4, s4, lo4, 32), rows)
     same_bits_everywhere(builds, lambda lib, x: lib.int8_mm(x, q8, s8), x)
     same_bits_everywhere(builds, lambda lib, x: lib.bf16_mm(x.bfloat16(), w16), x)
 
