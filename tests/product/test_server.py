@@ -424,21 +424,28 @@ def test_cli_bad_flag_is_one_line():
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == "error: --max-batch must be positive, got 0"
 
 
-def test_sigterm_finishes_streams_and_exits_0(bundled_dir, cache_home):
+def start_cli(bundled_dir, cache_home, *flags) -> tuple[subprocess.Popen, str]:
+    """`python server.py` on the bundled model and a free port, once /health answers: (process, url)."""
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
-    proc = subprocess.Popen([sys.executable, "server.py", "--model", str(bundled_dir), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "server.py", "--model", str(bundled_dir), "--port", str(port), *flags],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise AssertionError(proc.stderr.read()) from None
+            time.sleep(0.2)
+
+
+def test_sigterm_finishes_streams_and_exits_0(bundled_dir, cache_home):
+    proc, url = start_cli(bundled_dir, cache_home)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-                time.sleep(0.2)
         body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()

@@ -24,7 +24,8 @@ uvicorn = pytest.importorskip("uvicorn")
 import engine                      # noqa: E402
 import server                      # noqa: E402
 from conftest import ROOT          # noqa: E402
-from test_server import QUESTIONS, Live, chat_ids, error_of, free_port, model_tok, reference  # noqa: E402,F401
+from test_server import (QUESTIONS, Live, chat_ids, error_of, model_tok, reference,  # noqa: E402,F401
+                         start_cli)
 
 
 @pytest.fixture(scope="module")
@@ -439,21 +440,9 @@ def test_after_the_fuzz_the_streams_were_unchanged_and_health_prompt(live, backg
 # 5. SIGINT with stalled readers: a drain, then an error event and [DONE] for each, exit 0.
 
 def test_sigint_drains_then_ends_stalled_streams_and_exits_0(bundled_dir, cache_home):
-    port = free_port()
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
-    proc = subprocess.Popen([sys.executable, "server.py", "--model", str(bundled_dir), "--port", str(port),
-                             "--drain-seconds", "2"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    socks = []
+    proc, url = start_cli(bundled_dir, cache_home, "--drain-seconds", "2")
+    port, socks = int(url.rsplit(":", 1)[1]), []
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-                time.sleep(0.2)
         data = json.dumps({"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0,
                            "stream": True}).encode()
         for _ in range(4):                  # four streams nobody reads
