@@ -396,10 +396,11 @@ class EngineLoop:
             self.engine.cancel(job.request.id, arg)
             self.retire(job)
         elif kind == "cancel_all":
+            error = job
             for j in list(self.jobs.values()):
                 self.engine.cancel(j.request.id)
                 self.jobs.pop(j.request.id)
-                j.put(job)                  # the error
+                j.put(error)
         self.metrics.update(self.engine.stats())
 
     def step(self):
