@@ -3,7 +3,6 @@ machine is testable on any), a model's config and a context, with a reason per c
 laid over it (nanoinfer/config.py: RunConfig.from_flags); this machine measured (nanoinfer/machine.py)."""
 
 import json
-import time
 from dataclasses import replace
 
 import pytest
@@ -214,17 +213,14 @@ def test_probe_measures_once_and_caches(tmp_path, monkeypatch):
     # the second call reads the cache: it measures nothing (a measurement here would raise)
     monkeypatch.setattr(machine, "calibrate", lambda *a, **k: pytest.fail("measured again"))
     monkeypatch.setattr(kernels, "read_bandwidth", lambda *a, **k: pytest.fail("measured again"))
-    t0 = time.perf_counter()
-    assert machine.probe(torch.device("cpu"), (256, 128)) == m and time.perf_counter() - t0 < 0.5
+    assert machine.probe(torch.device("cpu"), (256, 128)) == m
 
 
 @pytest.mark.parametrize("flags", [[], ["--model", "tinyllama", "--ctx", "8192"]])
 def test_serve_local_plan_prints_and_exits(flags):
     """As a user runs it: the converted bundled model and the probe's cache in ~/.cache/nanoinfer."""
-    t0 = time.perf_counter()
     rc, out, err = run_cli("serve_local.py", "--plan", *flags, env={"HF_HUB_OFFLINE": "1"}, timeout=120)
     assert rc == 0, err[-2000:]
-    assert time.perf_counter() - t0 < 60
     assert out.startswith("plan for ") and "why:" in out and "cost model:" in out and "tok/s" in out
     assert "loading" not in err                  # no weights read
     # the bundled model: its EAGLE head, or its own Q4_1 bits through the int4 kernels where they measure faster
