@@ -73,8 +73,8 @@ static KScales kscales(const at::Tensor& sc, const at::Tensor& d, int64_t group,
 
 // n scales (or minimums) as fp32, for the loops below to read one fp32 a group: fp32 ones as
 // they are, fp16 or a K-quant's widened into buf (exactly), WIDEN_ROWS rows at a time (a decode
-// step: a few KB that stay in L1 beside the streaming weights; 64 of SmolLM2's rows, 9 KB, cost the
-// fp16 step 13% against fp32 scales, 8 rows nothing), a tile at a time (wide_tiles) or a matrix at a time (a pass
+// step: a few KB that stay in L1 beside the streaming weights, where 64 of SmolLM2's rows, 9 KB,
+// did not, and fp16 scales then cost more than fp32 ones), a tile at a time (wide_tiles) or a matrix at a time (a pass
 // over several rows), so that no loop converts a scale per block and row (a K-quant's int4 step
 // took 1.8x as long that way), and none pays a call per row (SmolLM2's 576-wide rows: 18
 // groups). nullptr stays nullptr.
@@ -194,8 +194,7 @@ static bool intel() {
 #endif
 #define FAR_AHEAD 4096
 // 16-bit weights on the EPYC: a step reads 2 B a weight beside an fp32 x of up to 22 KB (K = 5632)
-// that should stay in L1; asking only 512 B ahead evicts less of it (TinyLlama's F16 step: 61-70
-// against 69-77 ms at 1 KB, 4 alternating runs each).
+// that should stay in L1; asking only 512 B ahead evicts less of it than 1 KB (faster F16 steps).
 #ifndef HALF_AHEAD
 #define HALF_AHEAD 512
 #endif
