@@ -112,6 +112,20 @@ static inline const float* as_f32(KScales s, int64_t n, std::vector<float>& buf)
   return buf.data();
 }
 
+// A decode step's rows [r0, r1) of a matrix with G groups a row, `step` rows at a time:
+// f(row, its scales, its minimums (nullptr: none)) with the scales as fp32, widened WIDEN_ROWS
+// rows at a time (as_f32).
+template <typename S, typename F>
+static void widened_rows(S s, S lo, int64_t G, int64_t r0, int64_t r1, int64_t step, F f) {
+  std::vector<float> sb, lb;
+  for (int64_t b0 = r0; b0 < r1; b0 += WIDEN_ROWS) {
+    int64_t b1 = std::min(r1, b0 + WIDEN_ROWS), n = (b1 - b0) * G;
+    const float *sp = as_f32(s + b0 * G, n, sb), *lp = lo ? as_f32(lo + b0 * G, n, lb) : nullptr;
+    for (int64_t r = b0; r < b1; r += step)
+      f(r, sp + (r - b0) * G, lp ? lp + (r - b0) * G : nullptr);
+  }
+}
+
 // run(s, lo) with the scales as the kernels read them: pointers to fp32 or fp16 numbers, or
 // KScales where the super-blocks' numbers (sd, lod) are given; lo absent: a null of s's type.
 template <typename F>
@@ -142,6 +156,7 @@ static void with_scales(const at::Tensor& s, const std::optional<at::Tensor>& lo
 #ifndef ROWS
 #define ROWS 2
 #endif
+static_assert(WIDEN_ROWS % ROWS == 0, "a chunk of widened scales holds whole ROWS-row steps");
 
 // Each 32 weights' x, reordered once per call so that byte i of a block (weights 2i and 2i+1, low
 // and high nibble) meets its x in lane i:
@@ -576,20 +591,13 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   auto run = [&](auto s_, auto lo_) {
     if (M == 1) {
       at::parallel_for(0, N / ROWS, 16 / ROWS, [&](int64_t p0, int64_t p1) {
-        std::vector<float> sb, lb;
-        for (int64_t b0 = p0; b0 < p1; b0 += WIDEN_ROWS / ROWS) {
-          int64_t b1 = std::min(p1, b0 + WIDEN_ROWS / ROWS), n = (b1 - b0) * ROWS * G;
-          const float *sp = as_f32(s_ + b0 * ROWS * G, n, sb),
-                      *lp = as_f32(lo_ + b0 * ROWS * G, n, lb);
-          for (int64_t p = b0; p < b1; p++)
-            int4_rows<ROWS>(qp + p * ROWS * K / 2, sp + (p - b0) * ROWS * G,
-                            lp + (p - b0) * ROWS * G, K, shift, xp, sx, yp + p * ROWS);
-        }
+        widened_rows(s_, lo_, G, p0 * ROWS, p1 * ROWS, ROWS, [&](int64_t r, auto sr, auto lr) {
+          int4_rows<ROWS>(qp + r * K / 2, sr, lr, K, shift, xp, sx, yp + r);
+        });
       });
-      std::vector<float> sb, lb;
-      for (int64_t n = N / ROWS * ROWS; n < N; n++)
-        int4_rows<1>(qp + n * K / 2, as_f32(s_ + n * G, G, sb), as_f32(lo_ + n * G, G, lb), K,
-                     shift, xp, sx, yp + n);
+      widened_rows(s_, lo_, G, N / ROWS * ROWS, N, 1, [&](int64_t r, auto sr, auto lr) {
+        int4_rows<1>(qp + r * K / 2, sr, lr, K, shift, xp, sx, yp + r);
+      });
       return;
     }
     std::vector<float> sb, lb;
@@ -824,15 +832,9 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
   auto run = [&](auto s_, auto lo_) {
     if (M == 1) {
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        std::vector<float> sb, lb;
-        for (int64_t b0 = n0; b0 < n1; b0 += WIDEN_ROWS) {
-          int64_t b1 = std::min(n1, b0 + WIDEN_ROWS), n = (b1 - b0) * G;
-          const float *sp = as_f32(s_ + b0 * G, n, sb),
-                      *lp = lo_ ? as_f32(lo_ + b0 * G, n, lb) : nullptr;
-          for (int64_t r = b0; r < b1; r++)
-            int8g_row<1>(qp + r * K, sp + (r - b0) * G, lp ? lp + (r - b0) * G : nullptr, K, group,
-                         xp, lp ? sx : nullptr, yp + r, N);
-        }
+        widened_rows(s_, lo_, G, n0, n1, 1, [&](int64_t r, auto sr, auto lr) {
+          int8g_row<1>(qp + r * K, sr, lr, K, group, xp, lr ? sx : nullptr, yp + r, N);
+        });
       });
       return;
     }
