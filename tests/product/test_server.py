@@ -242,11 +242,14 @@ def test_models_health_metrics_page(live):
         "<script>")[1].replace("http.", "")     # no CDN: nothing fetched from elsewhere
 
 
-def metric(live, name: str) -> float:
-    for line in httpx.get(live.url + "/metrics").text.splitlines():
+def metric(live, name: str, headers=None) -> float:
+    """A value on /metrics; 0 for a labelled counter not counted yet (prometheus shows none)."""
+    for line in httpx.get(live.url + "/metrics", headers=headers).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
-    raise KeyError(name)
+    if "{" not in name:
+        raise KeyError(name)
+    return 0.0
 
 
 # ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import engine                      # noqa: E402
 import server                      # noqa: E402
+import test_server                 # noqa: E402
 from conftest import ROOT          # noqa: E402
 from test_server import (QUESTIONS, Live, chat_ids, error_of, model_tok, reference,  # noqa: E402,F401
                          start_cli)
@@ -41,12 +42,7 @@ KEY = {"Authorization": "Bearer sesame"}
 
 
 def metric(live, name: str) -> float:
-    """A value on /metrics; 0 for a labelled counter not yet counted."""
-    for line in httpx.get(live.url + "/metrics", headers=KEY).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    assert "{" in name, name
-    return 0.0
+    return test_server.metric(live, name, KEY)
 
 
 def post(live, path, body, headers=None, **kw):
