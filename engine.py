@@ -107,8 +107,8 @@ import torch
 from kvcache import PagedKVCache, kv_bytes_per_token
 from model import Llama, LlamaConfig, count_parameters, load
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable
-from sampling import (SEEDS, Finish, SamplingParams, finish_reason, sample, seeded_generator,
-                      visible)
+from sampling import (SEEDS, Finish, SamplingParams, constraint, finish_reason, grammar_text,
+                      grammar_vocab, sample, seeded_generator, visible)
 
 
 class Status(enum.Enum):
@@ -175,6 +175,7 @@ class Sequence:
     prefilling: bool = False
     preempted: bool = False           # preempted at least once: admitting it again recomputes
     generator: object = None          # the engine's sampling state (a torch.Generator or None)
+    grammar: object = None            # its schema's or grammar's state (sampling.Constraint)
     # per output token, with params.logprobs: (top values, ids, chosen's)
     logprobs: list = field(default_factory=list)
 
@@ -346,12 +347,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def fork(self, seq: Sequence, new_id: int, branch: int, generator=None) -> Sequence:
+    def fork(self, seq: Sequence, new_id: int, branch: int, generator=None,
+             grammar=None) -> Sequence:
         """A branch sharing ``seq``'s blocks (copy-on-write), running right after it, sampling
-        with ``generator``."""
+        with ``generator`` (and ``grammar``, its own copy of the grammar's state)."""
         table = self.alloc.fork(seq.table, new_id)
         twin = Sequence(new_id, seq.request, branch, list(seq.output), table, Status.RUNNING,
-                        n_cached=seq.n_cached, generator=generator)
+                        n_cached=seq.n_cached, generator=generator, grammar=grammar)
         self.running.insert(self.running.index(seq) + 1, twin)
         seq.request.sequences.append(twin)
         return twin
@@ -423,13 +425,14 @@ class Engine:
     model's); a ``codec`` (quantize.kv_codec: int8/fp8 rows and their scales) stores
     quantized rows instead. ``in_place``: how a one-token pass reads the pool where it
     lies (kvcache.PagedKVCache's; None: gather). ``chunk_tokens``: the most prompt
-    tokens a step computes (None: every admitted prompt whole)."""
+    tokens a step computes (None: every admitted prompt whole). ``vocab``
+    (sampling.grammar_vocab): what requests with a schema or grammar need."""
 
     def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES,
                  prefix_caching: bool = True, max_len: int | None = None,
                  kv_dtype: torch.dtype | None = None, watermark: float = 0.01,
-                 chunk_tokens: int | None = 256, codec=None, in_place=None):
+                 chunk_tokens: int | None = 256, codec=None, in_place=None, vocab=None):
         c = model.config
         kv_dtype = kv_dtype or model.dtype
         if num_blocks is None:
@@ -443,7 +446,7 @@ class Engine:
             raise ValueError(f"num_blocks, block_size, max_batch and chunk_tokens (or None) "
                              f"must be >= 1 "
                              f"(got {num_blocks}, {block_size}, {max_batch}, {chunk_tokens})")
-        self.model, self.device = model, model.device
+        self.model, self.device, self.vocab = model, model.device, vocab
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim,
                                   kv_dtype, model.device, c.sliding_window, codec, in_place)
@@ -503,6 +506,9 @@ class Engine:
                              f"got {n}")
         if params.seed is not None and params.seed + n - 1 >= SEEDS:
             raise ValueError(f"seed must be below 2**64 - {n - 1}: branch i samples with seed + i")
+        if self.vocab is None and grammar_text(params) is not None:
+            raise ValueError("this engine has no vocabulary for schemas and grammars (the model "
+                             "has no tokenizer.json, or Engine was given no vocab)")
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt is {len(ids)} tokens but a sequence may hold at most "
                              f"{self.max_len} (model context {self.model.config.max_seq_len}, "
@@ -524,8 +530,10 @@ class Engine:
         ids = self.check_request(prompt_ids, params, n)
         if session is not None and n != 1:
             raise ValueError("a session continues one conversation: n must be 1")
+        grammar = constraint(params, self.vocab)
         req = Request(next(self._ids), ids, params, n, session, arrival=time.perf_counter())
-        seq = Sequence(next(self._ids), req, forks=n - 1, generator=self._generator(params, 0))
+        seq = Sequence(next(self._ids), req, forks=n - 1, generator=self._generator(params, 0),
+                       grammar=grammar)
         req.sequences.append(seq)
         self.requests[req.id] = req
         self.scheduler.add(seq)
@@ -589,7 +597,8 @@ class Engine:
     def _branches(self, seq: Sequence) -> list[Sequence]:
         """A prefilled sequence and the n - 1 branches forked from its table."""
         branches = [seq] + [self.scheduler.fork(seq, next(self._ids), b,
-                                                self._generator(seq.request.params, b))
+                                                self._generator(seq.request.params, b),
+                                                seq.grammar and seq.grammar.fork())
                             for b in range(1, seq.forks + 1)]
         seq.forks = 0
         return branches
@@ -637,7 +646,7 @@ class Engine:
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
         req, p, eos_ids = seq.request, seq.request.params, self.model.config.eos_ids
-        token = sample(logits, p, seq.generator)
+        token = sample(logits, p, seq.generator, seq.grammar)
         seq.output.append(token)
         chosen = top = None
         if p.logprobs:
@@ -727,7 +736,8 @@ class LLM:
         if not isinstance(model, Llama):
             model, tokenizer = load(str(model), dtype=dtype)
         self.model, self.tokenizer = model, tokenizer
-        self.engine = Engine(model, **engine_kwargs)
+        vocab = tokenizer and grammar_vocab(tokenizer.to_json(), model.config.eos_ids)
+        self.engine = Engine(model, vocab=vocab, **engine_kwargs)
 
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

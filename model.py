@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import safetensors_io
-from sampling import Finish, SamplingParams, finish_reason, sample, seeded_generator
+from sampling import Finish, SamplingParams, constraint, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
 
 # config.json's key for a quantized checkpoint (safetensors_io): quantize.py reads and writes it; a
@@ -593,19 +593,20 @@ def check_context(model: Llama, n_tokens: int, cache=None):
 
 @torch.inference_mode()
 def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
-                   stats: GenerationStats | None = None) -> Iterator[int]:
-    """O(N²): every step runs the whole sequence so far through the model."""
+                   stats: GenerationStats | None = None, vocab=None) -> Iterator[int]:
+    """O(N²): every step runs the whole sequence so far through the model.
+    (``vocab``: sampling.grammar_vocab, for a schema or grammar in ``p``.)"""
     stats = stats if stats is not None else GenerationStats()
     check_context(model, len(prompt))
     dev, tokens = model.device, list(prompt)
-    gen = seeded_generator(p.seed, dev)
+    gen, grammar = seeded_generator(p.seed, dev), constraint(p, vocab)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     for i in range(p.max_new_tokens):
         ids = torch.tensor([tokens], device=dev)
         logits = model(ids, torch.arange(len(tokens), device=dev), last_only=True)
         stats.positions_computed += len(tokens)
         stats.scores_computed += causal_scores(len(tokens), len(tokens))
-        nxt = sample(logits[0, -1], p, gen)
+        nxt = sample(logits[0, -1], p, gen, grammar)
         t0 = stats.clock(i, t0)
         yield nxt
         tokens.append(nxt)
@@ -617,7 +618,7 @@ def generate_naive(model: Llama, prompt: list[int], p: SamplingParams,
 
 @torch.inference_mode()
 def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
-                    stats: GenerationStats | None = None, cache=None) -> Iterator[int]:
+                    stats: GenerationStats | None = None, cache=None, vocab=None) -> Iterator[int]:
     """O(N): prefill the prompt once, then feed one token per step.
 
     ``prompt`` holds the tokens not yet in ``cache`` (a new chat turn passes the
@@ -628,7 +629,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
     start, limit = cache.length, context_limit(model, cache)
     check_context(model, start + len(prompt), cache)
     dev = model.device
-    gen = seeded_generator(p.seed, dev)
+    gen, grammar = seeded_generator(p.seed, dev), constraint(p, vocab)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     ids, pos = (torch.tensor([prompt], device=dev),
                 torch.arange(start, start + len(prompt), device=dev))
@@ -636,7 +637,7 @@ def generate_cached(model: Llama, prompt: list[int], p: SamplingParams,
         logits = model(ids, pos, cache, last_only=True)
         stats.positions_computed += ids.shape[1]
         stats.scores_computed += causal_scores(ids.shape[1], cache.length)
-        nxt = sample(logits[0, -1], p, gen)
+        nxt = sample(logits[0, -1], p, gen, grammar)
         t0 = stats.clock(i, t0)
         yield nxt
         stats.finish_reason = finish_reason(nxt, i + 1, cache.length + 1, p, model.config.eos_ids,

@@ -19,6 +19,28 @@ draft's q, both shaped by the same temperature, top-k and top-p.
 
 Cost: a few vector operations over the vocabulary (49,152 entries for SmolLM2)
 per token; only top-p's sort is noticeable, so it ranks the 256 likeliest first.
+
+Structured output. An application that parses the answer (JSON for a program, a
+function call for an agent) needs it to be valid every time, not usually. So a
+grammar decides which tokens may come next: before a token is drawn, every token
+that would break the grammar gets a score of −inf, and after it is drawn the
+grammar's state advances by it. The model still picks among what is allowed, so
+the answer is the model's, in the shape asked for. EOS is allowed only where the
+grammar may end, so an answer never stops half-way through a structure (it may
+still hit max_new_tokens, as any answer may).
+
+The grammar work is llguidance's (llama.cpp's choice), not hand-written: turning a
+JSON schema into a grammar, and finding which of 49,152 tokens can continue it,
+take a parser that walks the vocabulary as a trie, and that is a library's job.
+We took it over xgrammar (vLLM's), measured by ``python bench.py grammar``:
+xgrammar computes a mask faster, but compiles a new schema hundreds of times
+slower, and a server compiles each request's schema when it arrives, so that is
+time to first token; llguidance's mask is small beside a forward pass. And
+llguidance needs nothing else installed, where xgrammar brings transformers,
+triton and a runtime of its own.
+
+Cost: one mask per token per answer, computed on the CPU after the forward pass
+and applied as one masked_fill; speculative decoding masks each row it verifies.
 """
 
 from __future__ import annotations
@@ -27,6 +49,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 
@@ -42,6 +65,9 @@ class SamplingParams:
                                  # raw distribution (before temperature)
     ignore_eos: bool = False     # run to max_new_tokens: benchmarks and training data
                                  # need exact lengths
+    json_schema: dict | None = None   # the answer is JSON valid against this schema
+    grammar: str | None = None   # or text this Lark grammar matches (llguidance's
+                                 # dialect, where %json {...} embeds a schema)
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -56,6 +82,12 @@ class SamplingParams:
             raise ValueError(f"logprobs must be >= 0 (0 returns none), got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEEDS:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        if self.json_schema is not None and self.grammar is not None:
+            raise ValueError("give a JSON schema or a grammar, not both")
+        if self.ignore_eos and grammar_text(self) is not None:
+            raise ValueError("ignore_eos cannot go with a schema or grammar: the answer ends "
+                             "where the grammar does")
+        check_grammar(self)
 
 
 SEEDS = 2 ** 64    # torch.Generator's seeds: 64-bit
@@ -103,8 +135,13 @@ def check_logits(logits: torch.Tensor):
 
 
 def sample(logits: torch.Tensor, p: SamplingParams,
-           generator: torch.Generator | None = None) -> int:
-    """logits (vocab,) fp32 -> token id."""
+           generator: torch.Generator | None = None, grammar: Constraint | None = None) -> int:
+    """logits (vocab,) fp32 -> token id; with ``grammar``, one it allows, and its state
+    moves past that token."""
+    if grammar is not None:
+        token = sample(grammar.apply(logits), p, generator)
+        grammar.advance(token)
+        return token
     if p.temperature == 0:
         # argmax takes NaN for the largest score, so the chosen one is NaN or +inf exactly when
         # some score is: one value checked, not the vocabulary (49,152 comparisons: 60 µs a
@@ -117,6 +154,99 @@ def sample(logits: torch.Tensor, p: SamplingParams,
 
 
 # ----------------------------------------------------------------------------
+# Structured output: the tokens a grammar allows next.
+
+# JSON as people write it on one line (", " and ": "), and no other whitespace: a grammar
+# that allows any run of spaces lets a small model fill its answer with them.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(p: SamplingParams) -> str | None:
+    """The request's schema or Lark grammar as one llguidance grammar; None for free text."""
+    if p.json_schema is not None:
+        if not isinstance(p.json_schema, dict):
+            raise ValueError("a JSON schema must be a JSON object")
+        return llguidance.LLMatcher.grammar_from_json_schema(p.json_schema, defaults=JSON_LAYOUT)
+    if p.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(p.grammar)
+    return None
+
+
+def check_grammar(p: SamplingParams):
+    """ValueError naming what is wrong with the schema or grammar (no tokenizer needed)."""
+    text = grammar_text(p)
+    error = text and llguidance.LLMatcher.validate_grammar(text)
+    if error:
+        what = "JSON schema" if p.json_schema is not None else "grammar"
+        raise ValueError(f"the {what} is not supported: {error.strip().splitlines()[0]}")
+
+
+def grammar_vocab(tokenizer_json: str | None, eos_ids) -> llguidance.LLTokenizer | None:
+    """The vocabulary as the grammar library reads it: every token's bytes, from the
+    checkpoint's tokenizer.json (None without one: then no grammar can run). EOS ids
+    are the tokens a grammar allows where it may end. Build it once per model."""
+    if tokenizer_json is None:
+        return None
+    return llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos_ids))
+
+
+class Constraint:
+    """One answer's grammar state. ``apply`` rules out the tokens the grammar does not
+    allow next; ``advance`` moves it by the token drawn; ``rollback`` takes tokens back
+    (speculative decoding, after a rejected guess); ``fork`` copies it (a request's n
+    branches each follow the grammar on their own)."""
+
+    def __init__(self, vocab: llguidance.LLTokenizer, grammar: str,
+                 matcher: llguidance.LLMatcher | None = None):
+        self.vocab = vocab
+        self.matcher = matcher or llguidance.LLMatcher(vocab, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"the grammar does not compile: {self.error()}")
+
+    def error(self) -> str:
+        """The library's error, its first line (the rest is a dump of the parser's state)."""
+        return (self.matcher.get_error().strip().splitlines() or ["(none)"])[0]
+
+    def allowed(self, size: int) -> torch.Tensor:
+        """(size,) bool: the tokens that may come next. Ids the tokenizer lacks (a model's
+        padded vocabulary) never may."""
+        ok = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8) != 0
+        if size > ok.numel():
+            ok = torch.cat([ok, ok.new_zeros(size - ok.numel())])
+        ok = ok[:size]
+        if not bool(ok.any()):
+            raise ValueError(f"the grammar allows no token here: {self.error()}")
+        return ok
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (vocab,) -> the same with every token the grammar forbids at −inf."""
+        ok = self.allowed(logits.shape[-1]).to(logits.device)
+        return logits.float().masked_fill(~ok, -math.inf)
+
+    def advance(self, token: int):
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} breaks the grammar: {self.error()}")
+
+    def rollback(self, n: int):
+        if n and not self.matcher.rollback(n):
+            raise ValueError(f"the grammar cannot take back {n} tokens")
+
+    def fork(self) -> Constraint:
+        return Constraint(self.vocab, "", self.matcher.deep_copy())
+
+
+def constraint(p: SamplingParams, vocab: llguidance.LLTokenizer | None) -> Constraint | None:
+    """The grammar state a decoder starts an answer with: None for free text."""
+    text = grammar_text(p)
+    if text is None:
+        return None
+    if vocab is None:
+        raise ValueError("structured output needs the model's tokenizer.json (this model has "
+                         "none, or the decoder was given no vocabulary)")
+    return Constraint(vocab, text)
+
+
+# ----------------------------------------------------------------------------
 # When to stop, and the random state.
 
 class Finish(enum.StrEnum):
@@ -125,6 +255,7 @@ class Finish(enum.StrEnum):
     LENGTH = "length"           # max_new_tokens or the context limit
     CANCELLED = "cancelled"     # the client left, or the request was cancelled
     ERROR = "error"             # this request's own work (its sampling, its stop rule) raised
+    TOOL_CALLS = "tool_calls"   # a server read tool calls in an answer that stopped
 
 
 def finish_reason(token: int, generated: int, length: int, p: SamplingParams, eos_ids,

@@ -89,8 +89,8 @@ import kvcache
 from kvcache import DynamicCache
 from model import (GenerationStats, Llama, attention_mask, check_context, context_limit,
                    generate_cached, load)
-from sampling import (SamplingParams, check_logits, finish_reason, sample, sampling_probs,
-                      seeded_generator)
+from sampling import (Constraint, SamplingParams, check_logits, constraint, finish_reason,
+                      sample, sampling_probs, seeded_generator)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -335,15 +335,40 @@ class SpecStats:
                 f"per target forward | accepted lengths {hist}")
 
 
+def constrain_rows(logits: torch.Tensor, rows: list[list[int]], cands: list[list[int]],
+                   grammar: Constraint) -> torch.Tensor:
+    """Under a grammar, each verified row gets the mask of the state it follows: row
+    rows[c][i] comes after x_t and cands[c][:i]. A guess the grammar forbids then has
+    probability 0 in its row, so the rule above rejects it like any unlikely guess, and
+    what is accepted is exactly what masked plain decoding draws. The rows after a
+    forbidden guess are never read (verification stops there), so masking stops too.
+    The grammar ends where it began."""
+    out = logits.float().clone()
+    done = set()
+    for path, cand in zip(rows, cands) if cands else [([0], [])]:
+        taken = 0
+        for r, token in zip(path, cand + [None]):
+            if r not in done:          # a row shared by several candidates: one state
+                out[r] = grammar.apply(logits[r])
+                done.add(r)
+            if token is None or out[r, token] == -torch.inf:
+                break
+            grammar.advance(token)
+            taken += 1
+        grammar.rollback(taken)
+    return out
+
+
 @torch.inference_mode()
 def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
              stats: GenerationStats | None = None, spec: SpecStats | None = None, cache=None,
-             history: list[int] | None = None) -> Iterator[int]:
+             history: list[int] | None = None, vocab=None) -> Iterator[int]:
     """Like model.generate_cached, but each step verifies the proposer's guesses.
 
     ``history`` is what ``cache`` already holds (a chat's earlier turns): the
     proposers look at the whole context. On exit the cache holds everything
-    except the last yielded token, exactly as after generate_cached."""
+    except the last yielded token, exactly as after generate_cached. ``vocab``:
+    sampling.grammar_vocab, for a schema or grammar in ``p`` (constrain_rows)."""
     stats = stats if stats is not None else GenerationStats()
     spec = spec if spec is not None else SpecStats()
     cache = cache if cache is not None else kvcache.new_cache(model)
@@ -357,7 +382,7 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
     limit = context_limit(model, cache)
     check_context(model, cache.length + len(prompt), cache)
     dev = model.device
-    gen = seeded_generator(p.seed, dev)
+    gen, grammar = seeded_generator(p.seed, dev), constraint(p, vocab)
     stats.prompt_tokens, t0 = len(prompt), time.perf_counter()
     pos = torch.arange(cache.length, cache.length + len(prompt), device=dev)
     feats = proposer.needs_features
@@ -366,7 +391,7 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
         logits, hidden = logits
         proposer.observe(len(history), hidden[0])
     stats.positions_computed += len(prompt)
-    context = history + prompt + [sample(logits[0, -1], p, gen)]
+    context = history + prompt + [sample(logits[0, -1], p, gen, grammar)]
     t0 = stats.clock(0, t0)
     yield context[-1]
     done, eos = 1, set(model.config.eos_ids)
@@ -409,6 +434,9 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
         logits = logits[0]
         stats.positions_computed += len(ids)
         check_logits(logits[:b0])
+        if grammar is not None:
+            logits = torch.cat([constrain_rows(logits[:b0], rows, cands, grammar),
+                                logits[b0:].float()])
         if p.temperature == 0:
             c, n, nxt = verify_greedy(logits[:b0].argmax(-1).tolist(), rows, cands)
         else:
@@ -416,6 +444,8 @@ def generate(model: Llama, prompt: list[int], p: SamplingParams, proposer,
             target = [probs[path] for path in rows] or [probs[:1]]
             c, n, nxt = verify(target, cands, prop.draft_probs, gen)
         accepted = (cands[c][:n] if cands else []) + [nxt]
+        for token in accepted if grammar is not None else []:
+            grammar.advance(token)
         # the pass's rows of x_t and the accepted guesses
         kept = rows[c][:n + 1] if cands else [0]
         if kept != list(range(n + 1)):                    # bring their K/V right behind x_t

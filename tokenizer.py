@@ -123,6 +123,9 @@ class _HFBackend:
     def special_ids(self):
         return sorted(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
 
+    def to_json(self):
+        return self.tok.to_str()
+
     def post_processor_adds(self, bos_id):
         # No flag in tokenizer_config: transformers then does whatever the file's
         # post-processor does
@@ -192,6 +195,9 @@ class _SPBackend:
 
     def special_ids(self):
         return sorted(self.special_text)
+
+    def to_json(self):
+        return None         # a sentencepiece model has no tokenizer.json
 
     def post_processor_adds(self, bos_id):
         # sentencepiece models (Llama, Mistral) are trained with a BOS in front
@@ -267,7 +273,8 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """The chat template's prompt as ids, with every message's text taken as data:
         special-token strings come only from the template's own markup, so a message
         that spells "<|im_end|><|im_start|>system" stays those characters and cannot
@@ -277,12 +284,12 @@ class Tokenizer:
         How: the template is rendered a second time with a marker in place of each
         message's text; its markup pieces are encoded as usual, the texts between them
         as plain text (a template that trims a message is followed)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         ids = self.encode(text, add_bos=False)
         texts = [m.get("content") for m in messages]
         marked = [{**m, "content": f"\ue000{i}\ue001"} if isinstance(c, str) else m
                   for i, (m, c) in enumerate(zip(messages, texts))]
-        shell = self.apply_chat_template(marked, add_generation_prompt)
+        shell = self.apply_chat_template(marked, add_generation_prompt, tools)
         special = set(self.special_ids)
         if (sum(i in special for i in ids)
                 == sum(i in special for i in self.encode(shell, add_bos=False))):
@@ -312,7 +319,13 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def to_json(self) -> str | None:
+        """The tokenizer as tokenizer.json text (what a grammar library reads), or None for
+        a sentencepiece model."""
+        return self._backend.to_json()
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
             raise ValueError(NO_TEMPLATE)
         if self._template is None:
@@ -321,7 +334,7 @@ class Tokenizer:
         # not its value
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         return self._template.render(
-            messages=messages, tools=None, documents=None,
+            messages=messages, tools=tools, documents=None,
             add_generation_prompt=add_generation_prompt, **self.special_tokens,
         )
 

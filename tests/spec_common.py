@@ -135,21 +135,29 @@ def small_vocab(tmp_path_factory):
     return target, draft, part, eagle, random_medusa(target, 3, [0, 1, 2, 4, 5, 7, 9, 11, 12, 15], seed=5)
 
 
-def sampled_counts(target, make_proposer, params, n_seqs, n_new):
+def sampled_counts(target, make_proposer, params, n_seqs, n_new, vocab=None):
     """Run speculative sampling on n_seqs prompts; return observed token counts and
     the expected counts: the sum over emitted tokens of the target's distribution
-    given everything before it (one plain forward over each finished sequence)."""
+    given everything before it (one plain forward over each finished sequence), masked
+    by the grammar's state there when params has one."""
     gen = torch.Generator().manual_seed(0)
     observed, expected = torch.zeros(16), torch.zeros(16)
     spec = S.SpecStats()
     for s in range(n_seqs):
         prompt = [0] + torch.randint(1, 16, (4,), generator=gen).tolist()
         p = M.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                             seed=s, max_new_tokens=n_new)
-        out = list(S.generate(target, prompt, p, make_proposer(), spec=spec))
+                             seed=s, max_new_tokens=n_new, grammar=params.grammar)
+        out = list(S.generate(target, prompt, p, make_proposer(), spec=spec, vocab=vocab))
         seq = prompt + out
         with torch.inference_mode():
             logits = target(torch.tensor([seq]), torch.arange(len(seq)))[0, len(prompt) - 1:-1]
+        grammar = sampling.constraint(p, vocab)
+        if grammar is not None:
+            rows = []
+            for row, token in zip(logits, out):
+                rows.append(grammar.apply(row))
+                grammar.advance(token)
+            logits = torch.stack(rows)
         expected += sampling.sampling_probs(logits, p).sum(0)
         observed += torch.bincount(torch.tensor(out), minlength=16).float()
     return observed, expected, spec
@@ -174,14 +182,17 @@ def check_greedy(target, proposers: dict, k: int, n: int = 128):
                 assert spec.accepted > 0, (name, k, spec.summary())    # a random draft alone may never agree
 
 
-def check_sampling(target, make, monkeypatch, n_seqs: int, n_control: int, n_new: int = 128):
+def check_sampling(target, make, monkeypatch, n_seqs: int, n_control: int, n_new: int = 128,
+                   grammar: str | None = None, vocab=None):
     """n_seqs × n_new emitted tokens against the target's exact distributions (chi-square);
     then n_control × n_new with a rule that accepts every guess, which must fail."""
-    params = M.SamplingParams(temperature=1.0, top_p=0.95)
-    observed, expected, spec = sampled_counts(target, make, params, n_seqs, n_new)
+    params = M.SamplingParams(temperature=1.0, top_p=0.95, grammar=grammar)
+    observed, expected, spec = sampled_counts(target, make, params, n_seqs, n_new, vocab)
     assert observed.sum() == n_seqs * n_new
     assert spec.accepted > 0.05 * spec.emitted, spec.summary()      # the rule is really exercised
     assert chi_square_p(observed, expected) > 1e-3, (observed, expected)
+    if not n_control:
+        return
     monkeypatch.setattr(S, "accept", lambda p, token, q, gen: True)
     observed, expected, _ = sampled_counts(target, make, params, n_control, n_new)
     assert chi_square_p(observed, expected) < 1e-6
