@@ -24,6 +24,7 @@ llama.cpp and transformers, in bench/peers.py); this file is the table of subcom
     python bench.py tp                            # tp.py: decode step with 1 process and 2 ranks, time in all-reduce
     python bench.py serve                         # server.py against llama-server: 1-32 streaming clients
     python bench.py soak                          # server.py: 1,000 mixed requests and disconnects, for leaks
+    python bench.py grammar                       # structured output: the libraries, and tok/s with a schema
     python bench.py gguf [FILE...]                # serve_local.py against llama-server on the same GGUFs
     python bench.py gguf --shapes tinyllama       # ... on random TinyLlama-shaped Q4_K_M, Q8_0, F16 files
 
@@ -35,8 +36,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import (attention, batching, compiled, context, decode, gguf, kvcache, paged, quantize_eval,
-                   runner, serve, soak, speculative, tools, tp)
+from bench import (attention, batching, compiled, context, decode, gguf, grammar, kvcache, paged,
+                   quantize_eval, runner, serve, soak, speculative, tools, tp)
 
 # name: (the function run with the parsed flags, help, the function adding the flags)
 TABLE = {
@@ -77,6 +78,9 @@ TABLE = {
     "soak": (soak.bench_soak, "server.py under 1,000 mixed requests (10%% leave mid-stream, 10%% leave a "
              "non-streamed answer): RSS, KV blocks and running requests at the end, latency drift",
              soak.soak_args),
+    "grammar": (grammar.bench_grammar, "structured output: llguidance against xgrammar (compile, mask), "
+                "and server.py's tok/s with a JSON schema against without, 1 and 16 clients",
+                grammar.grammar_args),
     "runner": (runner.bench_runner, "serve_local.py as a user runs it (the plan, plain compiled and eager, "
                "fastest flags) against llama.cpp's defaults on the same GGUF", runner.runner_args),
     "gguf": (gguf.bench_gguf, "serve_local.py against llama-server on the same GGUF files (or random test "

@@ -23,6 +23,7 @@ Everything except the answer goes to stderr, so `--prompt` composes with pipes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -48,7 +49,7 @@ from kvcache import common_prefix
 from model import (DECODERS, ContextOverflow, GenerationStats, Llama, check_context, context_limit,
                    count_parameters, generate_cached, generate_naive)
 from nanoinfer.config import RunConfig
-from sampling import Finish, SamplingParams, visible
+from sampling import Finish, SamplingParams, grammar_vocab, visible
 from tokenizer import Tokenizer
 
 
@@ -70,6 +71,7 @@ class Chat:
     spec: object = None           # the last turn's speculative stats
     plain_step_s: float = 0.0     # one plain decode step after the last answer: the speedup's baseline
     building: object = None       # the process building the compiled step (warm_up), till take_compiled_step
+    vocab: object = None          # --json, --json-schema: the grammar's vocabulary (sampling.grammar_vocab)
 
     def __post_init__(self):
         self.cached_tokens = None     # paged: prompt tokens the last turn found in the cache
@@ -143,15 +145,17 @@ class Chat:
     def generate(self, ids: list[int], stats: GenerationStats):
         """(tokens of ids already in the cache, the answer's token iterator)."""
         if self.decoder == "naive":
-            return 0, generate_naive(self.model, ids, self.params, stats)
+            return 0, generate_naive(self.model, ids, self.params, stats, self.vocab)
         prefix = common_prefix(self.ids[:self.cache.length], ids)
         prefix = min(prefix, len(ids) - 1)     # at least one token must run to get logits
         self.cache.crop(prefix)
         if self.proposer is not None:
             self.spec = speculative.SpecStats()
             return prefix, speculative.generate(self.model, ids[prefix:], self.params, self.proposer, stats,
-                                                self.spec, self.cache, history=ids[:prefix])
-        return prefix, generate_cached(self.model, ids[prefix:], self.params, stats, self.cache)
+                                                self.spec, self.cache, history=ids[:prefix],
+                                                vocab=self.vocab)
+        return prefix, generate_cached(self.model, ids[prefix:], self.params, stats, self.cache,
+                                       self.vocab)
 
     def keep(self, n: int):
         """After a turn: the cache holds the conversation's first n tokens."""
@@ -172,7 +176,8 @@ class PagedChat(Chat):
         codec = quantize.kv_codec(self.kv_dtype)
         self.engine = engine.Engine(self.model, num_blocks=-(-ctx // self.block_size), block_size=self.block_size,
                                     max_batch=1, codec=codec,
-                                    in_place=kernels.paged_reader(self.model.norm.weight.device, codec))
+                                    in_place=kernels.paged_reader(self.model.norm.weight.device, codec),
+                                    vocab=self.vocab)
         self.session_key = object()
         return self.engine.cache
 
@@ -287,6 +292,10 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=0.9, help="keep the likeliest tokens up to this probability "
                     "(default: 0.9)")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--json", action="store_true", help="every answer is a JSON object (a grammar "
+                    "decides which tokens may come: sampling.py)")
+    ap.add_argument("--json-schema", default=None, metavar="FILE", help="every answer is JSON valid "
+                    "against the JSON schema in FILE")
     ap.add_argument("--decoder", choices=list(DECODERS), default="cached")
     ap.add_argument("--cache", choices=list(kvcache.CACHES), default=None,
                     help="KV cache: grows (dynamic), preallocated (static), a ring (sliding-window models), or "
@@ -516,6 +525,8 @@ def check_flags(args):
         raise ValueError("--block-size sets the blocks of the paged pool: add --kv paged")
     if args.adaptive_k and args.draft is None:
         raise ValueError("--adaptive-k adapts a draft model's k: add --draft")
+    if args.json and args.json_schema is not None:
+        raise ValueError("--json asks for any JSON object and --json-schema for one schema: give one")
     if args.group_size is not None and args.weights != "int4":
         raise ValueError("--group-size sets int4's groups: add --weights int4")
     if args.compile and args.cache not in (None, "static"):
@@ -537,6 +548,21 @@ def check_flags(args):
             raise ValueError("--tp answers one --prompt (a typed line would reach rank 0 alone): add --prompt")
 
 
+def json_schema(args) -> dict | None:
+    """--json (any object) or --json-schema FILE, as SamplingParams.json_schema."""
+    if args.json_schema is None:
+        return {"type": "object"} if args.json else None
+    try:
+        schema = json.loads(Path(args.json_schema).read_text())
+    except OSError as e:
+        raise ValueError(f"--json-schema: cannot read {args.json_schema}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--json-schema: {args.json_schema} is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema: {args.json_schema} holds no JSON object")
+    return schema
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.prompt is None and hasattr(sys.stdin, "reconfigure"):
@@ -556,7 +582,8 @@ def main(argv=None) -> int:
             seed = tp.shared_seed(seed)
         print(f"{plan.summary(cfg.in_effect())} — --plan says why", file=sys.stderr)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  seed=seed, max_new_tokens=args.max_new_tokens)
+                                seed=seed, max_new_tokens=args.max_new_tokens,
+                                json_schema=json_schema(args))
         t0 = time.perf_counter()
         print(f"loading {cfg.model} ...", file=sys.stderr, flush=True)
         if cfg.tp:
@@ -574,16 +601,22 @@ def main(argv=None) -> int:
         if not 1 <= cfg.block_size <= cfg.ctx:
             raise ValueError(f"--block-size must be between 1 and the context ({cfg.ctx} tokens), "
                              f"got {cfg.block_size}")
+        vocab = None
+        if params.json_schema is not None:
+            vocab = grammar_vocab(tok.to_json(), model.config.eos_ids)
+            if vocab is None:
+                raise ValueError("--json and --json-schema need the model's tokenizer.json (this "
+                                 "model has a sentencepiece tokenizer.model alone)")
         proposer = nanoinfer.load.proposer(cfg, model, tok)
         if proposer is not None and (cfg.kv == "paged" or cfg.decoder != "cached"):
             raise ValueError("speculative decoding runs on the contiguous cached decoder: drop --kv paged "
                              "and --decoder naive")
         if cfg.kv == "paged":
             chat = PagedChat(model, tok, params, cfg.decoder, raw, args.system, cfg.cache, cfg.ctx, cfg.kv_dtype,
-                             block_size=cfg.block_size)
+                             vocab=vocab, block_size=cfg.block_size)
         else:
             chat = Chat(model, tok, params, cfg.decoder, raw, args.system, cfg.cache, cfg.ctx, cfg.kv_dtype,
-                        proposer=proposer)
+                        proposer=proposer, vocab=vocab)
         if cfg.compile:     # a chat's first start answers while a child process compiles (warm_up)
             warm_up(chat, (sys.argv[1:] if argv is None else list(argv)) if cfg.background_compile else None)
         if args.compile_only:

@@ -92,8 +92,9 @@ import engine
 import kernels
 import nanoinfer.load
 import quantize
+from nanoinfer import tools
 from nanoinfer.config import RunConfig
-from sampling import SEEDS, Finish, SamplingParams
+from sampling import SEEDS, Finish, SamplingParams, grammar_vocab
 from tokenizer import Tokenizer
 
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
@@ -117,17 +118,78 @@ class APIError(Exception):
 
 
 # ----------------------------------------------------------------------------
-# Request bodies. Unknown fields are ignored, as OpenAI's server does; wrong
-# types are a 400 (strict: "0.5" is not a temperature). Every list and string a
-# request brings is capped, besides --max-body on the whole.
+# Request bodies. Wrong types are a 400 (strict: "0.5" is not a temperature). Every
+# list and string a request brings is capped, besides --max-body on the whole. A field
+# this server does not implement is never dropped in silence: OpenAI's fields that
+# change nothing here are accepted (IGNORED), the ones it would need to honour are a 400
+# unless their value asks for nothing (UNSUPPORTED), and any other field is a 400, as it
+# is at OpenAI. README.md lists them.
 
 STOPS, STOP_CHARS = 4, 1000         # stop strings a request may give, and their length
-MESSAGES, PROMPT_IDS = 4096, 1 << 17
+MESSAGES, PROMPT_IDS, TOOLS = 4096, 1 << 17, 128
 StopString = Annotated[str, Field(min_length=1, max_length=STOP_CHARS)]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+UNSUPPORTED = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
+               "functions": (), "function_call": (), "audio": (), "modalities": (["text"],),
+               "prediction": (), "web_search_options": (), "reasoning_effort": (),
+               "verbosity": (), "best_of": (1,), "echo": (False,), "suffix": ()}
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: Name
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: Name
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: Name
+
+
+class NamedTool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: Name
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: Annotated[str, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
@@ -138,15 +200,35 @@ class Body(BaseModel):
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stream: bool = False
     stream_options: "StreamOptions | None" = None
+    response_format: ResponseFormat | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def check(self):
-        """What no field alone can say: branch i of n samples with seed + i, a 64-bit seed."""
+        """What no field alone can say: branch i of n samples with seed + i, a 64-bit seed;
+        the fields this server does not implement."""
         if self.seed is not None and self.seed + self.n - 1 >= SEEDS:
             raise APIError(400, f"seed must be below 2**64 - {self.n - 1} with n = {self.n}: "
                            "branch i samples with seed + i", "seed")
+        for key, value in (self.model_extra or {}).items():
+            if key in IGNORED or (key in UNSUPPORTED and value in (None, *UNSUPPORTED[key])):
+                continue
+            if key in UNSUPPORTED:
+                raise APIError(400, f"{key} is not supported by this server (README.md: request "
+                               "fields); leave it out", key)
+            raise APIError(400, f"unknown field {key!r} (README.md lists the fields this server "
+                           "takes)", key)
+        rf = self.response_format
+        if rf and rf.type == "json_schema" and rf.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema: "
+                           "{name, schema}", "response_format")
+
+    def json_schema(self) -> dict | None:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        return {"type": "object"} if rf.type == "json_object" else rf.json_schema.schema_
 
 
 class StreamOptions(BaseModel):
@@ -161,12 +243,25 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
+    # other keys of a message are ignored: clients send back what they got (refusal,
+    # annotations, audio: None)
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MESSAGES)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=TOOLS)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+
+    def openai(self) -> dict:
+        """As the chat template (and nanoinfer.tools) take it: developer is system."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatBody(Body):
@@ -174,6 +269,44 @@ class ChatBody(Body):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
+
+    def check(self):
+        super().check()
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise APIError(400, "tool_choice asks for a call but the request offers no tools",
+                           "tool_choice")
+        if isinstance(choice, NamedTool) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not "
+                           "among the tools", "tool_choice")
+        if len(set(names)) != len(names):
+            raise APIError(400, "two tools have the same name", "tools")
+        if self.forced_call() and self.response_format and self.response_format.type != "text":
+            raise APIError(400, "a forced tool call and a response_format cannot both shape "
+                           "the answer", "response_format")
+        for t in self.tools or []:
+            try:
+                SamplingParams(json_schema=t.function.parameters or {"type": "object"})
+            except ValueError as e:
+                raise APIError(400, f"tool {t.function.name!r}: {e}", "tools") from None
+
+    def offered(self) -> list[dict]:
+        """The functions the model is told about: none with tool_choice "none"."""
+        if self.tool_choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def forced_call(self) -> list[dict]:
+        """The functions one of which the answer must call (required, or the named one)."""
+        if self.tool_choice == "required":
+            return self.offered()
+        if isinstance(self.tool_choice, NamedTool):
+            return [f for f in self.offered() if f["name"] == self.tool_choice.function.name]
+        return []
 
 
 class CompletionBody(Body):
@@ -515,10 +648,13 @@ async def disconnected(request: Request):
 
 @dataclass
 class Branch:
-    """One answer of a request, as text: decoded incrementally, cut at a stop string."""
+    """One answer of a request, as text: decoded incrementally, cut at a stop string, its
+    tool calls taken out (when the request offers tools)."""
     decoder: object
     stop: StopText
+    calls: tools.Calls | None = None
     tokens: int = 0                     # generated, EOS not counted
+    called: int = 0                     # tool calls so far
     finish_reason: Finish | None = None
 
 
@@ -530,6 +666,8 @@ class Piece:
     token: int
     logprob: tuple | None
     finish_reason: Finish | None
+    calls: list[tools.Call] = field(default_factory=list)
+    first_call: int = 0                 # the index of calls[0] among the branch's calls
 
 
 class Server:
@@ -538,6 +676,7 @@ class Server:
     def __init__(self, eng: engine.Engine, tok: Tokenizer, name: str, api_key: str | None = None,
                  max_queue: int = 256, max_body: int = 1 << 20, guard: Guard | None = None):
         self.engine, self.tok, self.name = eng, tok, name
+        self.tool_format = tools.Format.of(tok.chat_template)
         self.api_key, self.max_queue, self.max_body = api_key, max_queue, max_body
         self.guard = guard or Guard()
         self.metrics = Metrics()
@@ -575,12 +714,15 @@ class Server:
 
     def params(self, body: Body, ids: list[int], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         room = max(1, self.engine.max_len - len(ids))   # by default an answer may fill the context
+        forced = body.forced_call() if isinstance(body, ChatBody) else []
         try:
             return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
                                   max_new_tokens=max_tokens or room,
-                                  logprobs=0 if logprobs is None else max(1, logprobs))
+                                  logprobs=0 if logprobs is None else max(1, logprobs),
+                                  json_schema=body.json_schema(),
+                                  grammar=tools.call_grammar(forced, self.tool_format) if forced else None)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), "response_format" if body.response_format else None) from None
 
     # --- a request's life -------------------------------------------------------
 
@@ -609,10 +751,13 @@ class Server:
             raise first
         return job
 
-    async def pieces(self, job: Job, stops: list[str]) -> AsyncIterator[Piece]:
+    async def pieces(self, job: Job, stops: list[str], calls: int = 0) -> AsyncIterator[Piece]:
         """The job's output as text pieces, branch by branch, until every branch has
-        finished. Leaving early (a disconnect) cancels the request: its blocks return."""
-        branches = [Branch(self.tok.stream(skip_special=True), StopText(stops)) for _ in range(job.n)]
+        finished; with ``calls``, up to that many tool calls taken out of each branch's text
+        (those past it dropped). Leaving early (a disconnect) cancels the request: its
+        blocks return."""
+        branches = [Branch(self.tok.stream(skip_special=True), StopText(stops),
+                           tools.Calls(self.tool_format) if calls else None) for _ in range(job.n)]
         done = False
         try:
             while not done:
@@ -635,8 +780,16 @@ class Server:
                 if hit:
                     self.loop.cancel(job, item.branch)
                 b.finish_reason = Finish.STOP if hit else item.finish_reason
+                made = []
+                if b.calls is not None:
+                    text, made = b.calls.push(text, final=b.finish_reason is not None)
+                    made = made[:calls - b.called]
+                    b.called += len(made)
+                    if b.finish_reason is Finish.STOP and b.called:
+                        b.finish_reason = Finish.TOOL_CALLS
                 lp = None if item.logprob is None else (item.logprob, item.top)
-                yield Piece(item.branch, text, item.token, lp, b.finish_reason)
+                yield Piece(item.branch, text, item.token, lp, b.finish_reason, made,
+                            b.called - len(made))
         finally:
             self.in_flight -= 1
             if not done:
@@ -656,13 +809,16 @@ class Server:
         body = await self.read(request, ChatBody)
         if self.tok.chat_template is None:
             raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-        ids = await self.encode(self.tok.encode_chat, messages)
+        offered, fmt = body.offered(), self.tool_format
+        messages = tools.messages_for([m.openai() for m in body.messages], offered, fmt)
+        ids = await self.encode(self.tok.encode_chat, messages,
+                                tools=[{"type": "function", "function": f} for f in offered]
+                                if offered and fmt.in_template else None)
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = await self.start(ids, self.params(body, ids, body.max_completion_tokens or body.max_tokens, top),
                                body.n, "messages")
-        return await self.respond(request, job, body, "chat.completion", self.chat_choice, top)
+        calls = (1 if body.forced_call() or not body.parallel_tool_calls else TOOLS) if offered else 0
+        return await self.respond(request, job, body, "chat.completion", self.chat_choice, top, calls)
 
     async def complete(self, request: Request):
         body = await self.read(request, CompletionBody)
@@ -680,6 +836,9 @@ class Server:
             lp = {"content": [{**entry(piece.token, piece.logprob[0]),
                                "top_logprobs": [entry(t, v) for t, v in piece.logprob[1][:top]]}]}
         delta = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+        if piece.calls:
+            delta["content"] = piece.text or None
+            delta["tool_calls"] = [c.openai(piece.first_call + i) for i, c in enumerate(piece.calls)]
         return {"index": piece.branch, "delta": delta, "logprobs": lp, "finish_reason": piece.finish_reason}
 
     def completion_choice(self, piece: Piece, top: int | None, first: bool) -> dict:
@@ -689,16 +848,17 @@ class Server:
                   "top_logprobs": [{self.token_text(t): v for t, v in piece.logprob[1][:top]}] if top else None}
         return {"index": piece.branch, "text": piece.text, "logprobs": lp, "finish_reason": piece.finish_reason}
 
-    async def respond(self, request: Request, job: Job, body: Body, kind: str, choice, top: int | None):
+    async def respond(self, request: Request, job: Job, body: Body, kind: str, choice, top: int | None,
+                      calls: int = 0):
         stops = body.stops()
         head = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
                 "created": int(time.time()), "model": self.name}
         if body.stream:
-            return StreamingResponse(self.events(job, stops, head, kind, choice, top, body),
+            return StreamingResponse(self.events(job, stops, calls, head, kind, choice, top, body),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         # Nothing is sent until the answer is whole, so only the ASGI disconnect message tells
         # that the client left: watch for it beside the answer, and cancel the answer if it comes.
-        answer = asyncio.ensure_future(self.whole(job, stops, head, kind, choice, top))
+        answer = asyncio.ensure_future(self.whole(job, stops, calls, head, kind, choice, top))
         gone = asyncio.ensure_future(disconnected(request))
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -708,15 +868,17 @@ class Server:
             return Response(status_code=499)    # nobody is listening
         return answer.result()
 
-    async def whole(self, job: Job, stops, head, kind, choice, top) -> dict:
+    async def whole(self, job: Job, stops, calls, head, kind, choice, top) -> dict:
         """A non-streamed answer: every piece, merged per branch."""
         merged = [choice(Piece(b, "", 0, None, None), top, True) for b in range(job.n)]
-        async for piece in self.pieces(job, stops):
+        async for piece in self.pieces(job, stops, calls):
             c = choice(piece, top, False)
             m = merged[piece.branch]
             m["finish_reason"] = c["finish_reason"]
             if kind == "chat.completion":
                 m["delta"]["content"] += piece.text
+                if piece.calls:
+                    m["delta"].setdefault("tool_calls", []).extend(c.openai() for c in piece.calls)
                 if c["logprobs"]:
                     m["logprobs"] = m["logprobs"] or {"content": []}
                     m["logprobs"]["content"] += c["logprobs"]["content"]
@@ -730,15 +892,20 @@ class Server:
         for m in merged:
             if kind == "chat.completion":
                 m["message"] = m.pop("delta")
+                if m["message"].get("tool_calls"):
+                    m["message"]["content"] = m["message"]["content"].strip() or None
         return {**head, "object": kind, "choices": merged, "usage": job.usage}
 
-    async def events(self, job: Job, stops, head, kind, choice, top, body) -> AsyncIterator[str]:
+    async def events(self, job: Job, stops, calls, head, kind, choice, top, body) -> AsyncIterator[str]:
         """Server-sent events: one chunk per piece of text, then the usage (if asked for), then [DONE]."""
         sse = lambda obj: f"data: {json.dumps(obj)}\n\n"
         obj = f"{kind}.chunk" if kind == "chat.completion" else kind
         first = set()
         try:
-            async for piece in self.pieces(job, stops):
+            async for piece in self.pieces(job, stops, calls):
+                if calls and piece.branch in first and not (piece.text or piece.calls or piece.logprob
+                                                            or piece.finish_reason):
+                    continue            # text held while it may begin a call: nothing to send
                 c = choice(piece, top, piece.branch not in first)
                 first.add(piece.branch)
                 yield sse({**head, "object": obj, "choices": [c]})
@@ -857,7 +1024,8 @@ def build(args) -> Server:
     model, tok = nanoinfer.load.load(cfg)
     codec = quantize.kv_codec(cfg.kv_dtype)
     eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), codec=codec,
-                        in_place=kernels.paged_reader(cfg.device, codec))
+                        in_place=kernels.paged_reader(cfg.device, codec),
+                        vocab=grammar_vocab(tok.to_json(), model.config.eos_ids))
     guard = Guard(args.host, tuple(args.allow_host), tuple(args.allow_origin))
     return Server(eng, tok, Path(cfg.model).name, args.api_key, args.max_queue, args.max_body, guard)
 

@@ -47,6 +47,7 @@ COVERED = {
     "python serve_local.py --model ./my-llama-dir": "test_model.py (HF directories, and those that cannot load)",
     "python serve_local.py --model ./model.Q4_K_M.gguf": "test_checkpoint.py (GGUF files)",
     "python tokenizer.py PATH": "test_tokenizer.py",
+    "python serve_local.py --json-schema person.json": "test_runner.py::test_json_schema_shapes_every_answer",
     "python serve_local.py --draft medusa --spec-tree 4,10": "test_drafting.py::test_committed_medusa "
                                                              "(nanoinfer.load.proposer with these flags)",
     "python bench.py report": "test_results.py (RESULTS.md is what results/*.json render to)",
@@ -74,6 +75,7 @@ SLOW = {
     "python bench.py attention --quick": "~1 min",
     "python bench.py batching": "~3 min",
     "python bench.py soak": "~5 min",
+    "python bench.py grammar": "~4 min",
     "python bench.py batching --threads 1": "~3 min",
     "python bench.py engine-step": "~8 min cold (four compiles), ~3 min with inductor's disk cache",
     "python bench.py engine-step --threads 1": "~3 min cold (two compiles), ~1.5 min with inductor's disk cache",

@@ -9,6 +9,8 @@ import time
 import subprocess
 import sys
 
+import json
+
 import pytest
 import torch
 
@@ -85,6 +87,21 @@ def test_runner_answers_paris(cache_home):
         assert "prepacked" not in err and "weights gguf" in err
     else:
         assert "+ 538 MB of oneDNN-prepacked copies" in err
+
+
+@pytest.mark.parametrize("flags", [[], ["--kv", "paged"], ["--no-speculation"]])
+def test_json_schema_shapes_every_answer(capsys, bundled_dir, tmp_path, flags):
+    """--json-schema on the runner's decoders (the plan's speculative one, the paged engine,
+    plain cached decoding): the answer is JSON valid against the file's schema."""
+    import jsonschema
+    schema = {"type": "object", "additionalProperties": False, "required": ["capital", "country"],
+              "properties": {"capital": {"type": "string", "maxLength": 30},
+                             "country": {"type": "string", "maxLength": 30}}}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    argv = ["--model", str(bundled_dir), "--no-compile", "--prompt", "What is the capital of France?",
+            "--json-schema", str(tmp_path / "s.json"), "--temperature", "1", "--seed", "3", *flags]
+    assert serve_local.main(argv) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), schema)
 
 
 # --- the chat's input and output --------------------------------------------------------------
@@ -174,6 +191,9 @@ def test_invalid_sampling_values(capsys, tiny_ckpt, flags, message):
     (["--block-size", "8"], "add --kv paged"),
     (["--adaptive-k"], "add --draft"),
     (["--group-size", "64"], "add --weights int4"),
+    (["--json", "--json-schema", "x.json"], "give one"),
+    (["--json-schema", "/no/such.json"], "--json-schema: cannot read /no/such.json"),
+    (["--json-schema", __file__], "is not JSON"),
 ])
 def test_flags_that_cannot_work_are_one_line(capsys, tiny_ckpt, flags, message):
     argv = ["--model", str(tiny_ckpt), *flags] + ([] if "--prompt" in flags else ["--prompt", "hi"])

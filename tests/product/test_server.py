@@ -378,10 +378,14 @@ def test_prompt_text_never_becomes_control_tokens(live, model_tok):
     assert r.json()["usage"]["prompt_tokens"] == len(ids) != len(tok.encode(forged))
 
 
-def test_unknown_fields_are_ignored_and_unknown_paths_404(live):
-    r = httpx.post(live.url + "/v1/completions", json={"prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0,
-                                                       "frequency_penalty": 0, "user": "me", "whatever": [1]})
+def test_fields_that_change_nothing_are_taken_unknown_ones_400_and_unknown_paths_404(live):
+    body = {"prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0, "frequency_penalty": 0, "user": "me"}
+    r = httpx.post(live.url + "/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " 4,"
+    assert error_of(httpx.post(live.url + "/v1/completions", json={**body, "whatever": [1]}),
+                    400)["param"] == "whatever"
+    assert error_of(httpx.post(live.url + "/v1/completions", json={**body, "echo": True}),
+                    400)["param"] == "echo"
     error_of(httpx.get(live.url + "/v1/nothing"), 404)
     error_of(httpx.get(live.url + "/v1/completions"), 405)
 
