@@ -184,3 +184,19 @@ def test_speculative_under_a_json_schema_on_the_bundled_model(bundled_dir):
                      D.draft_proposer(head, model, 4, tree=(2, 6))):
         spec = S.SpecStats()
         assert list(S.generate(model, ids, p, proposer, spec=spec, vocab=vocab)) == want
+
+
+def test_llm_generate_takes_a_schema(tiny_ckpt):
+    """The offline API: SamplingParams(json_schema=...) in LLM.generate, n branches each valid;
+    an answer the grammar has closed can only end (EOS), even from a random model."""
+    import json
+
+    from engine import LLM
+    llm = LLM(str(tiny_ckpt))
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"enum": ["yes", "no"]}, "b": {"type": "integer", "minimum": 0,
+                                                                "maximum": 9}}}
+    p = M.SamplingParams(temperature=1.0, seed=0, max_new_tokens=40, json_schema=schema)
+    (out,) = llm.generate(["hi"], p, n=3, use_tqdm=False)
+    for c in out.completions:
+        assert c.finish_reason == "stop" and json.loads(c.text)["a"] in ("yes", "no"), c.text
