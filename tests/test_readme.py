@@ -1,4 +1,4 @@
-"""Every command the README and RESULTS.md show works on a fresh clone.
+"""Every command README.md, RUNNING.md and RESULTS.md show works on a fresh clone.
 
 Each command is run here (the quick ones), or named with the test that runs it, or listed as slow
 with its time on 2 cores (those are run by hand before a release; see the issue notes). A command
@@ -28,6 +28,7 @@ QUICK = {
     "python serve_local.py --draft bundled --prompt-lookup 3": 120,
     "python bench.py -h": 60,
     "python serve_local.py --help": 60,
+    "python server.py --help": 60,
     "python serve_local.py --plan": 60,
 }
 # Run by another test.
@@ -104,13 +105,22 @@ SLOW = {
 
 def documented_commands() -> set[str]:
     found = set()
-    for doc in ("README.md", "RESULTS.md"):
+    for doc in ("README.md", "RUNNING.md", "RESULTS.md"):
         text = (ROOT / doc).read_text()
         for block in re.findall(r"```bash\n(.*?)```", text, re.S):
             found |= {line.split("  #")[0].strip() for line in block.splitlines() if line.strip()}
         found |= {" ".join(c.split()) for c in re.findall(r"`((?:python|make) [^`]+)`", text)}
         found |= {c for c in re.findall(r"`(make \w+)`", text)}
     return {c for c in found if c.startswith(("python ", "make "))}
+
+
+def test_the_front_page_is_a_course():
+    """README.md stays short enough to read as the course's front page, its table first; the
+    runner's and the server's reference lives in RUNNING.md."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text) <= 12_000, len(text)
+    assert [h for h in re.findall(r"^## (.+)$", text, re.M)][0] == "The course"
+    assert "(RUNNING.md)" in text
 
 
 def test_every_documented_command_has_a_place():
