@@ -11,14 +11,9 @@ A Llama is a stack of identical blocks over token embeddings:
 * Attention uses RoPE: q and k are rotated by an angle proportional to their
   position, so q·k depends only on the distance between tokens. With grouped-
   query attention (GQA) several query heads share one K/V head: SmolLM2-135M has
-  9 query heads and 3 KV heads, TinyLlama 32 and 4, so the KV cache is 3-8×
-  smaller than with one K/V per query head (MHA).
+  9 query heads and 3 KV heads, TinyLlama 32 and 4, so the KV cache is 9/3 and
+  32/4 times smaller than with one K/V per query head (MHA).
 * The MLP is SwiGLU: down(silu(gate(x)) * up(x)).
-
-The same class runs the Llama family's close relatives, each one field of LlamaConfig read from
-config.json's model_type: Mistral attends over a sliding window of recent positions, Qwen2/2.5
-adds a learned bias to the q, k and v projections, and Qwen3 normalises each head's q and k
-(RMSNorm) before RoPE.
 
 Generating is a loop: run the model, pick the next token from the last
 position's logits, append it, repeat. The naive loop re-runs the whole prefix
@@ -35,10 +30,15 @@ tokens), the cached one still N(N+1)/2 (5,050), as each new token reads every
 earlier key: its attention grows with the context.
 
 Decoding one token reads every weight once (a memory-bound matrix-vector
-product: 540 MB for 135M parameters in fp32, so tokens/s ≤ bandwidth ÷ 540 MB;
+product: 135M parameters × 4 B = 540 MB in fp32, so tokens/s ≤ bandwidth ÷ 540 MB;
 bf16 or int8 weights raise that cap) plus the cache so far. A prefill reads them
 once for all its positions, so it runs many more tokens per second. `python
 bench.py naive-vs-cached` and `python bench.py context` measure all this.
+
+Read first the smallest complete version, right below: forward_simple, then the two loops over
+it, generate_naive_simple and generate_cached_simple. The rest of the file is the same model
+made general (the Llama class, the decoders generate_naive and generate_cached that the other
+lessons build on), and the tests check that both give the same logits and tokens.
 """
 
 from __future__ import annotations
@@ -56,6 +56,103 @@ import checkpoint
 import safetensors_io
 from sampling import Finish, SamplingParams, constraint, finish_reason, sample, seeded_generator
 from tokenizer import Tokenizer
+
+
+# ----------------------------------------------------------------------------
+# The smallest complete Llama: plain functions of a checkpoint's tensors, by their Hugging Face
+# names without "model." ("layers.0.self_attn.q_proj.weight"; unfuse(model) gives a loaded
+# Llama's), for one sequence, greedy. What it leaves out, the general code below adds.
+
+def rms_norm(x, weight, eps):
+    """x scaled to unit root-mean-square over its last dimension, then by a learned gain."""
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rope(x, positions, theta):
+    """Rotate each pair of dimensions (i, i + d/2) of x (..., T, d) by the angle
+    position · theta^(-2i/d): q·k of a rotated query and key depends only on how far apart they
+    are."""
+    d = x.shape[-1]
+    # in float64, then fp32, as the Llama class below: both round alike
+    freq = 1 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+    angle = (positions[:, None].float() * freq.float()).repeat(1, 2)            # (T, d)
+    rotated = torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
+    return x * angle.cos() + rotated * angle.sin()
+
+
+def attention(q, k, v):
+    """softmax(q·kᵀ/√d)·v for the last T of L positions: q (H, T, d); k, v (H_kv, L, d). Query i
+    sits at position L - T + i and reads the keys up to its own (causal). GQA: each K/V head
+    serves H / H_kv neighbouring query heads, so it is repeated that many times."""
+    (H, T, d), L = q.shape, k.shape[1]
+    k, v = (t.repeat_interleave(H // t.shape[0], dim=0) for t in (k, v))
+    scores = q @ k.transpose(1, 2) / math.sqrt(d)                                # (H, T, L)
+    causal = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+    return torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1) @ v
+
+
+def forward_simple(w: dict, cfg: LlamaConfig, tokens: list[int], cache: list | None = None):
+    """Logits (T, vocab) at each of ``tokens``: the whole sequence, or with ``cache`` the tokens
+    that follow those it holds. The cache is a list of [K, V] per layer, each (H_kv, L, d); a
+    pass appends its own (start from []: nothing held)."""
+    if cfg.rope_scaling or cfg.sliding_window or cfg.qkv_bias or cfg.qk_norm or cfg.head_vocab:
+        raise ValueError("forward_simple runs a plain Llama (no rope_scaling, sliding window, "
+                         "q/k/v bias, q/k norm or draft head): run this model with Llama")
+    T, start = len(tokens), cache[0][0].shape[1] if cache else 0
+    x = w["embed_tokens.weight"][torch.tensor(tokens, device=w["norm.weight"].device)]
+    pos = torch.arange(start, start + T, device=x.device)
+    for i in range(cfg.n_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        h = rms_norm(x, w[f"layers.{i}.input_layernorm.weight"], cfg.rms_eps)
+        q, k, v = (F.linear(h, w[f"{a}{n}_proj.weight"]).view(T, -1, cfg.head_dim).transpose(0, 1)
+                   for n in "qkv")                                               # (heads, T, d)
+        q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+        if cache is not None:       # earlier tokens' K and V, kept: never computed again
+            if i == len(cache):
+                cache.append([k, v])
+            else:
+                cache[i] = [torch.cat([cache[i][0], k], dim=1), torch.cat([cache[i][1], v], dim=1)]
+            k, v = cache[i]
+        x = x + F.linear(attention(q, k, v).transpose(0, 1).reshape(T, -1), w[a + "o_proj.weight"])
+        h = rms_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"], cfg.rms_eps)
+        gate, up = F.linear(h, w[m + "gate_proj.weight"]), F.linear(h, w[m + "up_proj.weight"])
+        x = x + F.linear(F.silu(gate) * up, w[m + "down_proj.weight"])
+    # a tied head is the embedding table itself
+    return F.linear(rms_norm(x, w["norm.weight"], cfg.rms_eps),
+                    w.get("lm_head.weight", w["embed_tokens.weight"]))
+
+
+@torch.inference_mode()
+def generate_naive_simple(w: dict, cfg: LlamaConfig, prompt: list[int], n: int) -> list[int]:
+    """n tokens, greedy, the whole sequence through the model at every step: the step that
+    picks new token t (from 0) runs len(prompt) + t positions. (generate_naive below adds
+    sampling, stop rules, a context check and the work counts.)"""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(forward_simple(w, cfg, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+@torch.inference_mode()
+def generate_cached_simple(w: dict, cfg: LlamaConfig, prompt: list[int], n: int) -> list[int]:
+    """The same n tokens, each position run once: the prompt in one pass (prefill), then one
+    token per step (decode) that reads the cached K and V of every token before it."""
+    cache, feed, new = [], list(prompt), []
+    while len(new) < n:
+        new.append(int(forward_simple(w, cfg, feed, cache)[-1].argmax()))
+        feed = new[-1:]
+    return new
+
+
+# ============================================================================
+# The general Llama: the same model for batches of sequences at their own positions, with
+# fused weight matrices, a fast attention path, every cache kind (kvcache.py), quantized layers
+# (quantize.py) and draft heads (drafting.py).
+#
+# It runs the Llama family's close relatives too, each one field of LlamaConfig read from
+# config.json's model_type: Mistral attends over a sliding window of recent positions,
+# Qwen2/2.5 adds a learned bias to the q, k and v projections, and Qwen3 normalises each head's
+# q and k (RMSNorm) before RoPE.
 
 # config.json's key for a quantized checkpoint (safetensors_io): quantize.py reads and writes it; a
 # plain Llama refuses quantize.py's and widens a GGUF conversion's to fp32.
@@ -201,9 +298,9 @@ class RMSNorm(nn.Module):
 
 
 def attend(q, k, v, mask, window: int | None = None):
-    """softmax(q·kᵀ/√d)·v for q (B, H, T, d) over k, v (B, H_kv, L, d); mask (T, L) or None =
-    causal. ``window``: causal over the last ``window`` keys only (a sliding-window model without a
-    cache; with one, the cache's mask holds the window).
+    """attention() above, batched and fast: softmax(q·kᵀ/√d)·v for q (B, H, T, d) over k, v
+    (B, H_kv, L, d); mask (T, L) or None = causal. ``window``: causal over the last ``window``
+    keys only (a sliding-window model without a cache; with one, the cache's mask holds it).
 
     Prefill (T > 1) uses PyTorch's fused SDPA kernel, which never builds the T×L score matrix
     (but for a window, whose band is a mask here: flash.py's tiles skip the keys outside it);
@@ -332,7 +429,7 @@ class Llama(nn.Module):
         # every layer's (a model built like this one passes it on: tp.py)
         self.attend = attend
         # On the meta device, where from_pretrained builds, nn.Embedding's own init (normal_)
-        # imports torch._dynamo: 894 more modules at every start. So the table is drawn (the
+        # imports torch._dynamo, hundreds of modules, at every start. So the table is drawn (the
         # same draws) only on a device with memory.
         w = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(*w.shape, _weight=w if w.is_meta else nn.init.normal_(w))
@@ -340,7 +437,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         # A draft model's head may score only the tokens it is ever likely to
         # propose (EAGLE-3 does this too): train.py's draft keeps 8,192 of 49,152,
-        # which makes its head 6x cheaper to run and to train. `head_ids` are
+        # so its head is a sixth of the full one to run and to train. `head_ids` are
         # their ids; every other token gets logit −inf, i.e. probability 0, which
         # speculative.py's rejection rule handles exactly.
         self.register_buffer("head_ids", torch.zeros(cfg.head_vocab, dtype=torch.long)
@@ -372,7 +469,7 @@ class Llama(nn.Module):
         With one, they follow the cache's contents and each attends to every
         cached key plus the new keys up to its own position. ``last_only`` skips
         the LM head for all but the last position (a 500-token prefill would
-        spend 14 GFLOP of SmolLM2's on logits nobody reads). ``mask`` (T, L)
+        spend 500 · 576 · 49,152 of SmolLM2's multiply-adds on logits nobody reads). ``mask`` (T, L)
         bool replaces the causal mask of the new tokens over all L keys
         (speculative.py packs token trees at overlapping positions into one pass).
         ``hidden`` also returns the features (B, T, hidden_size), the final
@@ -515,8 +612,9 @@ def load(name: str = checkpoint.DEFAULT_MODEL, device="cpu",
 
 
 # ----------------------------------------------------------------------------
-# The two decoders. Both are generators that yield token ids as they are
-# produced (so a caller can stream) and fill in a GenerationStats.
+# The two decoders: generate_naive_simple and generate_cached_simple made general (any Llama and
+# cache, sampling and structured output, stop rules, a context check). Both are generators that
+# yield token ids as they are produced (so a caller can stream) and fill in a GenerationStats.
 
 class ContextOverflow(ValueError):
     pass
@@ -545,10 +643,10 @@ class GenerationStats:
 
 
 class Cache:
-    """The smallest KV cache: each layer's keys and values so far, grown by concatenation
-    (kvcache.py holds the general ones, tested equal to this). A pass over T new tokens appends
-    their K/V and attends over everything held; ``begin`` says which keys each new token may
-    read."""
+    """forward_simple's cache behind the interface the Llama class calls: each layer's keys and
+    values so far, grown by concatenation (kvcache.py holds the general ones, tested equal to
+    this). A pass over T new tokens appends their K/V and attends over everything held;
+    ``begin`` says which keys each new token may read."""
     limit = None                # it grows with the conversation: only the model's context bounds it
 
     def __init__(self, config: LlamaConfig):
@@ -651,16 +749,22 @@ DECODERS = {"naive": generate_naive, "cached": generate_cached}
 
 
 # ----------------------------------------------------------------------------
-# Demo: the seed lesson on the bundled model.
+# Demo: the seed lesson on the bundled model. It prints counts, not times: they are the same on
+# a busy machine (`python bench.py naive-vs-cached` times them).
 
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="naive vs KV-cached decoding: the same tokens, "
                                              "and the work each does")
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL)
-    ap.add_argument("--tokens", type=int, default=100)
-    if (args := ap.parse_args()).tokens < 1:
-        ap.error(f"--tokens must be at least 1, got {args.tokens}")
+    ap.add_argument("--tokens", type=int, default=50)
+    # One by default: on a busy machine each small op of a second thread that is descheduled
+    # stalls the first, which made this demo many times slower. The counts do not change.
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    if (args := ap.parse_args()).tokens < 1 or args.threads < 1:
+        ap.error(f"--tokens and --threads must be at least 1, got {args.tokens} and "
+                 f"{args.threads}")
+    torch.set_num_threads(args.threads)
     model, tok = load(args.model)
     # BOS alone: naive steps run 1, 2, ..., N positions
     prompt = [tok.bos_id if tok.bos_id is not None else 0]
@@ -669,9 +773,7 @@ if __name__ == "__main__":
     out = {name: list(decode(model, prompt, params, stats[name]))
            for name, decode in DECODERS.items()}
     naive, cached = stats["naive"], stats["cached"]
-    print(f"generated {len(out['cached'])} tokens from a 1-token prompt; "
-          f"identical: {out['naive'] == out['cached']}")
-    print(f"text: {tok.decode(out['cached'])[:200]!r}")
+    print(f"generated {len(out['cached'])} tokens from a 1-token prompt")
     print(f"{'decoder':8} {'positions computed':>19} {'attention scores per head and layer':>36}")
     for name, s in stats.items():
         print(f"{name:8} {s.positions_computed:>19} {s.scores_computed:>36}")
@@ -680,3 +782,14 @@ if __name__ == "__main__":
           "scores: it removes\nthe recomputation, but each new token still reads every earlier "
           "key: attention per token grows with\nthe context (timed against N and plotted: "
           "python bench.py naive-vs-cached)")
+    print(f"generate_naive and generate_cached give the same tokens: "
+          f"{out['naive'] == out['cached']}")
+    try:        # the simple version at the top of this file, on the same tensors
+        w = unfuse(model)
+        simple = [f(w, model.config, prompt, args.tokens)
+                  for f in (generate_naive_simple, generate_cached_simple)]
+        print(f"generate_naive_simple and generate_cached_simple give them too: "
+              f"{simple == [out['cached']] * 2}")
+    except ValueError as e:
+        print(f"(the simple loops skipped: {e})")
+    print(f"text: {tok.decode(out['cached'])[:200]!r}")

@@ -1,5 +1,6 @@
-"""model.py against transformers' LlamaForCausalLM, and the two decoders against each other;
-a Hugging Face directory that cannot load is one line, never a traceback."""
+"""model.py against transformers' LlamaForCausalLM, its simple version (forward_simple and its
+two loops) against the general Llama, and the two decoders against each other; a Hugging Face
+directory that cannot load is one line, never a traceback."""
 
 import importlib.util
 import json
@@ -14,6 +15,9 @@ import kernels
 from conftest import fails_with, make_checkpoint, make_qwen_checkpoint
 from model import causal_scores
 import kvcache
+
+# many small forward passes, checked for values, not speed (conftest.one_thread says why)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -60,6 +64,55 @@ def test_cached_equals_naive_greedy(tmp_path, variant):
         assert naive == cached
         seen |= set(cached)
     assert len(seen) > 3   # not a degenerate model that emits one token whatever the prompt
+
+
+# --- the simple version (the lesson's first functions) equals the general one
+
+def simple_matches_general(model, prompts, n):
+    """forward_simple on the model's own tensors: one pass's logits, the same logits in chunks
+    through its list cache, and both simple loops' greedy tokens, against the Llama class."""
+    w, cfg = M.unfuse(model), model.config
+    ids = list(range(3, 3 * 25, 3))
+    with torch.inference_mode():
+        want = model(torch.tensor([ids]), torch.arange(len(ids)))[0]
+        whole, cache = M.forward_simple(w, cfg, ids), []
+        parts = torch.cat([M.forward_simple(w, cfg, ids[a:b], cache)
+                           for a, b in [(0, 10), (10, 20), (20, 21), (21, len(ids))]])
+    scale = want.abs().max()
+    assert scale > 0.1 and (whole - want).abs().max() < 1e-5 * scale
+    assert (parts - want).abs().max() < 1e-5 * scale
+    assert len(cache) == cfg.n_layers
+    assert cache[0][0].shape == (cfg.n_kv_heads, len(ids), cfg.head_dim)
+    seen = set()
+    for prompt in prompts:
+        general = list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=n)))
+        assert len(general) == n
+        assert M.generate_cached_simple(w, cfg, prompt, n) == general
+        assert M.generate_naive_simple(w, cfg, prompt, n) == general
+        seen |= set(general)
+    assert len(seen) > 3   # not a degenerate model that emits one token whatever the prompt
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa-tied"])
+def test_simple_version_equals_the_general_one(tmp_path, variant):
+    model = M.Llama.from_pretrained(make_checkpoint(tmp_path / variant, **VARIANTS[variant]),
+                                    "cpu", "float32")
+    model.config.eos_ids = []
+    simple_matches_general(model, [[0], [0, 5, 17, 42, 99, 3]], 30)
+
+
+def test_simple_version_equals_the_general_one_on_the_bundled_model(bundled_dir):
+    model = M.Llama.from_pretrained(bundled_dir, "cpu", "float32")
+    model.config.eos_ids = []
+    simple_matches_general(model, [[1, 504, 3458, 282]], 12)
+
+
+def test_simple_version_refuses_what_it_does_not_run(tmp_path):
+    model = M.Llama.from_pretrained(make_checkpoint(tmp_path / "l3", tokenizer=False,
+                                                    **VARIANTS["gqa-untied-llama3"]), "cpu")
+    with pytest.raises(ValueError, match="forward_simple runs a plain Llama .*: run this model "
+                                         "with Llama"):
+        M.forward_simple(M.unfuse(model), model.config, [0, 1])
 
 
 def test_cached_logits_match_full_forward(tiny_ckpt):
