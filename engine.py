@@ -2,11 +2,12 @@
 engine.py — continuous batching: many requests decoding together in one paged KV pool.
 
 One decode step reads every weight once whatever the batch size, so a step of
-16 sequences costs little more than a step of one: the weights (540 MB for
-SmolLM2-135M in fp32) are read once for all rows, and each row adds only its
-own activations and KV reads. Measured on a 2-core CPU with ~100-token
-contexts, 16 rows gave 9x the tokens per second of one. Serving many requests
-therefore means decoding them together. The question is which.
+16 sequences costs little more than a step of one: the weights (135M · 4 B ≈
+540 MB for SmolLM2-135M in fp32) are read once for all rows, and each row adds
+only its own activations and KV reads (`python bench.py engine-step` times a
+step of 1 to 32 rows; `python bench.py batching` the tokens per second that
+buys). Serving many requests therefore means decoding them together. The
+question is which.
 
 Static batching takes B requests, runs them until the longest is done, then
 takes the next B. Chat answers vary in length (3 tokens or 300), so most rows
@@ -30,6 +31,9 @@ through its own block table, padded to the longest and masked
 
 The parts, bottom up:
 
+* ``MinimalEngine`` — the loop above and nothing more: admit (one prefill pass
+  each), decode every running request in one batched pass, retire. Read it
+  first; the rest of the file is this loop plus the decisions below.
 * ``Scheduler`` — pure bookkeeping on a ``paged.BlockAllocator``, no tensors:
   the waiting queue and the running batch, admission (first come first served,
   while blocks last, keeping a small watermark of free blocks so the running
@@ -49,14 +53,15 @@ Decisions, and what they cost:
   uncached tokens), reading any cached prefix through its table; the running
   sequences then decode in a second pass (one pass would need ragged attention:
   rows of T = 256 beside rows of T = 1). A long prompt prefilled whole would
-  stall them one long step (1,186 tokens of SmolLM2 fp32 cost ~100 decode
-  steps), so a step computes at most ``chunk_tokens`` prompt tokens (256; None:
-  whole prompts): a longer prompt's steps each pay one chunk, and it holds a batch
-  slot but no decode row until its last chunk samples its first token. Its table
-  holds only the tokens computed so far plus this step's chunk: the allocator
-  enters a full block in the prefix cache when a table gets it, so a later
-  request never hits a block not yet computed, and a sequence preempted or
-  cancelled part-way leaves only computed blocks cached.
+  stall them one long step, as long as many decode steps
+  (`python bench.py batching --long-prompts-only` measures the stall), so a
+  step computes at most ``chunk_tokens`` prompt tokens (256; None: whole prompts): a longer prompt's
+  steps each pay one chunk, and it holds a batch slot but no decode row until
+  its last chunk samples its first token. Its table holds only the tokens
+  computed so far plus this step's chunk: the allocator enters a full block in
+  the prefix cache when a table gets it, so a later request never hits a block
+  not yet computed, and a sequence preempted or cancelled part-way leaves only
+  computed blocks cached.
 * Prefix caching: a request whose leading blocks are cached (an earlier
   request with the same system prompt, the previous turn of a chat) computes
   only the rest. ``session`` keeps a finished request's table alive, so the
@@ -75,9 +80,8 @@ Decisions, and what they cost:
   ends with Finish.ERROR and its blocks return, and the step goes on for the others.
   Only the forward pass, which every row shares, resets the pool when it fails.
 * Exactness. A row's arithmetic is not bit-identical across batch sizes and
-  key paddings (other matmul blockings, other reduction lengths): SmolLM2's
-  logits (up to ~30) differ from the contiguous cache's by up to 1e-4, 3e-5
-  for a paged prefill and 9e-5 for a 16-row decode step. Greedy tokens change
+  key paddings (other matmul blockings, other reduction lengths): the logits
+  differ from the contiguous cache's in their last bits. Greedy tokens change
   only on a near-tie; the tests compare tokens and find none.
 * Everything runs eagerly. Compiled steps per bucketed batch size (vLLM's CUDA graphs) lose on
   a CPU: inductor turns each layer's in-place write into the pool into a copy of that layer's
@@ -109,6 +113,90 @@ from model import Llama, LlamaConfig, count_parameters, load
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable
 from sampling import (SEEDS, Finish, SamplingParams, constraint, finish_reason, grammar_text,
                       grammar_vocab, sample, seeded_generator, visible)
+
+
+# ----------------------------------------------------------------------------
+# The smallest engine: admit, decode all, retire. Scheduler and Engine below are this loop plus
+# chunked prefill, prefix caching, sessions, n > 1 forks, preemption and a watermark.
+
+@dataclass(eq=False)
+class SimpleRequest:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    table: BlockTable | None = None       # while running: the prompt and all output but the last
+
+    @property
+    def budget(self) -> int:              # the most tokens its table can come to hold
+        return len(self.prompt) + self.params.max_new_tokens
+
+
+class MinimalEngine:
+    """Continuous batching and nothing else, on the paged pool. Each step admits waiting requests
+    (first come first served; one prefill pass each, which samples its first token), decodes every
+    running request by one token in one batched pass, and retires the finished ones, whose blocks
+    the next admission takes. A request is admitted only when the pool holds its whole budget
+    (prompt + max_new_tokens) beside what the running ones may still take: no preemption needed."""
+
+    def __init__(self, model: Llama, num_blocks: int, max_batch: int = 32,
+                 block_size: int = BLOCK_SIZE):
+        c = model.config
+        self.model, self.max_batch, self.ids = model, max_batch, itertools.count(1)
+        self.alloc = BlockAllocator(num_blocks, block_size, prefix_caching=False)
+        self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim,
+                                  model.dtype, model.device, c.sliding_window)
+        self.waiting: deque[SimpleRequest] = deque()
+        self.running: list[SimpleRequest] = []          # admission order
+
+    def add(self, prompt: list[int], params: SamplingParams) -> SimpleRequest:
+        req = SimpleRequest(next(self.ids), list(prompt), params,
+                            seeded_generator(params.seed, self.model.device))
+        if not prompt or self.alloc.blocks_for(req.budget) > self.alloc.num_blocks:
+            raise ValueError(f"prompt (not empty) + max_new_tokens must fit the pool's "
+                             f"{self.alloc.num_blocks * self.alloc.block_size} tokens: "
+                             f"shorten them or give the engine more blocks")
+        self.waiting.append(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def fits(self, req: SimpleRequest) -> bool:
+        owed = sum(self.alloc.blocks_for(r.budget) - len(r.table.block_ids) for r in self.running)
+        return self.alloc.blocks_for(req.budget) <= self.alloc.num_free - owed
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, int]]:
+        """One step; returns the (request id, token) pairs it sampled, in order."""
+        out, dev = [], self.model.device
+        while self.waiting and len(self.running) < self.max_batch and self.fits(self.waiting[0]):
+            req = self.waiting.popleft()                                            # admit
+            req.table, _ = self.alloc.allocate_sequence(req.prompt, req.id)
+            self.running.append(req)
+            ids = torch.tensor([req.prompt], device=dev)
+            pos = torch.arange(len(req.prompt), device=dev)[None]
+            logits = self.model(ids, pos, self.cache.bind([req.table]), last_only=True)[0, -1]
+            out.append(self.emit(req, logits))
+        batch = list(self.running)
+        if batch:                                                                   # decode all
+            for r in batch:          # a slot for the token it feeds, whose K/V this pass writes
+                self.alloc.append_slot(r.table, r.output[-1])
+            ids = torch.tensor([[r.output[-1]] for r in batch], device=dev)
+            pos = torch.tensor([[r.table.num_tokens - 1] for r in batch], device=dev)
+            logits = self.model(ids, pos, self.cache.bind([r.table for r in batch]))
+            out += [self.emit(r, row) for r, row in zip(batch, logits[:, -1])]
+        return out
+
+    def emit(self, req: SimpleRequest, logits: torch.Tensor) -> tuple[int, int]:
+        token, c = sample(logits, req.params, req.generator), self.model.config
+        req.output.append(token)
+        if finish_reason(token, len(req.output), len(req.prompt) + len(req.output), req.params,
+                         c.eos_ids, c.max_seq_len):
+            self.running.remove(req)                                                # retire
+            self.alloc.free(req.table)
+        return req.id, token
 
 
 class Status(enum.Enum):
@@ -418,7 +506,7 @@ class Engine:
                 ...
         engine.stats()                        # a Stats: the batch, the pool, the counters
 
-    ``num_blocks`` defaults to what ``kv_bytes`` of memory holds (1 GiB), but no
+    ``num_blocks`` defaults to what ``kv_bytes`` of memory holds (2³⁰ bytes), but no
     more than ``max_batch`` sequences of the model's full context need.
     ``max_len`` caps a sequence (prompt + output): the model's context, or the
     pool if that is smaller. ``kv_dtype`` is the pool's storage type (default: the

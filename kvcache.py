@@ -9,12 +9,14 @@ reads t cached rows. Generating N tokens drops from N(N+1)/2 position-forwards t
 The price is memory. Per token and layer the cache holds one K and one V row per KV head:
 
     bytes per token per layer = 2 · n_kv_heads · d_head · dtype_size
-    Llama-2-7B   (32 KV heads, d_head 128, fp16): 16 KiB; × 32 layers = 512 KiB per token,
-                                                  16 GiB at 32K
-    Llama-3-70B  ( 8 KV heads, GQA):               4 KiB; × 80 layers = 10 GiB at 32K,
-                                                  40 GiB at 128K
-    the same 70B with 64 KV heads (MHA):          80 GiB at 32K — GQA is an 8× cache saving
-    SmolLM2-135M ( 3 KV heads, d_head 64, bf16): 768 B; × 30 layers = 22.5 KiB per token
+
+    model              KV heads  d_head  dtype  per layer  layers  per token   at 32K  at 128K
+    Llama-2-7B               32     128  fp16      16 KiB      32    512 KiB   16 GiB   64 GiB
+    Llama-3-70B (GQA)         8     128  fp16       4 KiB      80    320 KiB   10 GiB   40 GiB
+    the same as MHA          64     128  fp16      32 KiB      80    2.5 MiB   80 GiB  320 GiB
+    SmolLM2-135M              3      64  bf16       768 B      30   22.5 KiB  720 MiB  2.8 GiB
+
+GQA's 8 KV heads, shared by 64 query heads, make the cache 64 / 8 = 8 times smaller than MHA's.
 
 MLA (DeepSeek-V2/V3's multi-head latent attention) caches no per-head K or V. Per token and layer it
 stores one latent vector c, from which every head's K and V are up-projections (folded into the
@@ -22,25 +24,26 @@ query and output matrices at inference, so c is read as it is), plus one RoPE ke
 heads (a rotation by position cannot be folded into a fixed matrix, so it is kept apart):
 
     bytes per token per layer = (d_latent + d_rope) · dtype_size
-    DeepSeek-V3  (latent 512, RoPE key 64, bf16): (512 + 64) · 2 = 1,152 B; × 61 layers
-                                                  = 68.6 KiB per token
-    the same 128 heads as MHA (K 192 wide with its RoPE part, V 128): 80 KiB per layer, 71× more
+
+    DeepSeek-V3, bf16, 61 layers          per layer                         per token
+    MLA: latent 512, RoPE key 64          (512 + 64) · 2        = 1,152 B    68.6 KiB
+    MHA: 128 heads, K 192 wide, V 128     128 · (192 + 128) · 2 =  80 KiB   4.77 MiB  (71× more)
 
 `python kvcache.py --config llama2-7b --seq 32768` prints these for any config;
 `python bench.py kv-plot` draws what each kind of cache below holds against the context, in fp16
 and int8 (the end of this file says why they differ).
 
-Four contiguous caches and a paged one share one interface (quantized and speculative code build
-on it):
+The code goes from the smallest cache up. ``ListCache`` is the one everybody writes first: per
+layer, a list of the K and V tensors each pass produced, joined when attention reads them, so step
+t copies all t rows again (N tokens: N(N+1)/2 row copies, the quadratic moved from compute to
+memory). ``TensorCache`` fixes that with one tensor per layer, allocated once and written in place:
+reading is a view, no copy. The cache kinds below are that tensor plus one idea each:
 
-* ``DynamicCache`` grows as tokens arrive, doubling its capacity, so appending is an amortised O(1)
-  copy rather than a ``torch.cat`` of the whole history.
-* ``StaticCache`` is preallocated to ``max_len``: every decode step sees the same tensor shapes, so
-  ``torch.compile`` compiles the step once, and the memory is known up front. Unwritten rows are
-  hidden by the mask.
+* ``DynamicCache`` grows as tokens arrive, doubling its capacity (an amortised O(1) copy per token).
+* ``StaticCache`` is TensorCache with the full interface: fixed shapes, so ``torch.compile``
+  compiles the decode step once, and the memory known up front.
 * ``SlidingWindowCache`` (Mistral-style ``sliding_window`` configs) is a ring buffer of the last W
-  positions (plus a little slack so speculative decoding can roll back): memory O(W) however long
-  the conversation.
+  positions (plus a little slack so speculative decoding can roll back): memory O(W).
 * ``OffloadedCache`` keeps the cache in host memory and brings one layer's K/V at a time to the
   device: capacity for the price of moving the whole cache every step.
 * ``PagedKVCache`` is one pool of fixed-size blocks that many sequences share, each reading its rows
@@ -48,10 +51,10 @@ on it):
 
 The interface. A cache has ``layers``; per forward pass the model calls ``cache.begin(positions)``
 once (host-side bookkeeping: grow, copy-on-write, advance ``length``) which returns the attention
-mask over the keys that each layer's ``update(k, v, positions)`` will return; ``crop(n)`` rolls back
-to the first n tokens (a chat turn that diverges, rejected speculative tokens); ``fork()`` makes a
-branch that shares the prefix until either side writes; ``nbytes`` is the memory the cache's tensors
-really occupy.
+mask over the keys that each layer's ``update(k, v, positions)`` will return. The two smallest
+caches stop there; the kinds add ``crop(n)`` (roll back to the first n tokens: a chat turn that
+diverges, rejected speculative tokens), ``fork()`` (a branch that shares the prefix until either
+side writes) and ``nbytes`` (the memory the cache's tensors really occupy).
 
 Any of them can store K and V quantized (``codec``, from quantize.py: int8 or fp8 with a scale per
 token and head): rows of bytes instead of numbers, about half of bf16's, decoded one layer at a time
@@ -69,6 +72,79 @@ import torch
 from model import Llama, attention_mask     # the one mask rule
 
 
+class ListCache:
+    """The first cache: per layer, the K and V tensors of every pass so far, in two lists.
+    ``model(tokens, positions, cache)`` calls ``begin`` once, then each layer's ``update``."""
+    limit = None        # it grows: only the model's context bounds it
+
+    def __init__(self, n_layers: int, window: int | None = None):
+        self.layers = [ListLayer() for _ in range(n_layers)]
+        self.window, self.length = window, 0
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        """Once per pass, before any layer: the (T, L) mask of the held keys each new token reads
+        (its own position and earlier ones, within the model's window if it has one)."""
+        self.length += positions.shape[-1]
+        return attention_mask(positions, torch.arange(self.length, device=positions.device),
+                              self.window)
+
+
+class ListLayer:
+    def __init__(self):
+        self.k: list[torch.Tensor] = []      # one (B, H_kv, T, d) tensor per pass
+        self.v: list[torch.Tensor] = []
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Keep this pass's k, v (B, H_kv, T, d); return every key and value held (B, H_kv, L, d).
+        The join copies all L rows, every pass: this is what TensorCache removes."""
+        self.k.append(k)
+        self.v.append(v)
+        return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
+
+
+def write_rows(store: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The write of a preallocated cache: store (B, H, C, r), rows (T,) long, new (B, H, T, r); row
+    rows[i] of every (batch, head) gets new[:, :, i], in place, and store is returned.
+    The rows stay a tensor (index_copy_): no host sync, and the same graph every step, which a
+    compiled decode step needs."""
+    return store.index_copy_(2, rows, new)
+
+
+class TensorCache:
+    """One K and one V tensor per layer, ``max_len`` rows, allocated once: position p is written in
+    place into row p, and attention reads rows 0..length-1 as a view (no copy of the history).
+    StaticCache below is this, plus the interface's crop, fork and quantized rows."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype=torch.float32, device="cpu", window: int | None = None):
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.layers = [TensorLayer(self, i) for i in range(n_layers)]
+        self.window, self.length, self.limit = window, 0, max_len
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.length + positions.shape[-1] > self.limit:
+            raise ValueError(f"cache is full: max_len {self.limit}")
+        self.length += positions.shape[-1]
+        return attention_mask(positions, torch.arange(self.length, device=positions.device),
+                              self.window)
+
+
+class TensorLayer:
+    def __init__(self, cache: TensorCache, index: int):
+        self.cache, self.index = cache, index
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        c, i = self.cache, self.index
+        write_rows(c.k[i], positions, k)
+        write_rows(c.v[i], positions, v)
+        return c.k[i][:, :, :c.length], c.v[i][:, :, :c.length]
+
+
+# ----------------------------------------------------------------------------
+# The cache kinds: TensorCache's per-layer tensors behind one interface.
+
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_size: float) -> float:
     return n_layers * 2 * n_kv_heads * head_dim * dtype_size
 
@@ -78,15 +154,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def write_rows(store: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """The write of a static cache and a ring buffer: store (B, H, C, r), rows (T,) long,
-    new (B, H, T, r); row rows[i] of every (batch, head) gets new[:, :, i], in place, and store is
-    returned.
-    The rows stay a tensor (index_copy_): no host sync, and the same graph every step, which a
-    compiled decode step needs."""
-    return store.index_copy_(2, rows, new)
-
-
 class _Shared:
     """A reference count on storage: forks share it until one of them writes."""
     def __init__(self):
@@ -94,7 +161,8 @@ class _Shared:
 
 
 class KVCache:
-    """What every contiguous cache has in common; subclasses say how storage grows."""
+    """What every contiguous cache has in common: TensorCache's tensors per layer, plus crop, fork,
+    move and quantized rows; subclasses say how storage grows and which row a position takes."""
     # whether every call sees the same tensor shapes (a compiled step needs it)
     fixed_shape = False
 
@@ -219,10 +287,10 @@ class DynamicCache(KVCache):
 
 
 class StaticCache(KVCache):
-    """Preallocated to ``max_len``; position p in row p, so a crop is free (stale rows sit past
-    every future query). On a GPU attention reads all rows (fixed shapes for a CUDA graph); on a CPU
-    (``live``) only the live ones: fp32 SmolLM2's 2048 rows are 94 MB a step, more than its int4
-    weights (kernels.AheadOfTime compiles any length)."""
+    """TensorCache with the interface: preallocated to ``max_len``, position p in row p, so a crop
+    is free (stale rows sit past every future query). On a GPU attention reads all max_len rows:
+    the same shapes every step, which a compiled step needs. On a CPU (``live``) it reads only the
+    rows written so far: an unwritten row costs the same bandwidth as a written one."""
 
     fixed_shape = True
 
@@ -301,7 +369,8 @@ class SlidingWindowCache(KVCache):
 # ----------------------------------------------------------------------------
 # Offloading: a cache bigger than the device, paid for in transfers.
 
-PCIE_GBPS = 25   # PCIe 4.0 x16, host to GPU: what a copy reaches of its 32 GB/s
+# PCIe 4.0 x16, host to GPU: the calculator's assumption, a round figure under the spec's 32 GB/s
+PCIE_GBPS = 25
 
 
 class OffloadedCache(DynamicCache):
@@ -314,16 +383,18 @@ class OffloadedCache(DynamicCache):
     copied (prefetch); the rows a pass writes go back to the store. The rest is DynamicCache's:
     rows, growth, crop, fork, move, the mask.
 
-    Cost model. Device memory: 2/n_layers of the cache (SmolLM2's 30 layers: 15× the context).
+    Cost model. Device memory: 2/n_layers of the cache (SmolLM2's 30 layers: room for 15 times
+    the context).
     Transfers: a pass copies every layer's stored rows in and its new rows out, so
 
         bytes moved per step (``step_moved``) = length after the step · bytes per token
                                                 (the formula at the top)
 
-    the whole cache, every step. Llama-3-70B at 32K in fp16: 10 GiB per token, 0.43 s at 25 GB/s
-    (PCIe 4 x16), where reading it from HBM at 3.35 TB/s (H100) takes 3.2 ms: it buys capacity and
+    the whole cache, every step. Llama-3-70B at 32K in fp16 moves 32768 · 320 KiB = 10 GiB a
+    step. PCIe 4 x16's spec is 32 GB/s, an H100's HBM's 3.35 TB/s: the copy takes
+    3.35 TB/s ÷ 32 GB/s ≈ 100× as long as reading the cache where it lies. It buys capacity and
     costs time, unless compute as long hides the copy (a big batch, a long prefill; never batch-1
-    decode).
+    decode). ``python kvcache.py --config llama3-70b`` prints the time.
 
     On a CPU the store is a plain CPU tensor and the working buffers share its RAM: each copy is a
     memcpy that reads and writes every byte, some GB/s like PCIe, so the slowdown measured
@@ -432,14 +503,15 @@ def new_cache(model: Llama, kind: str = "dynamic", max_len: int | None = None, b
 # values), and attend() takes a (B, 1, T, L) mask as it takes a (T, L) one.
 #
 # What the gather costs. It copies every row's K and V once per layer per step:
-# B · L · 2 · n_kv · d · dtype bytes, L the longest table in tokens. For SmolLM2 in fp32 that is
-# 1.5 KiB per token per layer: a decode step of 16 sequences of ~200 tokens copies
-# 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 141 MiB over 30 layers, against 540 MB of weights the
-# step reads anyway.
-# Measured in such a step (one thread): the gathers take 6% of it. On a GPU a decode step reads the
-# blocks in place instead (kernels.paged_decode, a Triton kernel that follows the block table per
-# key): the layer's ``attend`` then replaces update + the model's attention. Prefill and
-# verification passes (T > 1), CPU pools and quantized pools (a codec) keep the gather.
+# B · L · 2 · n_kv · d · dtype bytes, L the longest table in tokens. For SmolLM2 in fp32 that
+# is 1.5 KiB per token per layer: a decode step of 16 sequences of ~200 tokens copies
+# 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 4.7 MiB · 30 ≈ 141 MiB over the layers, against
+# 135M · 4 B ≈ 540 MB of weights the step reads anyway: about a quarter more bytes, a share that
+# grows with the batch and the context.
+# On a GPU a decode step reads the blocks in place instead (kernels.paged_decode, a Triton kernel
+# that follows the block table per key): the layer's ``attend`` then replaces update + the model's
+# attention. Prefill and verification passes (T > 1), CPU pools and quantized pools (a codec) keep
+# the gather.
 
 
 class PagedKVCache:
@@ -633,7 +705,7 @@ def calculator(config: str, seq: int, batch: int, dtype: str, gpu_gib: float | N
 #
 # The formula says what one token costs; what a cache holds also depends on how it allocates. With
 # tokens arriving one at a time (a generation):
-#   dynamic   one chunk of 256 rows, then doubling: past 256 tokens, up to 2× the rows needed
+#   dynamic   one chunk of 256 rows, then doubling: past 256 tokens, up to twice the rows needed
 #   static    max_len rows from the start, whatever the context
 #   sliding   window + slack rows from the start, never more
 #   paged     whole 16-token blocks: at most 15 rows unused per sequence

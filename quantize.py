@@ -4,7 +4,8 @@ Quantization: store numbers in fewer bits, and pay for it in accuracy.
 Batch-1 decoding is memory-bound (model.py): every generated token reads every
 weight once, and at long contexts the KV cache too. Halve the bytes and the
 ceiling on tokens/s doubles; the question is what the rounding costs. This file
-makes both trades and measures them (`python bench.py quantize --eval`).
+makes both trades; `python bench.py quantize --eval` measures them on a real model.
+The smallest version comes first: ``quantize_int8`` and ``SimpleInt8Linear``.
 
 The recipe is the same for every format: pick a scale s for a group of numbers
 so that the largest one maps to the edge of the small format, store round(x/s)
@@ -30,18 +31,20 @@ a step, s/2, so small groups (one row, one token of one head) keep s small.
 
 For SmolLM2-135M (d_head 64) a KV row of one head costs 128 B in bf16 and
 64 + 2 = 66 B in int8 or scaled fp8: 51.6% of bf16, the scale being 2/64 of the
-saving. Weights: 135M numbers are 270 MB in bf16, 136 MB in int8 (+0.3 MB of
-row scales), 84 MB in int4 with groups of 32 (4 bits + two 16-bit numbers per
-32 weights: 5 bits a weight).
+saving. A weight costs 16 bits in bf16, 8 in int8 (plus a row's scale), 5 in int4
+with groups of 32 (4 bits + two 16-bit numbers per 32 weights). A whole model
+saves less than that ratio: its embedding table stays in full precision and an
+int4 model's LM head in int8 (`python bench.py quantize --eval` prints its bytes).
 
 A GGUF file arrives already quantized, in llama.cpp's blocks, and runs at its
-own bits rather than widened to fp32 (4-8x the bytes). Its 4-bit blocks become
-int4 groups of 32; its 5-, 6- and 8-bit blocks a byte per value with a scale (and
-a minimum) per group of 16 or 32: int4's W = lo + q·s with a wider q, its scales
-kept as the file stores them (gguf_hf.py: Q4_1, Q8_0 and Q4_K within 3% of the
-file's bytes, the 5- and 6-bit ones a byte per value), for one kernel per width
-instead of one per block format. Its F16/BF16 tensors stay in 16 bits, and its
-embedding table in its own layout (StoredEmbedding: a lookup widens one row).
+own bits rather than widened to fp32 (32 bits a weight against its 4 to 8). Its
+4-bit blocks become int4 groups of 32; its 5-, 6- and 8-bit blocks a byte per
+value with a scale (and a minimum) per group of 16 or 32: int4's W = lo + q·s
+with a wider q, its scales kept as the file stores them (gguf_hf.py: Q4_1, Q8_0
+and Q4_K at the file's own bits, the 5- and 6-bit ones a byte per value), for
+one kernel per width instead of one per block format. Its F16/BF16 tensors stay
+in 16 bits, and its embedding table in its own layout (StoredEmbedding: a lookup
+widens one row).
 
 Kernels. Weights are stored quantized and never held expanded: each quantized
 Linear calls PyTorch's own matrix-vector kernel for its format on a CPU:
@@ -64,6 +67,7 @@ model in perplexity and agreement, and writes quantized checkpoints (--out).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +99,22 @@ def quantize_int8(x: torch.Tensor, scale_dtype=torch.float16) -> tuple[torch.Ten
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return (q.float() * scale.float()).to(dtype)
+
+
+class SimpleInt8Linear(nn.Module):
+    """The smallest quantized layer: W stored as int8 rows with one scale per row, widened back to
+    the activations' dtype for every forward. A quarter of fp32's bytes at rest; the widening
+    still reads and writes a full-precision W each call, which Int8Linear below removes (a kernel
+    that reads the int8 bytes as they are), along with groups, a bias and checkpoint loading."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        q, s = quantize_int8(w, scale_dtype=torch.float32)
+        self.register_buffer("weight", q)                 # (out, in) int8
+        self.register_buffer("weight_scale", s)           # (out, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize_int8(self.weight, self.weight_scale, x.dtype))
 
 
 def quantize_fp8(x: torch.Tensor, scale_dtype=torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,8 +222,8 @@ GROUP = 32
 
 
 # From this many rows on, Int8Linear widens W to the activations' dtype and runs a matrix-matrix
-# product: the int8 kernel is built for matrix-vector work, and a 128-token prefill of SmolLM2
-# took 1.7x as long with it as in bf16 (bench.py decode, TTFT).
+# product: the int8 kernel is built for matrix-vector work, and a prefill is compute-bound, where
+# reading fewer bytes buys nothing (`python bench.py decode` times the TTFT of each format).
 PREFILL_ROWS = 16
 
 
@@ -226,7 +246,7 @@ def block_scales(layer: nn.Module, in_features: int, out_features: int, group: i
 
 
 class Int8Linear(nn.Module):
-    """y = x·Wᵀ with W stored as int8 rows and one scale per row:
+    """SimpleInt8Linear with a kernel: y = x·Wᵀ with W stored as int8 rows and one scale per row,
     W[r] ≈ weight[r] · weight_scale[r]. The scale factors out of each row's dot
     product, so the kernel reads 1 byte per weight and multiplies once per row.
 
@@ -395,8 +415,8 @@ STORED = (Int8Linear, Int4Linear, HalfLinear)
 class StoredEmbedding(nn.Module):
     """The embedding table at a GGUF's bits, in a stored layer's layout (int4 or int8 groups,
     16-bit): a lookup widens the rows it reads to their exact values (safetensors_io.widened), so
-    the table is held at the file's size, not at 4 bytes a weight (TinyLlama's: 403 MB in fp32
-    against 57 in Q4_K), and a step reads one row of it. A table tied to the LM head is the
+    the table is held at the file's size, not at 4 bytes a weight (a Q4_K table: about 4.5 bits a
+    weight against fp32's 32), and a step reads one row of it. A table tied to the LM head is the
     head's own tensors (``persistent=False``: not the checkpoint's a second time)."""
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype = torch.float32,
@@ -451,9 +471,8 @@ def replace_layer(model: nn.Module, name: str, layer: nn.Module):
 def scheme_of(name: str, weights: str, head: str | None = None) -> str:
     """The scheme a layer gets under ``weights``. The LM head's is ``head`` where given
     ("float": kept as loaded), else int4 keeps the head in int8, as llama.cpp keeps its
-    output matrix at 6-8 bits: every logit goes through it, and 4 bits there cost the most
-    accuracy (the bundled model, groups of 32, 512 tokens of the evaluation text: perplexity
-    +9.7% with an int4 head, +0.4% with an int8 one, for 11% more weight bytes).
+    output matrix at 6-8 bits: every logit goes through it, so 4 bits there cost the most
+    accuracy, for the bytes of one matrix.
     A checkpoint whose head already holds its own bits (a GGUF's Q8_0 embedding, tied) passes
     head="float": re-rounding those per row would change the file's logits."""
     if name == "lm_head" and head is not None:
@@ -542,7 +561,7 @@ class StoredParts(nn.Module):
     """A fused projection (q/k/v, gate/up) whose parts a GGUF holds at different bits (Q4_K_M
     keeps some layers' V in Q6_K beside Q4_K Q and K): each part its own stored layer, their
     outputs side by side. A kernel call more per part, and no part re-laid into a wider layout
-    (int4 Q and K as int8 would take 2.3x their bytes)."""
+    (int4 Q and K re-laid as int8 would hold a byte where the file holds half of one)."""
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()
@@ -593,7 +612,8 @@ def check_quantized_tensors(state: dict[str, torch.Tensor], any_sign: bool = Fal
             if bad.any():
                 raise ValueError(f"corrupt quantized checkpoint: {name} has {int(bad.sum())} "
                                  f"invalid values (not finite{' or ≤ 0' if positive else ''}); "
-                                 f"re-quantize it")
+                                 f"quantize the full-precision checkpoint again (`python "
+                                 f"bench.py quantize --weights int8|int4 --out DIR`)")
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -653,7 +673,7 @@ def is_plain(name: str, t: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------
 # Demo: each round trip on random numbers, with its bytes and its error.
 
-if __name__ == "__main__":
+def demo():
     torch.manual_seed(0)
     # a weight matrix, the scale of a trained model's
     w = torch.randn(2048, 2048) * 0.02
@@ -677,3 +697,14 @@ if __name__ == "__main__":
     for name, codec in KV_CODECS.items():
         back = codec.decode(codec.encode(k), torch.float32)
         print(f"{name:24} {codec.row_bytes(64):>16} {float((back - k).norm() / k.norm()):>15.2e}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="each round trip's bytes and error on random tensors; "
+                                 "on a real model: python bench.py quantize --eval")
+    _, extra = ap.parse_known_args()
+    if extra:
+        ap.error(f"this demo takes no arguments (got {' '.join(extra)}): the accuracy table is "
+                 f"`python bench.py quantize --eval`, a quantized checkpoint "
+                 f"`python bench.py quantize --weights int4 --out DIR`")
+    demo()

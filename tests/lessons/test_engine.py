@@ -16,9 +16,10 @@ import model as M
 import nanoinfer.load as nl
 import serve_local
 from conftest import make_checkpoint
-from engine import LLM, Engine, Request, Scheduler, Sequence, Status
+from engine import LLM, Engine, MinimalEngine, Request, Scheduler, Sequence, Status
 from kvcache import PagedKVCache
 from paged import BlockAllocator
+import engine as engine_mod
 import kvcache
 import quantize
 
@@ -60,6 +61,45 @@ PROMPTS = [[7], list(range(3, 8)), list(range(10, 26)), list(range(30, 47)), lis
 @pytest.fixture(scope="module")
 def reference(llama):
     return [contiguous(llama, p, GREEDY(max_new_tokens=40)) for p in PROMPTS]
+
+
+def arrive_and_step(engine, arrivals):
+    """Add each (step, prompt, params) at its step and step until everything is done; returns
+    each request's output and, per step, the (arrival index, token) pairs sampled."""
+    pending, reqs, index, steps = list(arrivals), [], {}, []
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= len(steps):
+            _, prompt, params = pending.pop(0)
+            reqs.append(engine.add(prompt, params))
+            index[reqs[-1].id] = len(reqs) - 1
+        events = engine.step()
+        steps.append([(index[e.request_id], e.token) if isinstance(e, engine_mod.Event)
+                      else (index[e[0]], e[1]) for e in events])
+    outputs = [r.output if isinstance(r, engine_mod.SimpleRequest) else r.sequences[0].output
+               for r in reqs]
+    return outputs, steps
+
+
+def test_minimal_engine_equals_the_engine(llama):
+    """The smallest loop (admit, decode all, retire) samples the full Engine's tokens, at the same
+    steps: requests of different lengths arriving at different steps, more of them than the batch
+    holds, one sampled with a seed."""
+    sampled = M.SamplingParams(temperature=1.0, top_k=50, seed=3, max_new_tokens=18)
+    arrivals = [(0, PROMPTS[0], GREEDY(max_new_tokens=12)), (0, PROMPTS[1], GREEDY(max_new_tokens=30)),
+                (1, PROMPTS[2], GREEDY(max_new_tokens=5)), (3, PROMPTS[3], sampled),
+                (3, PROMPTS[4], GREEDY(max_new_tokens=1)), (3, PROMPTS[5], GREEDY(max_new_tokens=20)),
+                (9, list(range(200, 209)), GREEDY(max_new_tokens=25)), (40, [11, 12], GREEDY(max_new_tokens=4))]
+    minimal = MinimalEngine(llama, num_blocks=64, max_batch=4)
+    want, want_steps = arrive_and_step(Engine(llama, num_blocks=64, max_batch=4), arrivals)
+    got, got_steps = arrive_and_step(minimal, arrivals)
+    assert got == want and got_steps == want_steps
+    assert [len(o) for o in got] == [12, 30, 5, 18, 1, 20, 25, 4]
+    first = [min(i for i, step in enumerate(got_steps) if any(r == j for r, _ in step))
+             for j in range(len(arrivals))]
+    assert [f - a[0] for f, a in zip(first, arrivals)] == [0, 0, 0, 0, 2, 2, 2, 0]  # 3 waited for room
+    assert minimal.alloc.num_free == 64 and not minimal.alloc.live    # every block came back
+    with pytest.raises(ValueError, match="must fit the pool"):
+        minimal.add(list(range(1000)), GREEDY())
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])

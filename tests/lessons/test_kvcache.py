@@ -63,6 +63,31 @@ def test_write_rows_puts_each_row_where_its_position_says():
     assert ring.k[0].flatten().tolist() == [14, 15, 12, 13]                       # rows 0..3: positions 4, 5, 2, 3
 
 
+@pytest.mark.parametrize("which", ["llama", "mistral"])
+def test_smallest_caches_equal_the_static_cache(llama, mistral, which):
+    """The two smallest caches (per-pass tensors in lists, joined when read; one tensor per layer
+    written in place) decode the static cache's greedy tokens and hold exactly its rows."""
+    model = llama if which == "llama" else mistral[0]
+    c = model.config
+    for prompt in PROMPTS:
+        static = K.new_cache(model, "static", max_len=128)
+        lists = K.ListCache(c.n_layers, c.sliding_window)
+        tensor = K.TensorCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 128, window=c.sliding_window)
+        want = decode(model, prompt, static, 70)
+        assert decode(model, prompt, lists, 70) == want
+        assert decode(model, prompt, tensor, 70) == want
+        n = static.length
+        assert lists.length == tensor.length == n == len(prompt) + 69
+        for i in range(c.n_layers):
+            for kv in ("k", "v"):
+                rows = getattr(static, kv)[i][:, :, :n]
+                assert torch.equal(torch.cat(getattr(lists.layers[i], kv), dim=2), rows)
+                assert torch.equal(getattr(tensor, kv)[i][:, :, :n], rows)
+        assert len(lists.layers[0].k) == 70     # one tensor per pass: the prefill, then 69 steps
+    with pytest.raises(ValueError, match="cache is full"):
+        tensor.begin(torch.arange(n, 129))
+
+
 @pytest.mark.parametrize("kind", ["dynamic", "static", "offloaded"])
 def test_caches_equal_naive_greedy(llama, kind):
     for prompt in PROMPTS:

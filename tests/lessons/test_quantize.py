@@ -1,7 +1,10 @@
 """quantize.py: round-trip bounds, quantized KV caches in every cache kind, weight-only
 layers against their dequantized matrices, quantized checkpoints, and bad input."""
 
+import copy
 import json
+import runpy
+import sys
 
 import pytest
 import torch
@@ -9,9 +12,12 @@ import torch
 import model as M
 import nanoinfer.load as nl
 import quantize as Q
-from conftest import make_checkpoint, run_cli
+from conftest import fails_with, make_checkpoint, run_cli
 import kvcache
 import kernels
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- round trips --------------------------------------------------------------
@@ -115,6 +121,30 @@ def test_attention_over_a_quantized_cache_is_close():
 
 
 # --- weights -----------------------------------------------------------------------
+
+def test_simple_int8_linear_equals_int8_linear(llama):
+    """The smallest quantized layer stores Int8Linear's very bytes and scales and computes its
+    output (the kernel sums in its own order: equal up to float rounding); a model of them decodes
+    the greedy tokens of quantize_model's int8."""
+    torch.manual_seed(3)
+    w = torch.randn(96, 128)
+    simple, general = Q.SimpleInt8Linear(w), Q.Int8Linear.from_float(w)
+    assert simple.weight.dtype == torch.int8 and torch.equal(simple.weight, general.weight)
+    assert torch.equal(simple.weight_scale[:, 0], general.weight_scale)
+    assert torch.equal(Q.dequantize_int8(simple.weight, simple.weight_scale), general.dequantized())
+    for rows in (1, 5, Q.PREFILL_ROWS + 3):    # aten's int8 kernel, then the widened matmul
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(simple(x), general(x))
+    general.prepare(torch.bfloat16)
+    x = torch.randn(5, 128).bfloat16()
+    torch.testing.assert_close(simple(x), general(x), atol=0.05, rtol=0.02)
+    small = copy.deepcopy(llama)
+    for name, lin in Q.quantized_layers(small).items():
+        Q.replace_layer(small, name, Q.SimpleInt8Linear(lin.weight.detach()))
+    int8 = Q.quantize_model(copy.deepcopy(llama), "int8")
+    assert isinstance(int8.lm_head, Q.Int8Linear) and isinstance(small.lm_head, Q.SimpleInt8Linear)
+    assert decode(small, PROMPT, None, 30) == decode(int8, PROMPT, None, 30)
+
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -257,6 +287,16 @@ def test_stored_layers_refuse_bad_shapes_in_one_line():
         Q.HalfLinear(64, 8, torch.float32)
 
 
+def test_the_demo_names_the_commands_it_does_not_run(monkeypatch, capsys):
+    """`python quantize.py` is the round-trip demo; a flag gets the bench command that does it."""
+    monkeypatch.setattr(sys, "argv", ["quantize.py", "--eval"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(Q.__file__, run_name="__main__")     # as `python quantize.py --eval`
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and "Traceback" not in err
+    assert "`python bench.py quantize --eval`" in err and "--weights int4 --out DIR" in err
+
+
 def test_unknown_schemes_are_refused():
     with pytest.raises(ValueError, match="unknown --weights 'int3': use auto, float, int8 or int4"):
         Q.check_scheme("int3")
@@ -266,35 +306,33 @@ def test_unknown_schemes_are_refused():
         Q.kv_codec("int2")
 
 
-def test_requantizing_and_corrupt_scales_are_one_line_errors(tmp_path):
+def test_requantizing_and_corrupt_scales_are_one_line_errors(tmp_path, capsys):
     src = make_checkpoint(tmp_path / "src")
     q = tmp_path / "q"
     assert run_cli("bench.py", "quantize", "--model", str(src), "--weights", "int8", "--out", str(q))[0] == 0
     rc, out, err = run_cli("bench.py", "quantize", "--model", str(q), "--weights", "int8", "--out", str(tmp_path / "qq"))
     assert rc == 1 and err.strip().startswith("error: ") and "already quantized" in err and "Traceback" not in err
-    rc, out, err = run_cli("serve_local.py", "--model", str(q), "--weights", "int4", "--prompt", "hi")
-    assert rc == 1 and "already quantized (int8)" in err and "Traceback" not in err
+    # the runner in process: exit status 1, one "error: " line, no traceback
+    fails_with(capsys, ["--model", str(q), "--weights", "int4", "--prompt", "hi"], "already quantized (int8)")
     # a scale that is NaN or zero would silently wreck one layer: refused by name
     from safetensors.torch import load_file, save_file
     state = load_file(q / "model.safetensors")
     name = "model.layers.1.mlp.down_proj.weight_scale"
     state[name][3] = float("nan")
     save_file(state, q / "model.safetensors")
-    rc, out, err = run_cli("serve_local.py", "--model", str(q), "--prompt", "hi")
-    assert rc == 1 and "Traceback" not in err
-    assert "corrupt quantized checkpoint: layers.1.mlp.down_proj.weight_scale has 1 invalid values" in err
+    fails_with(capsys, ["--model", str(q), "--prompt", "hi"],
+               "corrupt quantized checkpoint: layers.1.mlp.down_proj.weight_scale has 1 invalid values")
     # a scheme this version does not know
     cfg = json.loads((q / "config.json").read_text())
     cfg[Q.CONFIG_KEY] = {"weights": "int3"}
     (q / "config.json").write_text(json.dumps(cfg))
-    rc, out, err = run_cli("serve_local.py", "--model", str(q), "--prompt", "hi")
-    assert rc == 1 and "quantization scheme 'int3'" in err and "Traceback" not in err
+    fails_with(capsys, ["--model", str(q), "--prompt", "hi"], "quantization scheme 'int3'")
 
 
 def test_runner_with_int8_weights_and_int8_kv_still_knows_paris(cache_home):
     rc, out, err = run_cli("serve_local.py", "--prompt", "What is the capital of France?", "--temperature", "0",
                            "--max-new-tokens", "20", "--dtype", "bf16", "--weights", "int8", "--kv-dtype", "int8",
-                           env={"XDG_CACHE_HOME": str(cache_home)})
+                           env={"XDG_CACHE_HOME": str(cache_home), "OMP_NUM_THREADS": "1"})
     assert rc == 0, err
     assert "Paris" in out and "weights int8" in err
 
