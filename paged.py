@@ -25,11 +25,12 @@ Cost model. For SmolLM2-135M (30 layers, 3 KV heads, d_head 64, bf16) one
 token costs 2 · 3 · 64 · 2 B = 768 B per layer, 23040 B = 22.5 KiB over all
 layers, so one 16-token block holds 16 × 22.5 KiB = 360 KiB and a sequence
 wastes at most 15 × 22.5 KiB = 337.5 KiB. A 2048-token contiguous
-reservation is 45 MiB; a typical chat request of ~600 tokens writes 13 MiB of
-it and leaves 32 MiB (70%) empty. `python bench.py paged --simulate 1000` measures
-this on 1,000 simulated chat requests: with 16-token pages about 1% of the
-reserved memory is empty, against about 70% when reserving the maximum, so
-~2.6× as many sequences decode at once in the same memory.
+reservation is 2048 × 22.5 KiB = 45 MiB; a typical chat request of ~600 tokens
+writes 600 × 22.5 KiB ≈ 13 MiB of it and leaves 45 − 13 = 32 MiB (70%) empty.
+`python bench.py paged --simulate 1000` measures this on 1,000 simulated chat
+requests: with 16-token pages about 1% of the reserved memory is empty, against
+about 70% when reserving the maximum, so ~2.6× as many sequences decode at once
+in the same memory.
 
 Blocks also make sharing cheap, because a block is a unit that several tables
 may point at (a reference count says how many):
@@ -144,7 +145,7 @@ class BlockAllocator:
     Every block is in exactly one state: owned (ref_count > 0, in some tables),
     free (in ``free_ids``, no hash), or cached-and-free (ref_count 0, in
     ``evictable``, findable by hash). New blocks come from the free list first;
-    when it is empty the least recently freed cached block is evicted.
+    when it is empty the least recently freed cached block is evicted (``victim``).
 
     ``events``, if a list, logs what happens to the blocks, each event naming its
     sequence: ("allocate", seq, tokens, blocks hit in the prefix cache), then
@@ -329,7 +330,8 @@ class BlockAllocator:
         if self.free_ids:
             block = self.blocks[self.free_ids.pop()]
         elif self.evictable:
-            block = self.blocks[self.evictable.popitem(last=False)[0]]
+            block = self.blocks[self.victim()]
+            del self.evictable[block.id]
             self.cached[block.hash].remove(block)
             if not self.cached[block.hash]:
                 del self.cached[block.hash]
@@ -338,6 +340,12 @@ class BlockAllocator:
             raise self._out_of_blocks(1, 0)
         block.ref_count = 1
         return block
+
+    def victim(self) -> int:
+        """The cached-and-free block to evict when the free list is empty: the least recently
+        freed (``evictable`` is oldest first). The eviction policy is this one line; the
+        exercise exercises/evict.py puts another here."""
+        return next(iter(self.evictable))
 
     def _out_of_blocks(self, need: int, available: int) -> OutOfBlocks:
         return OutOfBlocks(f"KV cache full: need {need} more block(s) of {self.block_size} "

@@ -20,22 +20,25 @@ from engine import Sequence
 
 
 def schedule_decode(self) -> list[Sequence]:
-    """Scheduler method. Give every running sequence (``self.running``, oldest first) the
-    slot for the token it feeds next, its last output token ``seq.output[-1]``, with
-    ``self.alloc.append_slot(seq.table, token)``, which returns (slot, copy); a copy that
-    is not None is a copy-on-write the storage owes: append it to ``self.copies``.
+    """Scheduler method: this step's decode batch. Every running sequence that has a token to
+    feed gets the KV slot that token's K/V will be written to; the batch is the sequences,
+    oldest first, still running at the end. A sequence still prefilling (``seq.prefilling``: its
+    prompt comes in chunks) has no token to feed yet and sits this step out.
 
-    A sequence still prefilling (``seq.prefilling``: its prompt comes in chunks) has no
-    token to feed yet: skip it, and leave it out of the batch.
+    What a sequence feeds is its last output token (``seq.output[-1]``). Its slot comes from
+    the block allocator ``self.alloc`` (paged.py): ``append_slot(table, token)`` returns
+    ``(slot, copy)``, and a copy that is not None is a copy-on-write the storage owes before
+    the step writes (``self.copies`` collects them); it raises if the sequence needs a new
+    block (``needs_block(table)``) and none is left (``num_free``).
 
-    Before a sequence's append, if it needs a new block (``self.alloc.needs_block(table)``)
-    and none is free (``self.alloc.num_free == 0``), make room, then look at the same
-    sequence again: free the oldest parked conversation first
-    (``self.alloc.free(self.parked.popitem(last=False)[1])``), and only if none is parked,
-    preempt the newest running sequence (``self.preempt(self.running[-1])``; it may be this
-    very one). Return the batch: a new list of the sequences still running."""
+    Running out must not fail the step. Blocks come back, in this order of preference: from
+    idle conversations parked between turns (``self.parked``, an OrderedDict session -> block
+    table, oldest first; ``self.alloc.free(table)`` returns a table's blocks), the oldest first;
+    and only when none is parked, from the newest running sequence, preempted
+    (``self.preempt(seq)``: it leaves ``self.running`` and will recompute later), even if it is
+    the very sequence that needs the block. Free no more than needed."""
     raise NotImplementedError(
-        """schedule_decode: walk self.running from the oldest with an index, not a for loop:
-preempting removes the newest from the list while you walk it. At each sequence, first
-ask whether its append could fail (needs a block, none free); if so make room and look at
-the same index again, else append its slot, keep any copy, and move on.""")
+        """schedule_decode: visit the running sequences from the oldest. Before giving one its
+slot, ask whether that can fail; if so, make room by the rule of preference, then ask again
+about the same sequence (room may still be short, or it may be gone). Preempting changes
+the list you are walking: a plain for loop over it would skip or repeat.""")

@@ -28,6 +28,6 @@ def write_rows(store: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> to
     must not wait for the host)."""
     raise NotImplementedError(
         """write_rows: picture the loop "for each i, row rows[i] of store (dim 2) becomes
-new[:, :, i]". Now do it in one tensor operation that takes the whole index tensor: look for an
-in-place Tensor method that copies slices into a dimension at given indices (its name ends in
-_copy_), or assign through indexing; either way store itself must change, and you return it.""")
+new[:, :, i]". Then say the whole loop at once: a write into dim 2 of store at every index of
+rows, taking new's dim 2 in the same order. It must change store itself (the cache keeps that
+very tensor), not a copy of it; then return it.""")

@@ -165,15 +165,17 @@ def fails_with(capsys, argv, message):
 
 # ----------------------------------------------------------------------------
 # Exercises (exercises/__init__.py has the table): --exercise NAME runs that exercise's
-# tests with the learner's functions in place of the lesson's; --exercise-solution puts
-# the lesson's own functions through the same swap, counting their calls.
+# tests with the learner's functions in place of the lesson's (an extend exercise's: at the
+# lesson's hook); --exercise-solution puts the reference through the same swap, counting its
+# calls: the lesson's own functions, or an extend exercise's exercises/solutions/NAME.py.
 
 def pytest_addoption(parser):
     group = parser.getgroup("exercises", "the course's exercises (exercises/)")
     group.addoption("--exercise", metavar="NAME", default=None,
                     help="run only exercise NAME's tests, with exercises/NAME.py's functions swapped in")
     group.addoption("--exercise-solution", action="store_true",
-                    help="with --exercise: swap in the lesson's own functions instead (checks the plumbing)")
+                    help="with --exercise: swap in the reference instead, the lesson's own functions or an "
+                         "extend exercise's exercises/solutions/NAME.py (checks the plumbing)")
 
 
 def chosen_exercise(config):
@@ -227,7 +229,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def exercise_swap(request):
-    """Learner's functions (or, with --exercise-solution, the lesson's, counted) in, for the whole session."""
+    """Learner's functions (or, with --exercise-solution, the reference's, counted) in, for the whole session."""
     from exercises import counted
     ex, config = request.config.exercise, request.config
     if ex is None:
@@ -248,10 +250,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     write = terminalreporter.write_line
     if config.getoption("--exercise-solution"):
-        write(f"exercise {ex.name}, the lesson's own code through the swap: " +
+        whose = "the lesson's own code" if ex.kind == "implement" else f"{ex.solution.replace('.', '/')}.py"
+        write(f"exercise {ex.name}, {whose} through the swap: " +
               ", ".join(f"{t} ran {config.exercise_calls.get(t, 0)} times" for t in ex.replaces))
     elif exitstatus == 0:
         write(f"exercise {ex.name}: your {', '.join(t.rsplit('.', 1)[1] for t in ex.replaces)} "
-              f"passed the lesson's tests")
+              f"passed the lesson's tests" + ("" if ex.kind == "implement" else " and test_extend.py's"))
     else:
         write(f"exercise {ex.name}: not yet; the first failure above says where (edit exercises/{ex.name}.py)")

@@ -1,7 +1,9 @@
 """exercises/: every stub keeps its lesson function's signature and only raises its hint; run
-through `--exercise NAME` it fails that lesson's tests showing the hint, while the lesson's own
-functions, put through the same swap (`--exercise-solution`), pass the same tests and are each
-called; a bad name is one line; `make exercise` lists the exercises."""
+through `--exercise NAME` it fails that exercise's tests showing the hint, while the reference
+(the lesson's own functions; an extend exercise's solution in exercises/solutions/), put through
+the same swap (`--exercise-solution`), passes the same tests and is called; every course lesson
+has an exercise, and at least two extend one; a bad name is one line; `make exercise` lists the
+exercises."""
 
 import ast
 import inspect
@@ -27,7 +29,7 @@ def pytest_run(*args) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def runs():
     """Each exercise run twice in a pytest of its own: the stubs as committed (stopping at the
-    first failure, as a learner would see it) and the lesson's functions through the swap."""
+    first failure, as a learner would see it) and the reference through the swap."""
     jobs = {(name, mode): args for name in NAMES
             for mode, args in (("stub", ("--exercise", name, "-x")),
                                ("solution", ("--exercise", name, "--exercise-solution")))}
@@ -53,13 +55,29 @@ def hints(name: str) -> dict[str, str]:
     return found
 
 
+def test_every_lesson_has_an_exercise_and_two_extend_one():
+    table = exercises.EXERCISES.values()
+    assert len(NAMES) >= 10
+    assert {e.lesson for e in table} == set(exercises.LESSONS)
+    assert {e.kind for e in table} <= set(exercises.KINDS)
+    assert sum(e.kind == "extend" for e in table) >= 2
+    assert [exercises.LESSONS.index(e.lesson) for e in table] == \
+        sorted(exercises.LESSONS.index(e.lesson) for e in table), "the table follows the course"
+    solutions = {p.stem for p in (ROOT / "exercises" / "solutions").glob("*.py")} - {"__init__"}
+    assert solutions == {e.name for e in table if e.kind == "extend"}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_stubs_have_the_lesson_signatures_a_contract_and_a_hint(name):
     ex = exercises.EXERCISES[name]
-    stubs, refs = ex.stubs(), ex.references()
+    stubs, refs, lessons = ex.stubs(), ex.references(), ex.lesson_functions()
     for target in ex.replaces:
         assert inspect.signature(stubs[target]) == inspect.signature(refs[target]), target
+        assert inspect.signature(refs[target]) == inspect.signature(lessons[target]), target
         assert len(inspect.getdoc(stubs[target])) > 100, f"{target}: the docstring states the contract"
+    if ex.kind == "extend":         # judged by tests of its own, beside the lesson's
+        assert "test_extend.py" in ex.files and len(ex.files) > 1, ex.files
+        assert all(refs[t] is not lessons[t] for t in ex.replaces), "the solution is not the lesson's"
     found = hints(name)
     assert sorted(found) == sorted(t.rsplit(".", 1)[1] for t in ex.replaces)
     for stub, hint in found.items():
@@ -81,7 +99,7 @@ def test_stub_fails_its_tests_showing_the_hint(runs, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_lessons_own_functions_pass_through_the_same_swap(runs, name):
+def test_the_references_pass_through_the_same_swap(runs, name):
     ex = exercises.EXERCISES[name]
     rc, out = runs[name, "solution"]
     assert rc == 0, out[-3000:]
