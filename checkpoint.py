@@ -5,7 +5,7 @@ Checkpoints: from a model name to a Hugging Face directory.
 into the one layout the project reads (safetensors_io.py):
 
 * an alias names a hub repo id or a GGUF that a pip package ships (the bundled default,
-  SmolLM2-135M-Instruct in Q4_1: 5 bits a weight, 98 MB);
+  SmolLM2-135M-Instruct in Q4_1: 5 bits a weight; `python checkpoint.py` prints its size);
 * a directory is used as it is;
 * a .gguf file is converted once (gguf_hf.py) into the user's cache
   (``$XDG_CACHE_HOME/nanoinfer`` or ``~/.cache/nanoinfer``): the first start pays a

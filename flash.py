@@ -6,9 +6,9 @@ s_j = q·k_j/√d. Written plainly, a sequence of N queries builds the N×N matr
 S = QKᵀ/√d, then P = softmax(S), then PV. Every entry of S is used once and
 thrown away, yet it is the biggest object in the computation:
 
-    scores of one head, N = 16384, fp32:   16384² · 4 B = 1 GiB
-    × 8 heads:                                             8 GiB
-    the inputs Q, K, V (8 heads, d 64):   3 · 16384 · 8 · 64 · 4 B = 96 MiB
+    scores of one head, N = 16384, fp32:   16384² · 4 B              = 1 GiB
+    of 8 heads at once:                    8 · 1 GiB                 = 8 GiB
+    the inputs Q, K, V (8 heads, d 64):    3 · 16384 · 8 · 64 · 4 B  = 96 MiB
 
 The softmax is the only thing that needs a whole row of S at once (its max and
 its sum). Both can be kept as running values: walk over the keys tile by tile,
@@ -25,10 +25,11 @@ The cost model:
   version skips them outright, a materialised S pays for them and masks).
 * Memory: one score tile per step instead of S. With tiles of 256 queries ×
   256 keys, the 8-head working set is 8·256·256·4 B = 2 MiB (scores, then
-  probabilities), whatever N is; what grows with N is only the output and one
-  (max, sum) pair per row, O(N·d). Measured at N = 16384 (python bench.py attention):
-  the output's 32 MiB plus a few MiB, against ~3.3 GiB for the naive version
-  run one head at a time (it would be 8× that with all 8 heads at once).
+  probabilities), whatever N is; what grows with N is only the output
+  (16384 · 8 · 64 · 4 B = 32 MiB at N = 16384) and one (max, sum) pair per row,
+  O(N·d). `python bench.py attention` measures the peak memory of both: the
+  tiles' stays near the output's size, the naive version's grows as N² even run
+  one head at a time, and its last column is the ratio of the two.
 * Bandwidth: S never travels to memory and back. On a GPU that is the whole
   point (HBM is the bottleneck); on a CPU the 2 MiB working set stays in L2/L3.
 
@@ -53,7 +54,7 @@ kernel. What it does not fuse: the two matrix products (QKᵀ and PV stay calls
 to the BLAS, MKL on a CPU and cuBLAS on CUDA), so each step writes the score
 tile and reads it back, writes P and reads it back (from cache, at 2 MiB);
 the loop over tiles (a Python call per tile, whose guards and dispatch cost
-~6% of a 256×256×8-head tile's work here); the tile copies and the final
+a small share of a 256×256×8-head tile's work); the tile copies and the final
 acc / sum. PyTorch's own CPU kernel behind F.scaled_dot_product_attention
 does the same arithmetic inside one parallel loop over (head, query block),
 each thread with small buffers in its own cache: no Python per tile, and one
@@ -61,15 +62,12 @@ fork/join per call instead of four per tile. That is the gap that remains,
 and it widens sharply when other processes share the cores: every fork/join
 waits for its slowest thread.
 
-Tile sizes, measured here (2-core AVX-512 CPU, N = 16384, 8 heads, causal,
-fp32, compiled; time ÷ SDPA's in the same process, quiet machine):
-
-    d 64:   128×256 1.43   256×256 1.27   256×512 1.38   512×512 1.38
-            128×1024 1.52  256×1024 1.60               (eager 256×512: 2.00)
-    d 128:  256×256 1.36   512×256 1.36   256×512 1.47
-
-Smaller tiles pay the per-call overhead more often, larger ones fall out of
-L2; 256×256 it is. The decode chunk (256 keys) is the same size.
+Tile sizes: of the shapes tried (128 to 512 query rows by 256 to 1024 keys,
+d 64 and 128, compiled, each timed against SDPA in the same process), 256×256
+was the fastest or tied with it. Smaller tiles pay the per-call overhead more
+often, larger ones fall out of L2. To try another shape, pass tile_q and
+tile_k to `attention` and time it against SDPA as `python flash.py` does. The
+decode chunk (256 keys) is the same size.
 
 `python flash.py` shows the idea with numbers; `python bench.py attention`
 measures time and peak memory of naive, tiled (eager and compiled) and SDPA
@@ -420,10 +418,10 @@ ATTENTION = {"sdpa": attend_sdpa, "flash": attend_flash, "naive": attend_naive}
 HEADS = 8
 
 
-def demo():
+def demo(rounds: int = 5):
     import random
-    import time
     import torch.nn.functional as F
+    import results
     rnd = random.Random(0)
     q = [rnd.gauss(0, 1) for _ in range(16)]
     K = [[rnd.gauss(0, 1) for _ in range(16)] for _ in range(1000)]
@@ -435,12 +433,14 @@ def demo():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, n, d, generator=g) for _ in range(3))
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        # the first call of each is the warm-up (thread pools, allocation), then rounds in turns
         out, lse = attention(q, k, v)
-        t_tiled = time.perf_counter() - t0
-        t0 = time.perf_counter()
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        t_sdpa = time.perf_counter() - t0
+        seconds = results.alternate(
+            {"tiled": lambda: attention(q, k, v),
+             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)},
+            rounds, warmup=0)
+    ratios = [a / b for a, b in zip(seconds["tiled"], seconds["sdpa"])]
     steps = sum(len(visits)
                 for _, visits in _tile_plan(n, n, TILE_Q, TILE_K, True, 0, 0, None, None))
     full = (n // TILE_Q) * (n // TILE_K)
@@ -450,9 +450,12 @@ def demo():
           f"{HEADS} · {TILE_Q} · {TILE_K} · 4 B = "
           f"{HEADS * TILE_Q * TILE_K * 4 / 2**20:.0f} MiB; "
           f"{steps} of {full} tiles visited (the rest lie above the diagonal)")
-    print(f"  max |tiled - SDPA| = {(out - ref).abs().max():.1e}; "
-          f"eager tiled {t_tiled * 1e3:.0f} ms, "
-          f"SDPA {t_sdpa * 1e3:.0f} ms (python bench.py attention: compiled, and memory measured)")
+    print(f"  max |tiled - SDPA| = {(out - ref).abs().max():.1e}")
+    print(f"  time, median (min–max) of {rounds} rounds taken in turns after a warm-up: "
+          f"eager tiled {results.spread(seconds['tiled'], 1e3, 0)} ms,\n"
+          f"    SDPA {results.spread(seconds['sdpa'], 1e3, 0)} ms, "
+          f"tiled ÷ SDPA {results.spread(ratios, digits=2)} "
+          f"(python bench.py attention: compiled too, and memory)")
     with torch.inference_mode():
         one = q[:, :, -1:]
         split, _ = decode(one, k, v, chunk=CHUNK)

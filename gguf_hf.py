@@ -14,13 +14,14 @@ a cache folder the caller names, so the rest of the project knows a single layou
 start finds the directory by the file's fingerprint and reads nothing of the GGUF.
 The matrices keep the file's bits: each block is re-laid, not re-rounded, into the layout a
 kernel reads (int4 or int8 groups with a scale and a minimum, 16-bit, fp32: the table below),
-and config.json names each layer's. Expanded to fp32 they would take 4 bytes a weight (538 MB
-for SmolLM2-135M, against the file's 98 MB); kept, a model reads the file's bytes per token, and
-a plain model (model.py) still gets the exact fp32 values, widened as it loads
-(safetensors_io.widen_layers). Vectors and the embedding table are stored in fp32. The converted
-file is laid out for a fast start: each group the model multiplies as one (q/k/v, gate/up)
-is stored stacked, so a load stacks nothing, and the conversion checks once that every
-weight is finite and records the largest |w|, so a load need not read all of them again.
+and config.json names each layer's. Expanded to fp32 they would take 4 bytes a weight
+(134.5M · 4 B ≈ 538 MB for SmolLM2-135M, against the file's 5 bits a weight in Q4_1); kept, a
+model reads the file's bytes per token, and a plain model (model.py) still gets the exact fp32
+values, widened as it loads (safetensors_io.widen_layers). Vectors and the embedding table are
+stored in fp32. The converted file is laid out for a fast start: each group the model
+multiplies as one (q/k/v, gate/up) is stored stacked, so a load stacks nothing, and the
+conversion checks once that every weight is finite and records the largest |w|, so a load need
+not read all of them again.
 
 export_gguf is the way back: an HF directory written as a GGUF file, so llama.cpp can run
 the very same weights we do.

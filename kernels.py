@@ -15,8 +15,9 @@ flops per weight read, so a step takes
 
     time ≈ bytes of weights / memory bandwidth  +  calls × fixed cost per call
 
-A 135M-parameter model in bf16 is 270 MB: at 20 GB/s that is 13.5 ms a token
-before any overhead. The first term wants kernels that stream W at full
+A 135M-parameter model in bf16 is 135M · 2 B = 270 MB: read at 20 GB/s, that is
+270 MB / 20 GB/s = 13.5 ms a token before any overhead (`python bench.py context`
+prints the GB/s a step implies here). The first term wants kernels that stream W at full
 bandwidth; the second wants few calls, because a small model's matrices are
 so small that a kernel's fixed cost (dispatch, thread fork/join, a weight
 reorder) is comparable to its work. Each choice below names which term it
@@ -90,8 +91,9 @@ def check_triton(device: torch.device):
 # combines them: the partials are S·B·H·T·d floats (a few KB for a decode step), so a merge kernel
 # would save one tiny launch and add a second kernel to read.
 #
-# What changes on a GPU. HBM (3-5 TB/s on a data-centre GPU, ~1 TB/s on a consumer one) holds Q, K,
-# V; each SM has ~100-228 KB of SRAM (shared memory and registers) at ~10× that. A program reads its
+# What changes on a GPU. HBM (by the vendors' specs, 3-5 TB/s on a data-centre GPU, ~1 TB/s on a
+# consumer one) holds Q, K, V; each SM has a few hundred KiB of SRAM (shared memory and registers),
+# an order of magnitude faster. A program reads its
 # Q tile once and each K/V tile once, so for causal prefill HBM traffic is ~N²·d/BLOCK_M elements of
 # K/V instead of the N² scores a materialised S writes and reads back. The tile sizes trade: a
 # larger BLOCK_M reads K/V fewer times but needs more registers (fewer programs resident per SM to
@@ -274,16 +276,17 @@ def best_seconds(fn, device: torch.device, reps: int = 5) -> float:
 
 
 def read_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
-    """Bytes per second BLAS's fp32 matrix-vector product streams (a sum: 0.7 of it on a Xeon), as a
-    decode step reads its weights once: its ceiling in tok/s is this over bytes per token."""
+    """Bytes per second BLAS's fp32 matrix-vector product streams (a plain sum streamed less on a
+    Xeon), as a decode step reads its weights once: its ceiling in tok/s is this over bytes per
+    token."""
     w, v = torch.ones(nbytes // 16384, 4096, device=device), torch.ones(4096, device=device)
     return nbytes / best_seconds(lambda: torch.mv(w, v), device)
 
 
 def busy_machine_hint() -> str | None:
     """A hint, or None: on a machine whose other processes keep every core busy, OpenMP threads wait
-    for each other whenever one is descheduled (a decode step took 4-37x longer with two threads
-    than with one)."""
+    for each other whenever one is descheduled (a decode step can take many times longer with two
+    threads than with one)."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if torch.get_num_threads() > 1 and load > cores:
         return (f"note: this machine is busy (load {load:.1f} on {cores} cores); "
@@ -296,11 +299,11 @@ def busy_machine_hint() -> str | None:
 # The linear layer: x·Wᵀ on the fastest kernel for the case at hand.
 #
 # Eager fp32 on a CPU: F.linear calls MKL's sgemm; oneDNN's kernel (the one torch uses for bf16, and
-# inductor for its fused linears) took 0.7x its time for a one-token SmolLM2 step on an AMD EPYC,
-# and grew 1.3x for 2 or 3 tokens where MKL's grew 1.75-2.2x. It has no gradient, so only inference
-# uses it. `python kernels.py` measures both on this machine.
+# inductor for its fused linears) was the faster for a one-token SmolLM2 step on an AMD EPYC, and
+# its time grew less than MKL's for 2 or 3 tokens. It has no gradient, so only inference uses it.
+# `python kernels.py` measures both on this machine (its last column: F.linear's time over it).
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# oneDNN's call has a fixed cost before any work, so below 512×512 F.linear is faster (64×32: 8x).
+# oneDNN's call has a fixed cost before any work, so below 512×512 F.linear is faster.
 ONEDNN_MIN = 512 * 512
 
 
@@ -309,7 +312,7 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     brings its own forward).
 
     * Inside a compiled one-token step on a CPU: bf16 weights on kernels.cpp's
-      bf16_mm (Zen 4: inductor's speed, 1.2x on SmolLM2's rows; Xeon: 1.4-1.8x aten's),
+      bf16_mm (on Zen 4 as fast as inductor's loop or faster; on a Xeon faster than aten's),
       others as `matvec_sum`, which inductor fuses into one loop over W.
     * Eager CPU inference: oneDNN, on the weight's prepacked copy when it has one.
     * Everywhere else (training, GPUs): F.linear, the right kernel there."""
@@ -383,12 +386,12 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
     """x (..., K) · w (N, K)ᵀ as multiply-and-sum, times ``scale`` (N,) if given: the one-token
     product inside a compiled step (`linear` for float weights, quantize.Int8Linear for int8 rows
     and their scales). Inductor fuses it into one vectorized loop that widens each weight to fp32 as
-    it reads it and accumulates in fp32: 1.3x the bandwidth of oneDNN's kernel behind F.linear (8
+    it reads it and accumulates in fp32: more bandwidth than oneDNN's kernel behind F.linear (8
     matrices 5632×2048, bf16, same run). Inductor sums a float reduction longer than 4,096 terms
-    through a cascade helper that is 2x slower here (2048 x 4112 read at 0.47x the bandwidth of
+    through a cascade helper that is much slower (2048 x 4112 read at about half the bandwidth of
     2048 x 4096). So a longer row (TinyLlama's down projection has 5,632) is read as two rows of
     K/2, each against its half of x, and each pair of partial sums is added: that matrix then takes
-    0.64x the time."""
+    well under its whole-row time."""
     n, k = w.shape
     if k <= 4096 or k % 2:
         out = (x.float().unsqueeze(-2) * w.float()).sum(-1)
@@ -405,13 +408,14 @@ def matvec_sum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 # ----------------------------------------------------------------------------
 # int4, int8 and bf16 weights, one token's attention: C++ kernels (kernels.cpp), built on first use.
 #
-# aten's CPU kernels for int4 and int8 weights are compute-bound (1.16 and 0.55 ns/weight at one row
-# on a 2-core EPYC, where oneDNN streams fp32 at 0.19); ours stream int8 and bf16 near the memory's
-# speed and int4 at ~4.5 cycles per 32 weights (kernels.cpp's header says how, `python kernels.py`
-# measures). Each output is summed in one fixed order whatever the rows and the instruction set, so
-# a pass verifying k+1 positions gives each the bits a one-token step gives it: speculation stays
-# exact. Built with torch.utils.cpp_extension (a C++ compiler and ninja; ~10 s once, cached under
-# ~/.cache/torch_extensions). Without them: aten's kernels and attend's own path, slower, same math.
+# aten's CPU kernels for int4 and int8 weights are compute-bound (slower per weight at one row than
+# oneDNN's fp32 product, which reads four times the bytes of int8); ours stream int8 and bf16 near
+# the memory's speed and int4 at ~4.5 cycles per 32 weights (kernels.cpp's header says how;
+# `python kernels.py` prints each kernel's ns per weight). Each output is summed in one fixed order
+# whatever the rows and the instruction set, so a pass verifying k+1 positions gives each the bits
+# a one-token step gives it: speculation stays exact. Built with torch.utils.cpp_extension (a C++
+# compiler and ninja; seconds, once, cached under ~/.cache/torch_extensions). Without them: aten's
+# kernels and attend's own path, slower, same math.
 
 NATIVE_SOURCE = Path(__file__).with_name("kernels.cpp")     # the C++ source, read when built
 
@@ -423,7 +427,7 @@ VECTOR_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
 
 @functools.cache
 def native_kernels(quiet: bool = False) -> bool:
-    """Build (first use, ~10 s) or load the kernels above; False where they cannot be built: not
+    """Build (first use: seconds) or load the kernels above; False where they cannot be built: not
     x86, no compiler or ninja, or NANOINFER_NATIVE=0 (how the tests run the aten fallback)."""
     if hasattr(torch.ops.nanoinfer, "int4_mm"):
         return True
@@ -453,7 +457,7 @@ def native_kernels(quiet: bool = False) -> bool:
 def build_kernels(library: str, vector: list[str], quiet: bool = False) -> bool:
     """Build kernels.cpp with an instruction set's flags (``vector``: VECTOR_FLAGS', [] for none)
     and load its ops as torch.ops.<library>; False where it cannot be built. Built once per source
-    and flags (~10 s), then loaded. The tests build it again as other libraries (AVX2, no SIMD) in
+    and flags (seconds), then loaded. The tests build it again as other libraries (AVX2, no SIMD) in
     the same process and compare their bits with nanoinfer's."""
     if hasattr(getattr(torch.ops, library), "int4_mm"):
         return True
@@ -467,13 +471,13 @@ def build_kernels(library: str, vector: list[str], quiet: bool = False) -> bool:
     folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache) / f"{library}_native_{key}"
     so = folder / f"{library}_native.so"
     if not so.exists() and not quiet:
-        print("building the C++ CPU kernels (once, ~10 s)", file=sys.stderr, flush=True)
+        print("building the C++ CPU kernels (once, seconds)", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if so.exists():
-                # built before from this source and flags: no ninja check (0.16 s a start)
+                # built before from this source and flags: no ninja check (a subprocess a start)
                 torch.ops.load_library(str(so))
             else:
                 from torch.utils import cpp_extension
@@ -539,7 +543,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """One token's attention (kernels.cpp): q (B, H, 1, d), k, v (B, H_kv, L, d) all fp32 or all
     bf16 (summed in fp32) on a CPU, mask None or bool (B or 1, 1, 1, L); None where it does not
     apply or the kernels are not built. model.attend's own decode path (two batched products, a
-    softmax) runs aten's small-M GEMMs: 3 query rows a KV head read K and V at ~8 GB/s. This reads
+    softmax) runs aten's small-M GEMMs: 3 query rows a KV head read K and V far below the memory's
+    bandwidth. This reads
     each K/V row once for its query heads, 64 keys at a time (flash.decode's split, in fixed
     order)."""
     if not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype
@@ -559,16 +564,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # Stored layers on the C++ kernels. quantize.py's layers run aten's kernels (int8 in rows, int4) or
 # dequantize for one matmul (int8 in groups, 16-bit weights); these subclasses hold the same tensors
 # and run the loops above where they apply: fp32 activations on a CPU, rows a multiple of 32 long.
-# From DRAM on 2 cores int8_mm streams at the memory's speed (0.045 ns/weight) and int4_mm at 0.048,
-# against 0.55 and 1.16 for aten's kernels and 0.19 for fp32. int8g_mm and half_mm stream as
-# int8_mm does: on an Intel Xeon with AVX-512 and AMX (2 threads, one row, TinyLlama's 5632×2048
-# from DRAM) 29-30 GB/s each, int8_mm 27, aten's fp32 product 34. Each sums every row in the same order
+# From DRAM int8_mm and int4_mm stream at the memory's speed: several times faster per weight than
+# aten's kernels, and faster than fp32's product, which reads four to five times the bytes
+# (`python kernels.py` prints ns per weight and GB/s for each). int8g_mm and half_mm stream as
+# int8_mm does, near aten's fp32 product's bandwidth (an Intel Xeon with AVX-512 and AMX, 2
+# threads, one row, TinyLlama's 5632×2048 from DRAM). Each sums every row in the same order
 # however many positions a pass holds, so speculative decoding stays exact.
 #
 # A prefill is compute-bound: its rows go to BLAS on fp32 weights, prepack's fp32 copy for int8 rows
-# and int4 (4-5x their bytes, held), else wide_mm's tiles (no copy). On that Xeon, 128 and 512 rows
-# through a 2048×5632 matrix: the tiles took 1.1-1.3x the copy's time, and 0.2-0.85x that of
-# widening the whole matrix at each call (the fallback before them).
+# and int4 (4 bytes a weight against their 1 and 0.75, held), else wide_mm's tiles (no copy). On
+# that Xeon, 128 and 512 rows through a 2048×5632 matrix: the tiles took a little longer than the
+# copy, and less than widening the whole matrix at each call (the fallback before them).
 
 def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bool:
     """Whether a stored layer runs the C++ kernels: fp32 activations on a CPU, rows a multiple of 32
@@ -592,8 +598,8 @@ def kernel_scales(layer: nn.Module):
 
 def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A many-row pass of a stored layer, bias aside: compute-bound, so oneDNN's matrix-matrix
-    kernel on prepack's fp32 copy of the dequantized weights where the model keeps one (a 39-token
-    prefill of SmolLM2 in 105 ms, as fp32's, against 290 ms widening every matrix at every call),
+    kernel on prepack's fp32 copy of the dequantized weights where the model keeps one (a prefill
+    as fast as fp32's, several times faster than widening every matrix at every call),
     else wide_mm's tiles (a layer on the C++ kernels), else the weights widened for this call."""
     packed = packed_weight(layer)
     if packed is not None and not torch.is_grad_enabled():
@@ -732,14 +738,15 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
 # Prepacked weights: the layout oneDNN wants, made once.
 
 def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
-    """Lay out a CPU model's weights once: every weight a decode step streams moves to 2 MB pages
+    """Lay out a CPU model's weights once: every weight a decode step streams moves to 2-MiB pages
     (huge_pages, below), and with ``copies`` every big Linear also gets a copy in oneDNN's blocked
     layout for `linear`'s eager inference. Handed a row-major W, oneDNN reorders it on every call
-    over more than one position: a 3072×576 fp32 product over 4 rows took 3.1x one row's time, and
-    1.3x on a weight reordered once (`python kernels.py`). With the copy, checking 4 speculated
-    guesses costs about one step; the values are bitwise equal. The price is a second copy (+540 MB
-    for SmolLM2 in fp32): the compiled step, quantization and checkpoints read the plain one. A
-    layer keeps its copy only while its weight is the same tensor (tying swaps it: prepack again);
+    over more than one position: a product over 4 rows takes several times one row's time, and
+    little more on a weight reordered once (`python kernels.py` times 1, 4 and 11 rows both ways).
+    With the copy, checking 4 speculated guesses costs about one step; the values are bitwise
+    equal. The price is a second copy (+135M · 4 B ≈ 540 MB for SmolLM2 in fp32): the compiled
+    step, quantization and checkpoints read the plain one. A layer keeps its copy only while its
+    weight is the same tensor (tying swaps it: prepack again);
     in-place changes (an optimizer step) are not noticed, so train with F.linear (grad enabled) or
     not prepacked."""
     bf16_ok, streamed = ONEDNN and bf16_supported(torch.device("cpu")), []
@@ -771,11 +778,12 @@ HUGE_PAGE = 2 << 20
 
 
 def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Move CPU tensors (in place: every reference sees the move) into one buffer of 2 MB pages,
+    """Move CPU tensors (in place: every reference sees the move) into one buffer of 2-MiB pages,
     where Linux's transparent huge pages allow it on request. A decode step streams every weight
-    once, from 4 KB pages: SmolLM2's 108 MB of int4 matrices are 26,000 pages, a TLB miss each and a
-    stop for the hardware prefetcher at each page's end; in 2 MB pages, 54. Alternating processes
-    (Zen 4): SmolLM2's int4 step +8% median tok/s, TinyLlama's bf16 step 19 against 12. Returns the
+    once, from 4-KiB pages: SmolLM2's int4 weights (106M · 0.75 B + its int8 head's 28M · 1 B ≈
+    108 MB) fill 26,000 of them, a TLB miss each and a stop for the hardware prefetcher at each
+    page's end; 2-MiB pages, 54. Timed in alternating processes on a Zen 4, they raised the median
+    tok/s of SmolLM2's int4 step a little and of TinyLlama's bf16 step by half. Returns the
     tensors moved. A tensor copied out of a memory-mapped file (a checkpoint) gives its pages back
     as it moves (file_pages_out), so the weights are resident once, not twice."""
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -783,7 +791,7 @@ def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if not tensors or not hasattr(mmap, "MADV_HUGEPAGE") or not thp.exists() \
             or "[never]" in thp.read_text():
         return []
-    # each 4 KB aligned
+    # each aligned to 4,096 bytes
     sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]
     arena = mmap.mmap(-1, sum(sizes) + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # before the first write: pages become huge as they fault in
@@ -943,16 +951,17 @@ def compile_step(step, device: torch.device = torch.device("cpu"), folder: Path 
     compiles once, for the device its weights are on.
 
     On CUDA: mode="reduce-overhead": the step's kernels are recorded once as a CUDA graph and
-    replayed with one launch per token (a small model's few hundred launches, ~5 µs each from
-    Python, rival their work); the cache's tensors are marked static (static_address) so writing
-    into them does not stop the replay. cuBLAS does the matrix-vector products there.
+    replayed with one launch per token (a small model's few hundred launches, microseconds each
+    from Python, rival their work); the cache's tensors are marked static (static_address) so
+    writing into them does not stop the replay. cuBLAS does the matrix-vector products there.
 
     On a CPU inductor emits C++ loops that fuse the elementwise work between matmuls (RMSNorm, RoPE,
-    SiLU·up, residual adds), called from C++ (cpp_wrapper: ~20% of a SmolLM2 bf16 step).
+    SiLU·up, residual adds), called from C++ (cpp_wrapper: called from Python, they were a fifth
+    of a SmolLM2 bf16 step).
     realize_opcount_threshold 0 stores every reused elementwise result (a few KB per token):
     otherwise inductor inlines RMSNorm into the next matrix-vector loop and redoes it for every
-    weight row (2.8x slower on that matrix). Not `freezing` (it would fold W.float() into an fp32
-    copy of every weight), not max_autotune (no faster).
+    weight row (several times slower on that matrix). Not `freezing` (it would fold W.float() into
+    an fp32 copy of every weight), not max_autotune (no faster).
 
     Given a ``folder``, a CPU step is compiled ahead of time instead, with the same settings
     (AheadOfTime below): built once, loaded by every later start (``build=False``: loaded if built,
@@ -1008,9 +1017,9 @@ class AheadOfTime:
 
     The weights are not in the package (package_constants_in_so off): the library reads the model's
     own tensors (user_managed: no copy), so the file is a few MB of code, not a second copy of the
-    weights (540 MB for SmolLM2 in fp32), and one package serves every checkpoint of the same
-    shapes. The library keeps the pointers it was handed at a variant's first call: if a weight is
-    swapped for another tensor later (tying, quantizing), compile again.
+    weights (135M · 4 B ≈ 540 MB for SmolLM2 in fp32), and one package serves every checkpoint of
+    the same shapes. The library keeps the pointers it was handed at a variant's first call: if a
+    weight is swapped for another tensor later (tying, quantizing), compile again.
 
     The cache's K/V are inputs the step writes in place, the current ones at each call (a fork
     replaces them). The file's name is a digest of everything the compiled code depends on, so a
@@ -1102,8 +1111,8 @@ class AheadOfTime:
         runner.load_constants(self.handed[-1], check_full_update=True, user_managed=True)
         self.log.append(f"compiled step loaded from cache in {time.perf_counter() - t0:.2f} s")
         # The inputs in the order export flattened them, without the package's own Python call: that
-        # one parses its call spec and walks the 60 K/V tensors as a tree at every step
-        # (~0.2 ms of ~8).
+        # one parses its call spec and walks the 60 K/V tensors as a tree at every step (a few
+        # percent of a SmolLM2 step).
         out = torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1])
         return lambda *inputs: torch.utils._pytree.tree_unflatten(
             runner.loader.boxed_run([t for t in inputs if t is not None]), out)
@@ -1238,20 +1247,19 @@ if __name__ == "__main__":
     print(f"device {dev}, {torch.get_num_threads()} threads; oneDNN: {ONEDNN}; computes bf16: "
           f"{bf16_supported(dev)}")
     layer, packed = nn.Linear(2048, 5632, bias=False), prepack(nn.Linear(2048, 5632, bias=False))
-    rows = []
+    rows, rounds = [], 20
     with torch.inference_mode():
         for n in (1, 4, 11):          # one decode step; the passes speculative decoding verifies
             x = torch.randn(n, 2048)
-            times = []
-            for fn in (lambda: F.linear(x, layer.weight), lambda: linear(x, layer),
-                       lambda: linear(x, packed)):
-                fn()
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    fn()
-                times.append((time.perf_counter() - t0) / 20 * 1e3)
-            rows.append([n] + [f"{t:.3f}" for t in times] + [f"{times[0] / times[2]:.2f}×"])
-    table = results.Table("x·Wᵀ, W 5632×2048 fp32, ms per call (20 calls)",
+            # the three take turns, call by call: a burst of load slows each alike
+            seconds = results.alternate({"F.linear": lambda: F.linear(x, layer.weight),
+                                         "linear": lambda: linear(x, layer),
+                                         "prepacked": lambda: linear(x, packed)}, rounds)
+            ratios = [a / b for a, b in zip(seconds["F.linear"], seconds["prepacked"])]
+            rows.append([n] + [results.spread(t, 1e3, 2) for t in seconds.values()]
+                        + [results.spread(ratios, digits=2, unit="×")])
+    table = results.Table(f"x·Wᵀ, W 5632×2048 fp32, ms per call: median (min–max) of {rounds} "
+                          f"calls each, taken in turns after a warm-up",
                           ["rows of x", "F.linear", "kernels.linear", "kernels.linear, prepacked",
                            "F.linear / prepacked"], rows)
     print(table.markdown())

@@ -19,10 +19,11 @@ read. So
     bytes/token  = weight bytes + ctx · n_layers · 2 · n_kv_heads · d_head · kv_dtype_size
     tok/s        ≤ bandwidth / bytes per token
 
-(SmolLM2-135M in fp32: 540 MB of weights read per token, and 30·2·3·64·4 B =
-46 KB of KV per token of context, 94 MB at 2,048 tokens.) Everything the plan
-chooses attacks one of the two terms, or the fixed cost per kernel call that
-the formula leaves out, which on a small model is as large as the reading:
+(SmolLM2-135M in fp32: 135M · 4 B ≈ 540 MB of weights read per token, and
+30·2·3·64·4 B = 46 KB of KV per token of context, 2,048 · 46 KB ≈ 94 MB at 2,048
+tokens.) Everything the plan chooses attacks one of the two terms, or the fixed
+cost per kernel call that the formula leaves out, which on a small model is as
+large as the reading:
 
 * fewer bytes per weight: bf16 halves fp32, int8 quarters it, int4 eighths it —
   but only if this machine's kernel for that dtype streams as fast as its fp32
@@ -35,7 +36,7 @@ the formula leaves out, which on a small model is as large as the reading:
   kernels into a few (kernels.compile_step), at a one-time compile cost.
 * more tokens per read: speculative decoding verifies k guesses in one pass
   that reads the weights once; with an exact verifier it changes no token.
-* memory: weights + the KV at the requested context must fit, with ~20%
+* memory: weights + the KV at the requested context must fit, with 20%
   headroom for activations, the tokenizer and the rest of the machine; when
   they do not, quantize the KV (half the bytes) before the weights.
 """
@@ -58,7 +59,8 @@ QUANTIZED = ("int8", "int4", "gguf")
 # a narrower dtype must beat fp32 by 10%: the calibration's own noise on a shared machine
 MARGIN = 0.9
 # a GGUF's own bits are widened to fp32 only where their kernel takes over this many times fp32's
-# time per weight: they are exact either way, and hold and read 2-8x fewer bytes
+# time per weight: they are exact either way, and hold and read a half (16-bit) to a sixth (Q4_1's
+# 5 bits a weight) of fp32's bytes
 WIDEN = 2.0
 
 
@@ -267,7 +269,8 @@ class Plan:
     spec_k: int = 4
     # auto (the checkpoint's) / float (a GGUF's, widened) / int8 / int4
     weights: str = "auto"
-    stored: str | None = None        # "gguf": the checkpoint holds a GGUF's own bits, which auto keeps
+    # "gguf": the checkpoint holds a GGUF's own bits, which auto keeps
+    stored: str | None = None
     # the LM head's scheme under int4 (ModelInfo.head): None int8, "float" kept
     head: str | None = None
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
@@ -342,13 +345,13 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
                       else "; no fp32 copy for prefills (it would not fit)"))
     elif info.source == "gguf" and machine.device != "cpu":
         p.weights, scheme, p.stored = "float", "float", "gguf"
-        why.append(f"weights {fdt}: the GGUF's own bits ({describe_layouts(info)}) run on the CPU's "
-                   f"kernels; here they are widened to {fdt} once at load for the tensor cores "
-                   f"(--dtype fp32: the file's exact values)")
+        why.append(f"weights {fdt}: the GGUF's own bits ({describe_layouts(info)}) run on the "
+                   f"CPU's kernels; here they are widened to {fdt} once at load for the tensor "
+                   f"cores (--dtype fp32: the file's exact values)")
     elif info.source == "gguf":
         kind, layouts = info.main_kind, describe_layouts(info)
-        # The file's bits are the default: exact, and 2-8x fewer bytes to hold and read than
-        # fp32. Widened only where their kernels cannot be built (no compiler: each call would
+        # The file's bits are the default: exact, and a half to a sixth of fp32's bytes to hold
+        # and read. Widened only where their kernels cannot be built (no compiler: each call would
         # dequantize) or calibrate at less than half fp32's speed per weight.
         fast = machine.compiler is not None and (
             kind == "half" or ns.get(kind, 0) < WIDEN * ns.get(fdt, 1e9))
@@ -362,8 +365,8 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
             p.dtype = fdt = "float32"
             packed = info.token_bytes("float", fdt) if machine.device == "cpu" else 0
         if fast or held("float") > room:
-            # no fp32 copies for prefills either (4-8x the file): kernels.wide_mm widens a tile
-            # of rows at a time into BLAS's product, ~1.2x the copy's time on a prefill
+            # no fp32 copies for prefills either (2 to 6 times the file's bytes): kernels.wide_mm
+            # widens a tile of rows at a time into BLAS's product, a little slower than the copy
             scheme, p.prepack, packed = "gguf", False, 0
             why.append(f"weights as the GGUF holds them ({layouts}): the file's own bits, exact "
                        f"(gguf_hf.Packed), held at about the file's size (prefills widen a tile of "

@@ -16,6 +16,13 @@ run survive a change of machine, absolute speeds do not.
     save(name, lesson, tables, plots)    ->  results/<name>.json
     plot_path("x.png"), pyplot()         ->  plots/x.png, drawn if matplotlib is installed
     render(load())                       ->  RESULTS.md
+    alternate({"a": f, "b": g}, rounds)  ->  seconds per call, the sides timed in turns
+    spread(times)                        ->  "median (min–max)", formatted
+
+A demo on a learner's busy laptop measures the laptop's load as much as the code: one cold
+call of each side says little. So a demo leads with the counts that do not drift (tokens
+per forward, bytes, positions), warms every side up, times the sides in turns, round after
+round (a burst of load then slows each side alike), and prints the median with its spread.
 
 Tests set NANOINFER_RESULTS to a scratch directory, so running the suite never
 rewrites the committed results or plots.
@@ -28,8 +35,11 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +82,36 @@ def cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}" if abs(v) < 10_000 else f"{v:.0f}"
     return str(v)
+
+
+# ----------------------------------------------------------------------------
+# Timing that tells the truth on a busy machine.
+
+def alternate(calls: dict[str, Callable[[], object]], rounds: int = 5,
+              warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each of ``calls``: ``warmup`` untimed calls of each first (a first call
+    pays one-off costs: allocation, thread pools, compilation), then ``rounds`` rounds that call
+    each once, in turn, so whatever else the machine does lands on every side alike."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - t0)
+    return seconds
+
+
+def spread(values: list[float], scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
+    """The median of repeated measurements and their range, each times ``scale``: spread([0.0123,
+    0.0119, 0.0140], 1e3) is "12.3 (11.9–14.0)". A range much wider than the median says the
+    machine was busy: rerun, or compare medians only."""
+    lo, mid, hi = (v * scale for v in (min(values), statistics.median(values), max(values)))
+    return f"{mid:.{digits}f}{unit} ({lo:.{digits}f}–{hi:.{digits}f}{unit})"
 
 
 # ----------------------------------------------------------------------------

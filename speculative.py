@@ -5,11 +5,11 @@ Why checking k guesses costs about one decode step. Batch-1 decoding is
 memory-bound (model.py): a step reads every weight once to compute one
 position. A forward pass over k+1 positions reads the same weights once and
 does k+1 times the arithmetic, which on a CPU stays cheap up to a handful of
-positions (SmolLM2-135M in fp32 reads 540 MB per pass whether it computes 1
-position or 5; with prepacked weights, kernels.prepack, an eager 4-position
-pass costs about one plain step). So if someone proposes tokens d1..dk, the
-target runs one forward over [last token, d1, ..., dk] and gets its own
-next-token distribution after each prefix, for the price of one step. The
+positions (SmolLM2-135M in fp32 reads 135M · 4 B ≈ 540 MB per pass whether it
+computes 1 position or 5; with prepacked weights, kernels.prepack, an eager
+4-position pass costs about one plain step). So if someone proposes tokens
+d1..dk, the target runs one forward over [last token, d1, ..., dk] and gets its
+own next-token distribution after each prefix, for the price of one step. The
 exception is a compiled one-token step (--compile): a fused matrix-vector loop
 that a several-position pass cannot use, so against it a proposer must land
 about 2 tokens per forward to break even.

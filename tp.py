@@ -50,11 +50,12 @@ Cost model, per rank, for N ranks and batch-1 decode (bytes b per value):
              (fp32: SmolLM2 60 all-reduces of 2,304 bytes, TinyLlama 44 of 8,192)
 An all-reduce of a few KB costs its latency, not its bandwidth: a ring over N
 ranks takes 2(N−1) hops. Splitting a layer saves (1 − 1/N) × its streaming time,
-so TP pays while that exceeds two all-reduces: a TinyLlama layer is 88 MB in
-bf16, a SmolLM2 layer 14 MB in fp32, and the lower the per-layer compute (faster
-memory, smaller layers, more ranks) the sooner latency wins. That is why TP stays
-inside one machine's fast links (NVLink) and serving engines cross machines with
-pipeline parallelism (whole layers per machine). `python bench.py tp` measures
+so TP pays while that exceeds two all-reduces: a TinyLlama layer is 44M × 2 B =
+88 MB in bf16, a SmolLM2 layer 3.5M × 4 B = 14 MB in fp32, and the lower the
+per-layer compute (faster memory, smaller layers, more ranks) the sooner latency
+wins. That is why TP stays inside one machine's fast links (NVLink) and serving
+engines cross machines with pipeline parallelism (whole layers per machine).
+`python bench.py tp` measures
 both sides on this machine: the step with 1 and 2 ranks, the time inside the
 all-reduces, and one all-reduce alone.
 

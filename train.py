@@ -2,7 +2,7 @@
 train.py — train an EAGLE draft head (or Medusa heads) for the bundled SmolLM2-135M, for
 speculative decoding.
 
-    python train.py                                  # the full run: ~45 min on 2 CPU cores
+    python train.py                                  # the full run: most of an hour on 2 cores
     python train.py --max-minutes 1.5 --prompts 16 --new-tokens 32 --out /tmp/draft   # a smoke run
     # Medusa heads:
     python train.py --medusa 4 --max-minutes 29 --new-tokens 224 --chunk 32 --batch 4
@@ -16,7 +16,7 @@ position j is the next token together with the target's own feature there
 feature; the target's LM head, restricted to the 8,192 tokens the target is
 likeliest to write (model.Llama.head_ids: 99% of its greedy choices), turns
 that into a token. It shares the target's embedding and LM head, so it owns
-4.2M numbers (8.5 MB in bf16), and a drafted token costs one block where the
+4.2M numbers (4.2M · 2 B ≈ 8.4 MB in bf16), and a drafted token costs one block where the
 target runs 30.
 
 Three phases, nanoGPT style, everything in this file:
@@ -24,10 +24,10 @@ Three phases, nanoGPT style, everything in this file:
 1. Data: the target answers ~500 varied prompts (PROMPTS below, chat
    template), greedily once and then sampled at temperature 0.7 in further
    rounds so the answers differ — the head learns the text the target actually
-   writes. The engine batches 128 conversations in bf16 (~20x the tokens per
-   second of one conversation at a time in fp32).
+   writes. The engine batches 128 conversations in bf16 (many times the tokens
+   per second of one conversation at a time in fp32).
 2. Features: one batched bf16 forward over every conversation keeps the
-   target's feature at every position (~0.4 GB).
+   target's feature at every position (~340k positions × 576 × 2 B ≈ 0.4 GB).
 3. Training: at every answer position the head reads (x_j+1, f_j) and must
    predict f_j+1 (smooth L1) and the target's next-token distribution, the
    softmax of f_j+1 through the LM head rows (cross-entropy, i.e. KL up to a
@@ -45,16 +45,15 @@ them: head k reads the target's feature f_j alone and learns the target's
 distribution over x_j+k+1 (medusa_loss). Their blocks start at zero, so each
 head starts as the target's own next-token head. config.json holds
 "medusa_heads": K; `--draft medusa`. What the committed heads' run did (the
-command above, 25.6 min on a shared 2-core CPU without bf16 arithmetic, so
-fp32): 32 greedy answers, 7,380 tokens of data in 17 min, their features in
-1.5 min, then 165 steps of 4 conversations. Greedy agreement per head on
+command above, on a shared 2-core CPU without bf16 arithmetic, so fp32): 32
+greedy answers, 7,380 tokens of data and their features, then 165 steps of 4
+conversations (the run prints each phase's time). Greedy agreement per head on
 held-out conversations 36% / 27% / 16% / 12%, on training text 86% / 79% /
 77% / 71%: far too little data, so the heads memorise it (the EAGLE head
 above had 1,024 conversations).
 
-What the committed head's run did (43.7 min): 1,024 conversations, 336k tokens
-of data in 20 min, their features in 6.4 min, then 731 steps of 8
-conversations (~1.3 s each). It agrees with the target's argmax on 54% of
+What the committed head's run did: 1,024 conversations, 336k tokens of data and
+their features, then 731 steps of 8 conversations. It agrees with the target's argmax on 54% of
 held-out positions from the target's features (47% from its own predicted
 ones, drafting step 2), and 67% / 62% on training text. On the target's
 128-token greedy answers to bench.py's 8 chat prompts: 46% / 39%.
@@ -139,8 +138,8 @@ def generate_data(target, tok, prompts, new_tokens, top, deadline, max_rounds=8,
     when `bench.py speculative` decodes greedily); later rounds sample at
     temperature 0.7 with new seeds, so the answers differ but stay close to
     what greedy decoding writes. Conversations run `chunk` at a time through
-    the continuous-batching engine, in bf16: ~20x the tokens per second of
-    one fp32 conversation at a time (288-token answers).
+    the continuous-batching engine, in bf16: many times the tokens per second
+    of one fp32 conversation at a time (288-token answers).
     With ignore_eos the draft also learns to follow the target past the end
     of its answer (`bench.py speculative --ignore-eos` reaches there); without,
     the answers stop at EOS, as users read them, and no time goes past it."""
@@ -191,7 +190,7 @@ def padded(seqs) -> torch.Tensor:
 def target_features(target, data, batch=8):
     """Phase 2: the target's feature at every position of every conversation
     (final normalised hidden states, bf16): one batched forward pass each,
-    ~340k positions × 576 × 2 bytes ≈ 0.4 GB for the full run (~870 positions/s).
+    ~340k positions × 576 × 2 bytes ≈ 0.4 GB for the full run (it prints its rate).
     The head learns to predict them, and the target's LM head over them is the teacher."""
     t0 = time.perf_counter()
     # similar lengths: little padding
@@ -232,7 +231,7 @@ def make_head(target: Llama, target_dir: Path, ids: torch.Tensor) -> tuple[Llama
 def features_only(head):
     """The head's forward returns its features and skips its LM head: the loss
     scores them against the head's 8,192 rows itself (a 49,152-wide logits row
-    per position, −inf outside them, would be 0.2 MB each)."""
+    per position, −inf outside them, would be 49,152 × 4 B ≈ 0.2 MB each)."""
     ids, lm = head.head_ids, head.lm_head
     head.head_ids, head.lm_head = None, torch.nn.Identity()
     try:
@@ -392,7 +391,7 @@ def main():
     start = time.perf_counter()
     end = start + 60 * args.max_minutes
     target_dir = checkpoint.resolve(checkpoint.DEFAULT_MODEL)
-    # bf16 where the CPU computes it (data and features 2-4x faster than fp32); elsewhere it is
+    # bf16 where the CPU computes it (data and features several times faster than fp32); else it is
     # emulated, slower
     cpu = torch.device("cpu")
     target, tok = load(RunConfig(checkpoint.DEFAULT_MODEL, cpu,
