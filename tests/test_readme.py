@@ -140,17 +140,25 @@ def test_quick_command_runs(command, cache_home):
 
 
 def test_read_first_names_exist():
-    """The course table's `file.py:function` (and the names after it) are real definitions."""
+    """The course table's `file.py:function` (and the names after it) are real definitions,
+    and each lesson's first one, what to read first, starts in its file's first 150 lines."""
     import importlib
+    import inspect
     text = (ROOT / "README.md").read_text()
-    pairs = []
+    pairs, first = [], []
     for line in text.splitlines():
-        for m in re.finditer(r"`(\w+)\.py:([\w.]+)`", line):
+        for k, m in enumerate(re.finditer(r"`(\w+)\.py:([\w.]+)`", line)):
             pairs.append((m.group(1), m.group(2)))
+            first += [pairs[-1]] if k == 0 and line.startswith("| ") else []
             tail = line[m.end():].split("|")[0]
             pairs += [(m.group(1), n) for n in re.findall(r"`([\w.]+)`", tail)]
-    assert len(pairs) >= 14
+    assert len(pairs) >= 14 and len(first) >= 9
+    found = {}
     for module, name in pairs:
         obj = importlib.import_module(module)
         for part in name.split("."):
             obj = getattr(obj, part)
+        found[module, name] = obj
+    late = {f"{m}.py:{n}": line for (m, n) in first
+            if (line := inspect.getsourcelines(found[m, n])[1]) > 150}
+    assert not late, f"read-first code past line 150: {late}"
