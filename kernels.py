@@ -1097,6 +1097,9 @@ class AheadOfTime:
             self.built.append(path)
             self.log.append(f"compiled (once) in {time.perf_counter() - t0:.1f} s: {path}")
             t0 = time.perf_counter()
+        # A package built where a step ran kernels.cpp calls its operators: they must be
+        # registered before it loads, which a fresh process has not done yet.
+        native_kernels(quiet=True)
         with warnings.catch_warnings():     # as in build
             warnings.simplefilter("ignore", FutureWarning)
             runner = torch._inductor.aoti_load_package(str(path))
