@@ -136,7 +136,13 @@ UNSUPPORTED = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias"
                "verbosity": (), "best_of": (1,), "echo": (False,), "suffix": ()}
 
 
-class JsonSchema(BaseModel):
+class Part(BaseModel):
+    """A part of a request body: strict types; keys it does not name are ignored (the body
+    itself, Body, refuses unknown ones)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class JsonSchema(Part):
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
     name: Name
     description: str | None = None
@@ -144,45 +150,38 @@ class JsonSchema(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ResponseFormat(Part):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
 
-class Function(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Function(Part):
     name: Name
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Tool(Part):
     type: Literal["function"]
     function: Function
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class FunctionName(Part):
     name: Name
 
 
-class NamedTool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class NamedTool(Part):
     type: Literal["function"]
     function: FunctionName
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class CalledFunction(Part):
     name: Name
     arguments: str
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ToolCall(Part):
     id: Annotated[str, Field(max_length=256)]
     type: Literal["function"] = "function"
     function: CalledFunction
@@ -231,21 +230,18 @@ class Body(BaseModel):
         return {"type": "object"} if rf.type == "json_object" else rf.json_schema.schema_
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class StreamOptions(Part):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class TextPart(Part):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
+class Message(Part):
     # other keys of a message are ignored: clients send back what they got (refusal,
     # annotations, audio: None)
-    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MESSAGES)] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=TOOLS)] | None = None
