@@ -28,6 +28,7 @@ works before torch is installed.
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 from dataclasses import dataclass
@@ -35,14 +36,21 @@ from dataclasses import dataclass
 
 # The course's lessons (the README's table, in its order): each has at least one exercise.
 LESSONS = ("model", "kvcache", "flash", "paged", "engine", "speculative", "quantize", "tp", "plan")
-KINDS = ("implement", "extend")
+
+
+class Kind(enum.StrEnum):
+    IMPLEMENT = "implement"     # write a function the lesson has
+    EXTEND = "extend"           # add a feature the lesson lacks, at one of its hooks
+
+
+KINDS = tuple(Kind)
 
 
 @dataclass(frozen=True)
 class Exercise:
     name: str                   # E=name; the stubs live in exercises/<name>.py
     lesson: str                 # the lesson (of LESSONS) whose row lists it
-    kind: str                   # "implement" a lesson function, or "extend" the lesson
+    kind: Kind                  # implement a lesson function, or extend the lesson
     what: str                   # one line for the list
     replaces: tuple[str, ...]   # "module.function" or "module.Class.method"; the stub has the
                                 # last name (extend: the hook the feature goes in at)
@@ -71,7 +79,7 @@ class Exercise:
     @property
     def solution(self) -> str | None:
         """The module of an extend exercise's reference solution."""
-        return f"exercises.solutions.{self.name}" if self.kind == "extend" else None
+        return f"exercises.solutions.{self.name}" if self.kind is Kind.EXTEND else None
 
     def lesson_functions(self) -> dict[str, object]:
         """'module.attr' -> what the lesson holds there now (as the class or module holds it)."""
@@ -80,7 +88,7 @@ class Exercise:
     def references(self) -> dict[str, object]:
         """'module.attr' -> the reference: the lesson's own function (implement), or the
         function of exercises/solutions/<name>.py that stands in for it (extend)."""
-        if self.kind == "implement":
+        if self.kind is Kind.IMPLEMENT:
             return self.lesson_functions()
         mod = importlib.import_module(self.solution)
         return {target: getattr(mod, target.rsplit(".", 1)[1]) for target in self.replaces}
@@ -133,13 +141,13 @@ def counted(fn, calls: dict, key: str):
 
 
 EXERCISES = {e.name: e for e in [
-    Exercise("rope", "model", "implement",
+    Exercise("rope", "model", Kind.IMPLEMENT,
              "rotary position embeddings: each position's angles, and the rotation",
              ("model.rope_cos_sin", "model.apply_rope"),
              ("test_model.py::test_logits_match_transformers",
               "test_model.py::test_cached_logits_match_full_forward",
               "test_engine.py::test_batch_of_32_equals_each_request_alone")),
-    Exercise("minp", "model", "extend",
+    Exercise("minp", "model", Kind.EXTEND,
              "min-p sampling: keep the tokens within a factor of the likeliest",
              ("sampling.sampling_probs",),
              ("test_sampling.py::test_sampling_controls",
@@ -148,7 +156,7 @@ EXERCISES = {e.name: e for e in [
               "test_extend.py::test_min_p_keeps_the_tokens_within_min_p_of_the_likeliest",
               "test_extend.py::test_min_p_off_changes_nothing",
               "test_extend.py::test_min_p_draws_follow_the_cut_distribution")),
-    Exercise("kvcache", "kvcache", "implement",
+    Exercise("kvcache", "kvcache", Kind.IMPLEMENT,
              "write new K/V rows into a cache at their positions",
              ("kvcache.write_rows",),
              ("test_kvcache.py::test_write_rows_puts_each_row_where_its_position_says",
@@ -157,7 +165,7 @@ EXERCISES = {e.name: e for e in [
               "test_kvcache.py::test_crop_then_redecode_reproduces[static]",
               "test_kvcache.py::"
               "test_fork_shares_until_write_and_branches_are_independent[static]")),
-    Exercise("flash", "flash", "implement",
+    Exercise("flash", "flash", Kind.IMPLEMENT,
              "one online-softmax tile step: running max, running sum, rescaled accumulator",
              ("flash.tile_step",),
              ("test_flash.py::test_tiled_prefill_matches_naive_fp32[128-16]",
@@ -167,7 +175,7 @@ EXERCISES = {e.name: e for e in [
               "test_flash.py::test_sliding_window[1000-100]",
               "test_flash.py::test_explicit_positions_offsets_and_masks",
               "test_flash.py::test_merge_of_partials_equals_the_whole")),
-    Exercise("paged", "paged", "implement",
+    Exercise("paged", "paged", Kind.IMPLEMENT,
              "a token's physical slot, and dropping a reference to a block",
              ("paged.BlockTable.slot", "paged.BlockAllocator.release"),
              ("test_paged.py::test_slots_follow_the_block_table",
@@ -178,7 +186,7 @@ EXERCISES = {e.name: e for e in [
               "test_paged.py::test_lru_evicts_the_least_recently_freed_cached_block",
               "test_paged.py::test_randomized_run_of_1000_requests_keeps_every_invariant",
               "test_paged.py::test_property_any_sequence_of_operations")),
-    Exercise("prefix", "paged", "implement", "the prefix cache's chain of block hashes",
+    Exercise("prefix", "paged", Kind.IMPLEMENT, "the prefix cache's chain of block hashes",
              ("paged.block_hashes",),
              ("test_paged.py::test_block_hashes_chain_every_full_block",
               "test_paged.py::test_prefix_cache_reuses_the_same_blocks_for_the_same_prefix",
@@ -186,7 +194,7 @@ EXERCISES = {e.name: e for e in [
               "test_paged.py::test_decoded_blocks_enter_the_prefix_cache",
               "test_paged.py::test_forced_hash_collisions_never_return_another_prefix",
               "test_paged.py::test_lru_evicts_the_least_recently_freed_cached_block")),
-    Exercise("evict", "paged", "extend",
+    Exercise("evict", "paged", Kind.EXTEND,
              "a prefix-cache eviction policy that keeps shared prefixes: deepest block first",
              ("paged.BlockAllocator.victim",),
              ("test_paged.py::test_prefix_cache_reuses_the_same_blocks_for_the_same_prefix",
@@ -198,7 +206,7 @@ EXERCISES = {e.name: e for e in [
               "test_extend.py::test_evict_deepest_first_then_least_recently_freed",
               "test_extend.py::test_evict_unreachable_blocks_before_any_other",
               "test_extend.py::test_evict_keeps_a_shared_system_prompt_through_a_flood")),
-    Exercise("engine", "engine", "implement",
+    Exercise("engine", "engine", Kind.IMPLEMENT,
              "one scheduler step: who decodes, and preempting the newest when blocks run out",
              ("engine.Scheduler.schedule_decode",),
              ("test_engine.py::test_preempted_requests_produce_the_same_tokens",
@@ -206,13 +214,13 @@ EXERCISES = {e.name: e for e in [
               "test_engine.py::test_scheduler_bookkeeping_without_a_model",
               "test_engine.py::"
               "test_out_of_blocks_frees_parked_conversations_first_then_preempts_the_newest")),
-    Exercise("speculative", "speculative", "implement",
+    Exercise("speculative", "speculative", Kind.IMPLEMENT,
              "the accept/resample rule of speculative sampling",
              ("speculative.accept", "speculative.residual"),
              ("test_speculative.py::test_rule_on_probability_vectors",
               "test_speculative.py::test_greedy_verdict_from_token_ids",
               "test_speculative.py::test_simple_chain_equals_the_general_loop")),
-    Exercise("quantize", "quantize", "implement",
+    Exercise("quantize", "quantize", Kind.IMPLEMENT,
              "int8 quantize and dequantize with a scale per row",
              ("quantize.quantize_int8", "quantize.dequantize_int8"),
              ("test_quantize.py::test_int8_round_trip_within_half_a_step",
@@ -220,11 +228,11 @@ EXERCISES = {e.name: e for e in [
               "test_quantize.py::test_attention_over_a_quantized_cache_is_close",
               "test_quantize.py::test_quantized_linear_equals_its_dequantized_matrix[fp32-int8]",
               "test_quantize.py::test_quantized_linear_equals_its_dequantized_matrix[bf16-int8]")),
-    Exercise("tp", "tp", "implement",
+    Exercise("tp", "tp", Kind.IMPLEMENT,
              "which heads and MLP units a rank keeps: whole GQA groups, split evenly",
              ("tp.plan",),
              ("test_tp.py::test_plan_splits_whole_kv_groups",)),
-    Exercise("plan", "plan", "implement",
+    Exercise("plan", "plan", Kind.IMPLEMENT,
              "the plan's cost model: bytes a decode step reads, and the KV cache's at ctx",
              ("plan.ModelInfo.token_bytes", "plan.ModelInfo.kv_bytes"),
              ("test_plan.py::test_model_info_from_configs",
