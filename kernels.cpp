@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <vector>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -1023,14 +1024,14 @@ static inline __m256 reduce8(const __m256* a) {
 // half).
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const c10::BFloat16* p) { return bf16x8(p); }
-// s[j] = q·k_j · scale for n keys, eight at a time (a tail repeats the last key; s has room).
-template <typename T>
-static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale,
-                          float* s) {
+// s[j] = q·k_j · scale for n keys, eight at a time (a tail repeats the last key; s has room). key(j):
+// where key j's d entries lie (a row of a contiguous cache, or a slot of a paged pool's block).
+template <typename Row>
+static inline void scores(const float* q, Row key, int64_t n, int64_t d, float scale, float* s) {
   for (int64_t j = 0; j < n; j += 8) {
     __m256 a[8];
     for (int t = 0; t < 8; t++) {
-      const T* kj = k + std::min(j + t, n - 1) * sk;
+      auto kj = key(std::min(j + t, n - 1));
       a[t] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(kj));
       for (int64_t i = 8; i < d; i += 8)
         a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kj + i), a[t]);
@@ -1068,9 +1069,8 @@ static inline float exp_sum(float* s, float m, int64_t n) {
   return hsum8(acc);
 }
 // o = Σ_j p_j·v_j, 64 columns at a time in 8 registers (a chain of FMAs per register, no stores).
-template <typename T>
-static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n, int64_t d,
-                              float* o) {
+template <typename Row>
+static inline void weighted_v(const float* p, Row val, int64_t n, int64_t d, float* o) {
   int64_t i0 = 0;
   for (; i0 + 64 <= d; i0 += 64) {
     __m256 acc[8];
@@ -1078,24 +1078,24 @@ static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n,
     for (int64_t j = 0; j < n; j++) {
       __m256 pj = _mm256_set1_ps(p[j]);
       for (int t = 0; t < 8; t++)
-        acc[t] = _mm256_fmadd_ps(pj, load8(v + j * sv + i0 + 8 * t), acc[t]);
+        acc[t] = _mm256_fmadd_ps(pj, load8(val(j) + i0 + 8 * t), acc[t]);
     }
     for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + i0 + 8 * t, acc[t]);
   }
   for (; i0 < d; i0 += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + j * sv + i0), acc);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(val(j) + i0), acc);
     _mm256_storeu_ps(o + i0, acc);
   }
 }
 #else
-template <typename T>
-static inline void scores(const float* q, const T* k, int64_t sk, int64_t n, int64_t d, float scale,
-                          float* s) {
+template <typename Row>
+static inline void scores(const float* q, Row key, int64_t n, int64_t d, float scale, float* s) {
   for (int64_t j = 0; j < n; j++) {
     float a = 0.f;
-    for (int64_t i = 0; i < d; i++) a = std::fma(q[i], float(k[j * sk + i]), a);
+    auto kj = key(j);
+    for (int64_t i = 0; i < d; i++) a = std::fma(q[i], float(kj[i]), a);
     s[j] = a * scale;
   }
 }
@@ -1104,60 +1104,52 @@ static inline float exp_sum(float* s, float m, int64_t n) {
   for (int64_t j = 0; j < n; j++) acc += (s[j] = s[j] == -INFINITY ? 0.f : std::exp(s[j] - m));
   return acc;
 }
-template <typename T>
-static inline void weighted_v(const float* p, const T* v, int64_t sv, int64_t n, int64_t d,
-                              float* o) {
+template <typename Row>
+static inline void weighted_v(const float* p, Row val, int64_t n, int64_t d, float* o) {
   for (int64_t i = 0; i < d; i++) o[i] = 0.f;
-  for (int64_t j = 0; j < n; j++)
-    for (int64_t i = 0; i < d; i++) o[i] = std::fma(p[j], float(v[j * sv + i]), o[i]);
+  for (int64_t j = 0; j < n; j++) {
+    auto vj = val(j);
+    for (int64_t i = 0; i < d; i++) o[i] = std::fma(p[j], float(vj[i]), o[i]);
+  }
 }
 #endif
 
-// q (B, H, 1, d); k, v (B, H_kv, L, d), any strides but d's; mask None or bool, L (all batches) or
-// B·L. K and V fp32 or bf16 (read as stored, summed in fp32); q and the result in K's dtype.
-template <typename T>
-static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
-                             const std::optional<at::Tensor>& mask) {
-  at::Tensor q = q_.to(at::kFloat).contiguous();
-  int64_t B = q.size(0), H = q.size(1), d = q.size(3), Hkv = k.size(1), L = k.size(2), G = H / Hkv;
-  TORCH_CHECK(k.size(0) == B && k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && L > 0,
-              "decode_attention: shapes");
-  const bool* mp = nullptr;
-  int64_t mb = 0;
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() &&
-                (mask->numel() == L || mask->numel() == B * L),
-                "decode_attention: mask bool, L or B·L");
-    mp = mask->data_ptr<bool>();
-    mb = mask->numel() == L ? 0 : L;
-  }
+// One query token per batch row against its keys, in chunks of CHUNK: row b reads keys [0, len(b));
+// at(b, h, j) is where key j of KV head h lies, as a pair of rows (K's, V's); keep(b, j) masks.
+// A chunk past a row's length, or masked whole, is left out of the merge, as a chunk of -inf
+// scores would be. q (B, H, 1, d) fp32; the result (B, H, 1, d) fp32.
+template <typename T, typename Len, typename At, typename Keep>
+static at::Tensor attend_chunks(const at::Tensor& q, int64_t Hkv, int64_t L, Len len, At at,
+                                Keep keep) {
+  int64_t B = q.size(0), H = q.size(1), d = q.size(3), G = H / Hkv;
   int64_t chunks = (L + CHUNK - 1) / CHUNK, units = B * Hkv * chunks;
   std::vector<float> part(units * G * (d + 2));        // per unit and head: max, sum, Σ p·v (d)
   const float* qp = q.data_ptr<float>();
-  const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   float scale = 1.f / std::sqrt(float(d));
-  int64_t sk = k.stride(2), sv = v.stride(2), kb0 = k.stride(0), kb1 = k.stride(1),
-          vb0 = v.stride(0), vb1 = v.stride(1);
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> s(G * (CHUNK + 8));
     for (int64_t u = u0; u < u1; u++) {
       int64_t b = u / (Hkv * chunks), h = u / chunks % Hkv, j0 = u % chunks * CHUNK,
-              n = std::min<int64_t>(CHUNK, L - j0);
-      const T* kb = kp + b * kb0 + h * kb1 + j0 * sk;
-      const T* vb = vp + b * vb0 + h * vb1 + j0 * sv;
+              n = std::min<int64_t>(CHUNK, len(b) - j0);
       const float* qg = qp + (b * H + h * G) * d;
+      // the chunk's rows found once for its G query heads
+      const T *kr[CHUNK], *vr[CHUNK];
+      for (int64_t j = 0; j < n; j++) std::tie(kr[j], vr[j]) = at(b, h, j0 + j);
+      auto key = [&](int64_t j) { return kr[j]; };
+      auto val = [&](int64_t j) { return vr[j]; };
       for (int64_t g = 0; g < G; g++) {
         float* sg = s.data() + g * (CHUNK + 8);
         float* out = part.data() + (u * G + g) * (d + 2);
-        scores(qg + g * d, kb, sk, n, d, scale, sg);
-        if (mp)
-          for (int64_t j = 0; j < n; j++) sg[j] = mp[b * mb + j0 + j] ? sg[j] : -INFINITY;
         float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) m = std::max(m, sg[j]);
+        if (n > 0) {
+          scores(qg + g * d, key, n, d, scale, sg);
+          for (int64_t j = 0; j < n; j++) sg[j] = keep(b, j0 + j) ? sg[j] : -INFINITY;
+          for (int64_t j = 0; j < n; j++) m = std::max(m, sg[j]);
+        }
         out[0] = m;
         out[1] = m == -INFINITY ? 0.f : exp_sum(sg, m, n);
         if (m == -INFINITY) std::fill(out + 2, out + 2 + d, 0.f);
-        else weighted_v(sg, vb, sv, n, d, out + 2);
+        else weighted_v(sg, val, n, d, out + 2);
       }
     }
   });
@@ -1179,6 +1171,36 @@ static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at
       }
       for (int64_t i = 0; i < d; i++) o[i] = l > 0.f ? o[i] / l : 0.f;
     }
+  return y;
+}
+
+// q (B, H, 1, d); k, v (B, H_kv, L, d), any strides but d's; mask None or bool, L (all batches) or
+// B·L. K and V fp32 or bf16 (read as stored, summed in fp32); q and the result in K's dtype.
+template <typename T>
+static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
+                             const std::optional<at::Tensor>& mask) {
+  at::Tensor q = q_.to(at::kFloat).contiguous();
+  int64_t B = q.size(0), H = q.size(1), d = q.size(3), Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && L > 0,
+              "decode_attention: shapes");
+  const bool* mp = nullptr;
+  int64_t mb = 0;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() &&
+                (mask->numel() == L || mask->numel() == B * L),
+                "decode_attention: mask bool, L or B·L");
+    mp = mask->data_ptr<bool>();
+    mb = mask->numel() == L ? 0 : L;
+  }
+  const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  int64_t sk = k.stride(2), sv = v.stride(2), kb0 = k.stride(0), kb1 = k.stride(1),
+          vb0 = v.stride(0), vb1 = v.stride(1);
+  auto y = attend_chunks<T>(
+      q, Hkv, L, [&](int64_t) { return L; },
+      [&](int64_t b, int64_t h, int64_t j) {
+        return std::make_pair(kp + b * kb0 + h * kb1 + j * sk, vp + b * vb0 + h * vb1 + j * sv);
+      },
+      [&](int64_t b, int64_t j) { return !mp || mp[b * mb + j]; });
   return y.to(q_.scalar_type());
 }
 static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1191,6 +1213,56 @@ static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v contiguous along d");
   return type == at::kFloat ? attend_one<float>(q, k, v, mask)
                             : attend_one<c10::BFloat16>(q, k, v, mask);
+}
+
+// One query token per batch row against a paged pool, read where it lies (kernels.py:
+// paged_attention): k, v [blocks, block_size, H_kv, d], one layer's, this step's K/V written;
+// tables (B, n) int64 block ids; positions (B,) int64, each row's query position. Row b reads its
+// keys 0 ... positions[b], key j in block tables[b][j / block_size], slot j % block_size; window > 0
+// keeps only the last `window` of them. The bits of decode_attention on the same keys gathered into
+// a padded copy under attention_mask's positional mask: the same chunks, in the same order.
+template <typename T>
+static at::Tensor attend_paged(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& tables, const at::Tensor& positions,
+                               int64_t window) {
+  at::Tensor q = q_.to(at::kFloat).contiguous();
+  at::Tensor tab = tables.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
+  int64_t B = q.size(0), H = q.size(1), d = q.size(3), bs = k.size(1), Hkv = k.size(2),
+          n = tab.size(1), L = n * bs;
+  TORCH_CHECK(k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && n > 0 && tab.size(0) == B &&
+              pos.numel() == B, "paged_attention: shapes");
+  const int64_t *tp = tab.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++)
+    TORCH_CHECK(0 <= pp[b] && pp[b] < L, "paged_attention: a position beyond its table");
+  for (int64_t i = 0; i < B * n; i++)
+    TORCH_CHECK(0 <= tp[i] && tp[i] < k.size(0), "paged_attention: a block id beyond the pool");
+  const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  int64_t kblk = k.stride(0), kslot = k.stride(1), kh = k.stride(2), vblk = v.stride(0),
+          vslot = v.stride(1), vh = v.stride(2);
+  auto y = attend_chunks<T>(
+      q, Hkv, L, [&](int64_t b) { return pp[b] + 1; },
+      [&](int64_t b, int64_t h, int64_t j) {
+        int64_t blk = tp[b * n + j / bs], slot = j % bs;
+        return std::make_pair(kp + blk * kblk + slot * kslot + h * kh,
+                              vp + blk * vblk + slot * vslot + h * vh);
+      },
+      [&](int64_t b, int64_t j) { return window <= 0 || j > pp[b] - window; });
+  return y.to(q_.scalar_type());
+}
+static at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& tables, const at::Tensor& positions,
+                                  int64_t window) {
+  auto type = k.scalar_type();
+  // a bf16 pool under an fp32 model: its keys widen exactly, as the gather's copy widens them
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() &&
+              (q.scalar_type() == type || q.scalar_type() == at::kFloat) &&
+              v.scalar_type() == type && (type == at::kFloat || type == at::kBFloat16) &&
+              tables.dim() == 2,
+              "paged_attention: q (B, H, 1, d), k and v [blocks, block_size, H_kv, d], fp32 or "
+              "bf16 (q fp32 or as k), tables (B, n)");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "paged_attention: k and v contiguous along d");
+  return type == at::kFloat ? attend_paged<float>(q, k, v, tables, positions, window)
+                            : attend_paged<c10::BFloat16>(q, k, v, tables, positions, window);
 }
 
 // The library's name: nanoinfer, or another for a second build in the same process (the tests
@@ -1211,6 +1283,8 @@ DEFINE(LIBRARY, m) {
         "Tensor? lo_d=None) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor positions, "
+        "int window) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LIBRARY, CPU, m) {
   m.impl("int4_mm", &int4_mm);
@@ -1220,4 +1294,5 @@ TORCH_LIBRARY_IMPL(LIBRARY, CPU, m) {
   m.impl("wide_mm", &wide_mm);
   m.impl("bf16_mm", &bf16_mm);
   m.impl("decode_attention", &decode_attention);
+  m.impl("paged_attention", &paged_attention);
 }

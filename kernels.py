@@ -449,6 +449,8 @@ def native_kernels(quiet: bool = False) -> bool:
         lambda x, w, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("nanoinfer::decode_attention")(
         lambda q, k, v, mask: q.new_empty(q.shape))
+    torch.library.register_fake("nanoinfer::paged_attention")(
+        lambda q, k, v, tables, positions, window: q.new_empty(q.shape))
     torch.library.register_fake("nanoinfer::bf16_mm")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     return True
@@ -913,11 +915,24 @@ def paged_decode_kernel(Q, K, V, Out, Tables, Pos, sq_b, sq_h, sk_blk, sk_slot, 
 
 def paged_reader(device, codec=None):
     """How an engine's pool on ``device`` serves a one-token pass (kvcache.PagedKVCache's
-    ``in_place``): paged_decode on CUDA for plain rows with Triton installed, else None (the
-    gather)."""
-    if torch.device(device).type == "cuda" and codec is None and triton is not None:
+    ``in_place``): paged_decode on CUDA for plain rows with Triton installed, kernels.cpp's
+    paged_attention on a CPU with the kernels built, else None (the gather)."""
+    device = torch.device(device)
+    if codec is not None:
+        return None
+    if device.type == "cuda" and triton is not None:
         return paged_decode
+    if device.type == "cpu" and native_kernels(quiet=True):
+        return paged_attention
     return None
+
+
+def paged_attention(q, k_pool, v_pool, tables, positions, window: int | None = None):
+    """One query per row against a paged pool, in place, on a CPU (kernels.cpp): paged_decode's
+    arguments, fp32 or bf16 pools. The same chunks in the same order as decode_attention on the
+    gathered keys, so the same bits, without the gather: a padded copy of every row's keys and
+    values, each step, in every layer."""
+    return torch.ops.nanoinfer.paged_attention(q, k_pool, v_pool, tables, positions, window or 0)
 
 
 def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None,

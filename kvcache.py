@@ -568,8 +568,9 @@ class PagedKVCache:
 
     def begin(self, positions) -> torch.Tensor:
         """positions (B, T), or (T,) for one sequence -> mask (B, 1, T, L), L = the
-        longest table's blocks × block_size. Builds the slot and block indices that
-        every layer's update uses (host-side lists, one small copy to the device)."""
+        longest table's blocks × block_size; None for a pass read in place (the reader
+        applies the same rule to each row's position). Builds the slot and block indices
+        that every layer's update uses (host-side lists, one small copy to the device)."""
         if positions.dim() == 1:
             positions = positions[None]
         B, T = positions.shape
@@ -585,8 +586,9 @@ class PagedKVCache:
         self._read = torch.tensor([t.block_ids + [0] * (n - len(t.block_ids)) for t in self.tables],
                                   device=dev)
         self.reading_in_place = self.in_place is not None and T == 1
-        if self.reading_in_place:     # each row's query position, for the in-place reader
+        if self.reading_in_place:     # each row's query position; the reader applies the rule
             self._pos = torch.tensor([t.num_tokens - 1 for t in self.tables], device=dev)
+            return None
         # key j of a row is its token at position j: the mask is the plain positional one
         return attention_mask(positions, torch.arange(n * self.block_size, device=dev),
                               self.window)[:, None]

@@ -5,6 +5,7 @@ import torch
 
 import kernels
 import kvcache
+from engine import Engine
 import model as M
 import quantize
 import safetensors_io
@@ -483,3 +484,59 @@ def test_compiled_step_ahead_of_time_with_the_new_layers(tmp_path, monkeypatch):
                                            cache=cache)))
     assert "compiled (once)" in llama.compiled_step.log[0]
     assert runs[0] == runs[1]
+
+
+# --- the engine's pool read where it lies --------------------------------------------------------
+
+def gathered(pool, tables, positions, window):
+    """What an engine's pass reads without an in-place reader: every row's blocks copied in table
+    order (kvcache.PagedKVCache._update's gather), under the positional mask."""
+    B, n = tables.shape
+    Hkv, d = pool.shape[-2:]
+    kv = pool.permute(0, 3, 1, 2, 4).index_select(2, tables.flatten()).view(2, Hkv, B, -1, d)
+    keys = torch.arange(kv.shape[3])
+    return kv[0].transpose(0, 1), kv[1].transpose(0, 1), M.attention_mask(positions[:, None], keys, window)[:, None]
+
+
+@pytest.mark.parametrize("B,H,H_kv,d,block,window", [(3, 9, 3, 64, 16, None), (2, 8, 2, 32, 16, 37),
+                                                      (4, 4, 4, 128, 8, None), (1, 9, 3, 64, 1, 5)])
+def test_paged_attention_reads_the_pool_where_it_lies(B, H, H_kv, d, block, window):
+    """paged_attention (a CPU engine's one-token pass) against decode_attention on the gathered copy:
+    the same bits, for rows of different lengths in shuffled blocks (one at position 0, one at its
+    table's end), with a sliding window, fp32 and bf16 pools, and fp32 queries on a bf16 pool."""
+    native_or_skip()
+    torch.manual_seed(B + d)
+    n, blocks = 9, 40
+    pool = torch.randn(2, blocks, block, H_kv, d)
+    tables = torch.stack([torch.randperm(blocks)[:n] for _ in range(B)])
+    positions = torch.randint(0, n * block, (B,))
+    positions[0], positions[-1] = 0, n * block - 1
+    q = torch.randn(B, H, 1, d)
+    for pool_type, q_type in [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]:
+        p, x = pool.to(pool_type), q.to(q_type)
+        k, v, mask = gathered(p, tables, positions, window)
+        want = kernels.decode_attention(x, k.to(q_type), v.to(q_type), mask.contiguous())
+        assert torch.equal(kernels.paged_attention(x, p[0], p[1], tables, positions, window), want)
+    with pytest.raises(RuntimeError, match="beyond"):
+        kernels.paged_attention(q, pool[0], pool[1], tables + blocks, positions, None)
+
+
+def test_a_cpu_engine_reads_its_pool_in_place_with_the_same_outputs(tmp_path):
+    """The product's engine on a CPU (kernels.paged_reader: paged_attention, no gather) gives the
+    gather's tokens, greedy and sampled (a seeded draw notices any changed logit bit), for prompts
+    of different lengths decoding together across block boundaries."""
+    native_or_skip()
+    # the gather's one-token pass on decode_attention, as the product loads it
+    llama = M.Llama.from_pretrained(make_checkpoint(tmp_path / "m"), "cpu", torch.float32,
+                                    attend=kernels.native_decode(M.attend))
+    reader = kernels.paged_reader("cpu")
+    assert reader is kernels.paged_attention and kernels.paged_reader("cpu", quantize.kv_codec("int8")) is None
+    prompts = [[7], list(range(3, 8)), list(range(10, 47))]
+
+    def run(in_place, **sampling):
+        engine = Engine(llama, block_size=16, max_batch=3, in_place=in_place)
+        reqs = [engine.add(p, M.SamplingParams(max_new_tokens=24, **sampling)) for p in prompts]
+        engine.run()
+        return [r.sequences[0].output for r in reqs]
+    for sampling in ({}, {"temperature": 1.0, "seed": 5}):
+        assert run(reader, **sampling) == run(None, **sampling)
