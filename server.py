@@ -20,7 +20,9 @@ at once, and that is a server's everyday situation. The shape of it:
 * The engine thread loops: take new jobs and cancellations, ``engine.step()``,
   route every new token to its job. Requests that arrive together batch
   together; a system prompt or an earlier turn that another request already
-  sent hits the prefix cache (engine.py, paged.py).
+  sent hits the prefix cache (engine.py, paged.py). It is the only thread that
+  runs the model's parallel loops: the model loads on a thread that then ends
+  (``build_apart``), and the handlers run none.
 * Each branch (n > 1 forks the prompt's blocks) turns its tokens into text
   incrementally (tokenizer.StreamDecoder) and watches for stop strings, holding
   back any tail that could begin one: a stop string never reaches the client,
@@ -1026,6 +1028,17 @@ def build(args) -> Server:
     return Server(eng, tok, Path(cfg.model).name, args.api_key, args.max_queue, args.max_body, guard)
 
 
+def build_apart(args) -> Server:
+    """``build`` on a thread that ends when it returns. OpenMP keeps a team of worker threads, for
+    good, for each thread that ever runs a parallel loop; once two teams share the cores, libgomp's
+    workers stop spinning between loops and sleep, so each of a decode step's hundreds of short
+    loops waits for a woken thread (the engine thread's step took about twice the main thread's,
+    SmolLM2 on 2 cores). Loading on a passing thread, whose team ends with it, leaves the engine
+    thread's the only one."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load") as loader:
+        return loader.submit(build, args).result()
+
+
 def check_port(host: str, port: int):
     """ValueError unless ``host:port`` can be bound now (uvicorn binds the same way)."""
     try:
@@ -1070,7 +1083,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        server = build(args)
+        server = build_apart(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -505,3 +505,18 @@ def test_chat_page_streams_and_stops(live):
         assert page.locator("#send").is_enabled()
         b.close()
     assert live.settled() == (0, False)            # the stopped answer's request was cancelled
+
+
+def test_the_model_loads_on_a_thread_that_ends(monkeypatch):
+    """server.main builds on a passing thread (build_apart), so the engine thread is the only one
+    whose parallel loops keep an OpenMP team: a second team on the same cores made every decode
+    step wait for sleeping workers."""
+    seen = []
+
+    def build(args):
+        seen.append(threading.current_thread())
+        return "server"
+    monkeypatch.setattr(server, "build", build)
+    assert server.build_apart(None) == "server"
+    (loader,) = seen
+    assert loader is not threading.current_thread() and not loader.is_alive()
