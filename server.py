@@ -992,6 +992,8 @@ def parse_args(argv=None):
                     help="KV pool storage (quantize.py)")
     ap.add_argument("--max-batch", type=int, default=32, help="sequences decoding together (default: 32)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="memory for the KV pool, GiB (default: 1)")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="compute every prompt whole (what the prefix cache buys: bench.py serve)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
     ap.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
     ap.add_argument("--max-body", type=int, default=1 << 20, help="largest request body, bytes (default: 1 MiB)")
@@ -1022,6 +1024,7 @@ def build(args) -> Server:
     model, tok = nanoinfer.load.load(cfg)
     codec = quantize.kv_codec(cfg.kv_dtype)
     eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), codec=codec,
+                        prefix_caching=not args.no_prefix_cache,
                         in_place=kernels.paged_reader(cfg.device, codec),
                         vocab=grammar_vocab(tok.to_json(), model.config.eos_ids))
     guard = Guard(args.host, tuple(args.allow_host), tuple(args.allow_origin))

@@ -39,6 +39,7 @@ async def serve_load(url: str, concurrency: int, requests: list, max_tokens: int
     import json
     import httpx
     ttft, itl, tokens, done = [], [], 0, 0
+    shared = []         # TTFT of the requests that carry the shared system prompt
     end = time.perf_counter() + seconds
 
     async def client(c: httpx.AsyncClient, i: int):
@@ -60,6 +61,8 @@ async def serve_load(url: str, concurrency: int, requests: list, max_tokens: int
                     if not choices[0].get("delta", {}).get("content"):
                         continue
                     (ttft if first else itl).append(now - last)
+                    if first and messages[0]["role"] == "system":
+                        shared.append(now - last)
                     first, last, tokens = False, now, tokens + 1
             done += 1
 
@@ -71,7 +74,7 @@ async def serve_load(url: str, concurrency: int, requests: list, max_tokens: int
     q = lambda xs, p: float(np.percentile(xs, p)) * 1000 if xs else float("nan")
     return {"concurrency": concurrency, "requests": done, "tokens": tokens, "wall_s": seconds,
             "tok_s": tokens / seconds, "req_s": done / seconds, "ttft_p50": q(ttft, 50), "ttft_p95": q(ttft, 95),
-            "itl_p50": q(itl, 50), "itl_p95": q(itl, 95)}
+            "itl_p50": q(itl, 50), "itl_p95": q(itl, 95), "shared_ttft_p50": q(shared, 50)}
 
 
 def bench_serve(args):
@@ -83,12 +86,19 @@ def bench_serve(args):
     log_dir = checkpoint.cache_root() / "bench"
     log_dir.mkdir(parents=True, exist_ok=True)
     # One server at a time, each stopped before the next starts: (name, command, its log)
-    servers = [("nanoinfer server.py", [sys.executable, "server.py", "--model", str(path), "--max-batch", str(slots)],
-                log_dir / "server.log")]
+    ours = [sys.executable, "server.py", "--model", str(path), "--max-batch", str(slots)]
+    servers = [(OURS, ours, log_dir / "server.log"),
+               (OURS_UNCACHED, ours + ["--no-prefix-cache"], log_dir / "server-uncached.log")]
     binary = None if args.no_peer else llama_server_binary()
+    # the headline peer: llama-server on the GGUF a user downloaded, at its own bits
+    own = checkpoint.bundled_gguf(*checkpoint.BUNDLED[1:]) if args.model == checkpoint.DEFAULT_MODEL else None
     if binary is None and not args.no_peer:
         print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
     elif binary is not None:
+        if own is not None:
+            servers.append((f"llama-server {own.name}",
+                            llama_server_command(binary, own, threads, slots, slots * 1024),
+                            log_dir / "llama-server-own.log"))
         # the same weights at our server's bits: fp32, or bf16 where this CPU computes it natively
         dtype = "bf16" if kernels.bf16_supported(torch.device("cpu")) else "f32"
         gguf = log_dir / f"{path.name}-{dtype}.gguf"
@@ -118,20 +128,35 @@ def bench_serve(args):
         f"for {args.seconds:.0f} s, each sending chat requests from a fixed mix (half with a shared ~400-token system "
         f"prompt) one after another; greedy, answers stop at EOS (at most {args.max_tokens} tokens)",
         ["server", "clients", "requests done", "output tok/s", "× its 1 client", "req/s", "TTFT p50 ms", "TTFT p95 ms",
-         "ITL p50 ms", "ITL p95 ms"],
+         "TTFT p50 ms, shared prompt", "ITL p50 ms", "ITL p95 ms"],
         [[r["server"], r["concurrency"], r["requests"], f"{r['tok_s']:.1f}",
           f"{r['tok_s'] / single[r['server']]:.2f}×", f"{r['req_s']:.2f}", f"{r['ttft_p50']:.0f}",
-          f"{r['ttft_p95']:.0f}", f"{r['itl_p50']:.0f}", f"{r['itl_p95']:.0f}"] for r in rows])
-    notes = []
-    if len(servers) > 1:
-        for c in args.concurrency:
-            a, b = ([r for r in rows if r["concurrency"] == c and r["server"] == s[0]][0] for s in servers[:2])
-            notes.append(f"{c} clients: ours {a['tok_s'] / b['tok_s']:.2f}× llama-server's tok/s, "
-                         f"TTFT p95 {a['ttft_p95'] / b['ttft_p95']:.2f}× its")
-    table.notes = notes
+          f"{r['ttft_p95']:.0f}", f"{r['shared_ttft_p50']:.0f}", f"{r['itl_p50']:.0f}", f"{r['itl_p95']:.0f}"]
+         for r in rows])
+    table.notes = serve_notes(rows, [name for name, _, _ in servers], args.concurrency)
     print(f"\n{table.markdown()}")
     plot = plot_serve(rows, args.model)
     print(f"saved {results.save('serve', 'engine', [table], plots=[plot] if plot else [])}")
+
+
+OURS, OURS_UNCACHED = "nanoinfer server.py", "nanoinfer server.py, no prefix cache"
+
+
+def serve_notes(rows: list[dict], names: list[str], levels: list[int]) -> list[str]:
+    """Per level: ours against each peer (tok/s, TTFT p95), and what the prefix cache buys the
+    requests that share the system prompt (their TTFT p50 without it over with it)."""
+    at = {(r["server"], r["concurrency"]): r for r in rows}
+    notes = []
+    for c in levels:
+        a, plain = at[OURS, c], at[OURS_UNCACHED, c]
+        line = [f"{c} clients: the prefix cache cuts the shared-prompt TTFT p50 "
+                f"{plain['shared_ttft_p50'] / a['shared_ttft_p50']:.1f}×"]
+        for peer in names[2:]:
+            b = at[peer, c]
+            line.append(f"ours {a['tok_s'] / b['tok_s']:.2f}× {peer}'s tok/s, "
+                        f"TTFT p95 {a['ttft_p95'] / b['ttft_p95']:.2f}× its")
+        notes.append("; ".join(line))
+    return notes
 
 
 def plot_serve(rows: list[dict], model: str) -> Path | None:

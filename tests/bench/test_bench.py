@@ -20,6 +20,7 @@ import bench.gguf
 import bench.kvcache
 import bench.quantize_eval
 import bench.runner
+import bench.serve
 import bench.speculative
 import results
 import speculative as S
@@ -308,3 +309,17 @@ def test_gguf_without_llama_quantize_or_with_a_bad_file_is_one_line(tmp_path, mo
     assert "missing.gguf: no such file" in err
     rc, out, err = run_cli("bench.py", "gguf", str(tmp_path / "not.gguf"), timeout=120)
     assert rc == 1 and err.strip().count("\n") == 0 and "is not a GGUF file" in err
+
+
+def test_serve_notes_compare_the_prefix_cache_and_each_peer():
+    """bench.py serve's notes: per level, what the prefix cache buys the shared-prompt requests
+    (TTFT p50 without it over with it) and ours against each llama-server."""
+    serve = bench.serve
+    row = lambda name, c, tok, p95, shared: {"server": name, "concurrency": c, "tok_s": tok,
+                                             "ttft_p95": p95, "shared_ttft_p50": shared}
+    rows = [row(serve.OURS, 4, 90.0, 300, 100), row(serve.OURS_UNCACHED, 4, 30.0, 2000, 1200),
+            row("llama-server x.gguf", 4, 100.0, 250, 90)]
+    names = [serve.OURS, serve.OURS_UNCACHED, "llama-server x.gguf"]
+    assert serve.serve_notes(rows, names, [4]) == [
+        "4 clients: the prefix cache cuts the shared-prompt TTFT p50 12.0×; "
+        "ours 0.90× llama-server x.gguf's tok/s, TTFT p95 1.20× its"]

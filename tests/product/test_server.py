@@ -520,3 +520,11 @@ def test_the_model_loads_on_a_thread_that_ends(monkeypatch):
     assert server.build_apart(None) == "server"
     (loader,) = seen
     assert loader is not threading.current_thread() and not loader.is_alive()
+
+
+def test_no_prefix_cache_computes_every_prompt_whole(model_tok, monkeypatch):
+    """--no-prefix-cache (bench.py serve's row that shows what the cache buys) reaches the engine."""
+    monkeypatch.setattr(server.nanoinfer.load, "load", lambda cfg: model_tok)
+    for flags, cached in (([], True), (["--no-prefix-cache"], False)):
+        built = server.build(server.parse_args(["--port", "0", *flags]))
+        assert built.engine.allocator.prefix_caching is cached
