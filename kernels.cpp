@@ -1232,15 +1232,18 @@ static at::Tensor attend_paged(const at::Tensor& q_, const at::Tensor& k, const 
   TORCH_CHECK(k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && n > 0 && tab.size(0) == B &&
               pos.numel() == B, "paged_attention: shapes");
   const int64_t *tp = tab.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; b++)
+  int64_t longest = 0;       // the chunks past every row's position are not visited
+  for (int64_t b = 0; b < B; b++) {
     TORCH_CHECK(0 <= pp[b] && pp[b] < L, "paged_attention: a position beyond its table");
+    longest = std::max(longest, pp[b] + 1);
+  }
   for (int64_t i = 0; i < B * n; i++)
     TORCH_CHECK(0 <= tp[i] && tp[i] < k.size(0), "paged_attention: a block id beyond the pool");
   const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   int64_t kblk = k.stride(0), kslot = k.stride(1), kh = k.stride(2), vblk = v.stride(0),
           vslot = v.stride(1), vh = v.stride(2);
   auto y = attend_chunks<T>(
-      q, Hkv, L, [&](int64_t b) { return pp[b] + 1; },
+      q, Hkv, longest, [&](int64_t b) { return pp[b] + 1; },
       [&](int64_t b, int64_t h, int64_t j) {
         int64_t blk = tp[b * n + j / bs], slot = j % bs;
         return std::make_pair(kp + blk * kblk + slot * kslot + h * kh,

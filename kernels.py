@@ -945,7 +945,7 @@ def paged_decode(q, k_pool, v_pool, tables, positions, window: int | None = None
     block_size, Hkv = k_pool.shape[1], k_pool.shape[2]
     out = torch.empty_like(q)
     paged_decode_kernel[(B * Hkv,)](
-        q, k_pool, v_pool, out, tables, positions, q.stride(0), q.stride(1),
+        q, k_pool, v_pool, out, tables, positions.contiguous(), q.stride(0), q.stride(1),
         *k_pool.stride()[:3], out.stride(0), out.stride(1), tables.stride(0), Hkv, H // Hkv,
         block_size, window or 0, d ** -0.5, D=d,
         BLOCK_M=max(16, 1 << (H // Hkv - 1).bit_length()), BLOCK_N=block_n,

@@ -508,10 +508,10 @@ def new_cache(model: Llama, kind: str = "dynamic", max_len: int | None = None, b
 # 16 · 200 · 1.5 KiB ≈ 4.7 MiB per layer, 4.7 MiB · 30 ≈ 141 MiB over the layers, against
 # 135M · 4 B ≈ 540 MB of weights the step reads anyway: about a quarter more bytes, a share that
 # grows with the batch and the context.
-# On a GPU a decode step reads the blocks in place instead (kernels.paged_decode, a Triton kernel
-# that follows the block table per key): the layer's ``attend`` then replaces update + the model's
-# attention. Prefill and verification passes (T > 1), CPU pools and quantized pools (a codec) keep
-# the gather.
+# A decode step reads the blocks in place instead where the device has a reader (kernels.py:
+# paged_decode, a Triton kernel that follows the block table per key, on a GPU; kernels.cpp's
+# paged_attention on a CPU): the layer's ``attend`` then replaces update + the model's attention.
+# Prefill and verification passes (T > 1) and quantized pools (a codec) keep the gather.
 
 
 class PagedKVCache:
@@ -537,16 +537,18 @@ class PagedKVCache:
         self.in_place, self.reading_in_place = in_place, False
         if codec is not None:
             dtype, head_dim = torch.uint8, codec.row_bytes(head_dim)
-        # [layer, K|V, block, slot in block, KV head, d_head]; zeros, not empty: a masked key
-        # still meets a zero probability in probs @ V, and 0 · NaN garbage would be NaN.
-        self.pool = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim,
-                                dtype=dtype or torch.float32, device=device)
+        # Per layer one K and one V tensor [block, slot in block, KV head, d_head]: separate
+        # tensors, which a compiled step writes in place (as a static cache's). Zeros, not empty:
+        # a masked key still meets a zero probability in probs @ V, and 0 · NaN garbage is NaN.
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.k, self.v = ([torch.zeros(shape, dtype=dtype or torch.float32, device=device)
+                           for _ in range(n_layers)] for _ in range(2))
         self.layers = [_PagedLayer(self, i) for i in range(n_layers)]
         self.tables: list = []         # paged.BlockTable, one per batch row
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.shape[2]
+        return self.k[0].shape[0]
 
     @property
     def limit(self) -> int:
@@ -554,12 +556,17 @@ class PagedKVCache:
         return self.num_blocks * self.block_size
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
     def nbytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def copy_block(self, src: int, dst: int):
         """Copy-on-write: block ``src``'s K and V, all layers, into block ``dst``."""
-        self.pool[:, :, dst] = self.pool[:, :, src]
+        for t in self.k + self.v:
+            t[dst] = t[src]
 
     def bind(self, tables: list) -> "PagedKVCache":
         """The sequences of the next forward pass, one per batch row."""
@@ -567,17 +574,22 @@ class PagedKVCache:
         return self
 
     def begin(self, positions) -> torch.Tensor:
-        """positions (B, T), or (T,) for one sequence -> mask (B, 1, T, L), L = the
-        longest table's blocks × block_size; None for a pass read in place (the reader
-        applies the same rule to each row's position). Builds the slot and block indices
-        that every layer's update uses (host-side lists, one small copy to the device)."""
+        """positions (B, T), or (T,) for one sequence -> what every layer of the pass reads: the
+        mask (B, 1, T, L), L = the longest table's blocks × block_size; for a one-token pass read
+        in place, ``rows`` instead (the reader applies the same rule to each row's position).
+        Builds the slot and block indices (host-side lists, one small copy to the device)."""
         if positions.dim() == 1:
             positions = positions[None]
         B, T = positions.shape
         if B != len(self.tables):
             raise ValueError(f"{B} batch rows but {len(self.tables)} block tables bound; "
                              f"call bind(tables)")
-        dev, n = self.pool.device, max(len(t.block_ids) for t in self.tables)
+        dev, n = self.k[0].device, max(len(t.block_ids) for t in self.tables)
+        self.reading_in_place = self.in_place is not None and T == 1
+        if self.reading_in_place:
+            return self.rows([t.slot(t.num_tokens - 1) for t in self.tables],
+                             [t.num_tokens - 1 for t in self.tables],
+                             [t.block_ids for t in self.tables], n)
         self._write = torch.tensor([t.slot(p) for t in self.tables
                                     for p in range(t.num_tokens - T, t.num_tokens)],
                                    device=dev)
@@ -585,33 +597,39 @@ class PagedKVCache:
         # masked.
         self._read = torch.tensor([t.block_ids + [0] * (n - len(t.block_ids)) for t in self.tables],
                                   device=dev)
-        self.reading_in_place = self.in_place is not None and T == 1
-        if self.reading_in_place:     # each row's query position; the reader applies the rule
-            self._pos = torch.tensor([t.num_tokens - 1 for t in self.tables], device=dev)
-            return None
         # key j of a row is its token at position j: the mask is the plain positional one
         return attention_mask(positions, torch.arange(n * self.block_size, device=dev),
                               self.window)[:, None]
 
-    def _scatter(self, layer: int, k, v):
+    def rows(self, slots: list[int], positions: list[int], tables: list[list[int]],
+             width: int) -> torch.Tensor:
+        """A one-token pass read in place, as one tensor (B, 2 + width) int64: row b's new slot, its
+        position, then its block table padded with block 0 to ``width`` (read only up to the
+        position). One tensor the layers read, so a compiled step takes it as an input."""
+        return torch.tensor([[s, p, *t, *[0] * (width - len(t))]
+                             for s, p, t in zip(slots, positions, tables)], device=self.k[0].device)
+
+    def _scatter(self, layer: int, k, v, slots):
+        """This pass's new K/V rows into their slots of the layer's pool; returns its (K, V)."""
         B, H, T, d = k.shape
-        # [2, blocks, block_size, H, d]
-        pool = self.pool[layer]
-        new = torch.stack([k, v]).transpose(2, 3).reshape(2, B * T, H, d)
-        new = new.to(pool.dtype) if self.codec is None else self.codec.encode(new)
-        pool.view(2, -1, H, new.shape[-1]).index_copy_(1, self._write, new)    # to the slots
-        return pool
+        pools = self.k[layer], self.v[layer]
+        for pool, new in zip(pools, (k, v)):
+            new = new.transpose(1, 2).reshape(B * T, H, d)
+            new = new.to(pool.dtype) if self.codec is None else self.codec.encode(new)
+            pool.view(-1, H, pool.shape[-1]).index_copy_(0, slots, new)
+        return pools
 
     def _update(self, layer: int, k, v):
         B, H = k.shape[:2]
-        pool = self._scatter(layer, k, v)
-        row = pool.shape[-1]                                          # d, or d + the scale's bytes
-        # Whole blocks in table order, head-major: contiguous (2, H, B, L, row), which model.attend
-        # reads as is.
-        kv = (pool.permute(0, 3, 1, 2, 4).index_select(2, self._read.flatten())
-              .view(2, H, B, -1, row))
-        kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
-        return kv[0].transpose(0, 1), kv[1].transpose(0, 1)              # (B, H, L, d) views
+        out = []
+        for pool in self._scatter(layer, k, v, self._write):
+            # Whole blocks in table order, head-major: contiguous (H, B, L, row), which
+            # model.attend reads as is.
+            kv = (pool.index_select(0, self._read.flatten()).view(B, -1, H, pool.shape[-1])
+                  .permute(2, 0, 1, 3).contiguous())
+            kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
+            out.append(kv.transpose(0, 1))                                  # (B, H, L, d) views
+        return out
 
 
 class _PagedLayer:
@@ -627,12 +645,13 @@ class _PagedLayer:
         """Whether this pass's attention is ``attend`` (in place) rather than update + attention."""
         return self.cache.reading_in_place
 
-    def attend(self, q, k, v):
-        """q (B, H, 1, d), this step's k, v (B, n_kv, 1, d) -> attention output (B, H, 1, d),
-        with K/V read from the pool where they lie (the cache's ``in_place`` reader)."""
+    def attend(self, q, k, v, rows):
+        """q (B, H, 1, d), this step's k, v (B, n_kv, 1, d), ``rows`` (begin's: each row's slot,
+        position and table) -> attention output (B, H, 1, d), K/V read from the pool where they
+        lie (the cache's ``in_place`` reader)."""
         c = self.cache
-        pool = c._scatter(self.index, k, v)
-        return c.in_place(q, pool[0], pool[1], c._read, c._pos, c.window)
+        K, V = c._scatter(self.index, k, v, rows[:, 0])
+        return c.in_place(q, K, V, rows[:, 2:], rows[:, 1], c.window)
 
 
 # ----------------------------------------------------------------------------

@@ -352,7 +352,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # a paged decode step on a GPU (kvcache.py)
+        # a paged one-token pass read in place (kvcache.py): mask is then the cache's rows
         in_place = getattr(cache_layer, "in_place", False)
         if cache_layer is not None and not in_place:
             # all K/V so far (B, n_kv, L, d); a static cache's mask covers its live rows only
@@ -361,7 +361,7 @@ class Attention(nn.Module):
                     for t in cache_layer.update(k, v, positions))
         # else (a cache or a mask given) the window is in the mask
         window = self.config.sliding_window if cache_layer is None and mask is None else None
-        y = cache_layer.attend(q, k, v) if in_place else self.attend(q, k, v, mask, window)
+        y = cache_layer.attend(q, k, v, mask) if in_place else self.attend(q, k, v, mask, window)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

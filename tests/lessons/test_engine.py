@@ -119,8 +119,8 @@ def test_quantized_pages_equal_the_quantized_contiguous_cache(llama, kv):
     want = [list(M.generate_cached(llama, p, GREEDY(max_new_tokens=30), cache=kvcache.new_cache(llama, codec=quantize.kv_codec(kv))))
             for p in PROMPTS]
     engine = Engine(llama, block_size=16, max_batch=len(PROMPTS), codec=quantize.kv_codec(kv))
-    assert engine.cache.pool.dtype == torch.uint8
-    assert engine.cache.pool.shape[-1] == llama.config.head_dim + 2         # the values, then the scale
+    assert engine.cache.dtype == torch.uint8
+    assert engine.cache.k[0].shape[-1] == llama.config.head_dim + 2         # the values, then the scale
     assert [o[0] for o in run_engine(engine, PROMPTS, GREEDY(max_new_tokens=30))] == want
     all_blocks_back(engine)
 
@@ -142,7 +142,7 @@ def test_paged_cache_mask_and_gather(llama):
     assert K.shape == (2, c.n_kv_heads, 12, c.head_dim)
     assert torch.equal(K[0, :, 9], k[0, :, 0]) and torch.equal(K[1, :, 2], k[1, :, 0])
     assert torch.equal(V[1, :, 2], -k[1, :, 0])
-    assert torch.equal(cache.pool[0, 0].view(-1, c.n_kv_heads, c.head_dim)[a.slot(9)], k[0, :, 0])
+    assert torch.equal(cache.k[0].view(-1, c.n_kv_heads, c.head_dim)[a.slot(9)], k[0, :, 0])
 
 
 def test_prefix_cache_hits_produce_the_tokens_of_misses(llama):

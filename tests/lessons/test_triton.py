@@ -91,11 +91,12 @@ def test_paged_kernel_equals_the_gather_path(block_size):
     for in_place in (False, True):
         cache = PagedKVCache(1, alloc.num_blocks, block_size, kv_heads, d, device=DEV,
                              in_place=kernels.paged_decode if in_place else None)
-        cache.pool.copy_(pool)
+        cache.k[0].copy_(pool[0, 0])
+        cache.v[0].copy_(pool[0, 1])
         mask = cache.bind(tables).begin(torch.tensor([[n] for n in lengths], device=DEV))
         assert cache.layers[0].in_place is in_place
         if in_place:
-            outs.append(cache.layers[0].attend(q, k, v))
+            outs.append(cache.layers[0].attend(q, k, v, mask))
         else:
             K, V = cache.layers[0].update(k, v, None)
             outs.append(flash.naive(q, K, V, causal=False, mask=mask)[0])
