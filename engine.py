@@ -520,7 +520,8 @@ class Engine:
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES,
                  prefix_caching: bool = True, max_len: int | None = None,
                  kv_dtype: torch.dtype | None = None, watermark: float = 0.01,
-                 chunk_tokens: int | None = 256, codec=None, in_place=None, vocab=None):
+                 chunk_tokens: int | None = 256, codec=None, in_place=None, vocab=None,
+                 fixed_shapes: bool = False):
         c = model.config
         kv_dtype = kv_dtype or model.dtype
         if num_blocks is None:
@@ -534,11 +535,19 @@ class Engine:
             raise ValueError(f"num_blocks, block_size, max_batch and chunk_tokens (or None) "
                              f"must be >= 1 "
                              f"(got {num_blocks}, {block_size}, {max_batch}, {chunk_tokens})")
+        if fixed_shapes and in_place is None:
+            raise ValueError("fixed_shapes pads the passes an in-place reader reads: give in_place")
         self.model, self.device, self.vocab = model, model.device, vocab
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim,
-                                  kv_dtype, model.device, c.sliding_window, codec, in_place)
-        self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, self.cache.limit)
+        # with fixed shapes, one block more than the allocator hands out: the padding rows' own
+        self.cache = PagedKVCache(c.n_layers, num_blocks + fixed_shapes, block_size, c.n_kv_heads,
+                                  c.head_dim, kv_dtype, model.device, c.sliding_window, codec,
+                                  in_place)
+        self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, num_blocks * block_size)
+        # A decode pass padded to 1, 2, 4, ... rows, each table to the blocks of max_len, has one of
+        # a few fixed shapes: the model's compiled one-token step runs it (kernels.compile_decode).
+        self.width = math.ceil(self.max_len / block_size) if fixed_shapes else None
+        self.padding = BlockTable(-1, block_size, [num_blocks], [0])
         self.watermark, self.chunk_tokens = watermark, chunk_tokens
         self.scheduler = Scheduler(self.allocator, max_batch, watermark)
         self.requests: dict[int, Request] = {}     # unfinished ones
@@ -600,7 +609,7 @@ class Engine:
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt is {len(ids)} tokens but a sequence may hold at most "
                              f"{self.max_len} (model context {self.model.config.max_seq_len}, "
-                             f"KV pool {self.cache.limit} tokens = "
+                             f"KV pool {self.allocator.num_blocks * self.allocator.block_size} tokens = "
                              f"{self.allocator.num_blocks} blocks of {self.allocator.block_size}); "
                              f"shorten it or give the engine more blocks")
         return ids
@@ -721,10 +730,26 @@ class Engine:
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         self._apply_copies()
-        ids = torch.tensor([[s.output[-1]] for s in batch], device=self.device)
-        pos = torch.tensor([[s.table.num_tokens - 1] for s in batch], device=self.device)
-        self.counts.decode_tokens += len(batch)
-        return self.model(ids, pos, self.cache.bind([s.table for s in batch]))[:, -1]
+        rows = len(batch)
+        # fixed shapes: up to a power of two with rows that write and read the spare block alone
+        pad = (1 << (rows - 1).bit_length()) - rows if self.width else 0
+        tables = [s.table for s in batch] + [self.padding] * pad
+        ids = torch.tensor([[s.output[-1]] for s in batch] + [[0]] * pad, device=self.device)
+        pos = torch.tensor([[t.num_tokens - 1] for t in tables], device=self.device)
+        self.counts.decode_tokens += rows
+        return self.model(ids, pos, self.cache.bind(tables, self.width))[:rows, -1]
+
+    @torch.inference_mode()
+    def warm_up(self):
+        """With fixed shapes: one pass of each of them (1, 2, 4, ... rows up to max_batch's), every row
+        a padding row, so the model's compiled step loads or builds each before a request waits
+        on it (kernels.AheadOfTime). The pool's blocks are not touched: padding rows write and read
+        the spare block alone."""
+        if self.width is None:
+            return
+        for rows in (1 << i for i in range((self.max_batch - 1).bit_length() + 1)):
+            ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+            self.model(ids, ids, self.cache.bind([self.padding] * rows, self.width))
 
     def _apply_copies(self):
         for src, dst in self.scheduler.copies:

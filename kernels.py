@@ -1065,6 +1065,8 @@ class AheadOfTime:
                    cache.k[0].dtype, len(cache.k), repr(cache.codec), last_only, hidden,
                    None if features is None else (features.shape, features.dtype), type(cache))
         runner = self.runners.get(variant)
+        if variant in self.missing and self.missing[variant].exists():   # another process built it
+            del self.missing[variant]
         # built (or loaded) even by a call that then runs eagerly: a warm-up's
         if runner is None and variant not in self.missing:
             call = (tokens, positions, mask, cache, last_only, features, hidden)

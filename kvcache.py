@@ -537,18 +537,21 @@ class PagedKVCache:
         self.in_place, self.reading_in_place = in_place, False
         if codec is not None:
             dtype, head_dim = torch.uint8, codec.row_bytes(head_dim)
-        # Per layer one K and one V tensor [block, slot in block, KV head, d_head]: separate
-        # tensors, which a compiled step writes in place (as a static cache's). Zeros, not empty:
-        # a masked key still meets a zero probability in probs @ V, and 0 · NaN garbage is NaN.
-        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        # Per layer one K and one V tensor [slot, KV head, d_head], slot = block · block_size + its
+        # slot in the block: separate tensors, written whole (no view), which a compiled step writes
+        # in place (as a static cache's). Zeros, not empty: a masked key still meets a zero
+        # probability in probs @ V, and 0 · NaN garbage is NaN.
+        shape = (num_blocks * block_size, n_kv_heads, head_dim)
         self.k, self.v = ([torch.zeros(shape, dtype=dtype or torch.float32, device=device)
                            for _ in range(n_layers)] for _ in range(2))
         self.layers = [_PagedLayer(self, i) for i in range(n_layers)]
         self.tables: list = []         # paged.BlockTable, one per batch row
+        self.width: int | None = None  # a fixed table width for in-place passes (bind)
+        self.fixed_shape = False       # this pass's shapes are a compiled step's (begin)
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[0] // self.block_size
 
     @property
     def limit(self) -> int:
@@ -566,11 +569,14 @@ class PagedKVCache:
     def copy_block(self, src: int, dst: int):
         """Copy-on-write: block ``src``'s K and V, all layers, into block ``dst``."""
         for t in self.k + self.v:
+            t = t.view(self.num_blocks, self.block_size, *t.shape[1:])
             t[dst] = t[src]
 
-    def bind(self, tables: list) -> "PagedKVCache":
-        """The sequences of the next forward pass, one per batch row."""
-        self.tables = list(tables)
+    def bind(self, tables: list, width: int | None = None) -> "PagedKVCache":
+        """The sequences of the next forward pass, one per batch row. ``width``: a one-token pass
+        read in place gives every table this many blocks, whatever the longest holds, so its
+        shapes are those of a compiled step's (model.Llama.forward runs that one then)."""
+        self.tables, self.width = list(tables), width
         return self
 
     def begin(self, positions) -> torch.Tensor:
@@ -586,10 +592,11 @@ class PagedKVCache:
                              f"call bind(tables)")
         dev, n = self.k[0].device, max(len(t.block_ids) for t in self.tables)
         self.reading_in_place = self.in_place is not None and T == 1
+        self.fixed_shape = self.reading_in_place and self.width is not None
         if self.reading_in_place:
             return self.rows([t.slot(t.num_tokens - 1) for t in self.tables],
                              [t.num_tokens - 1 for t in self.tables],
-                             [t.block_ids for t in self.tables], n)
+                             [t.block_ids for t in self.tables], self.width or n)
         self._write = torch.tensor([t.slot(p) for t in self.tables
                                     for p in range(t.num_tokens - T, t.num_tokens)],
                                    device=dev)
@@ -609,6 +616,10 @@ class PagedKVCache:
         return torch.tensor([[s, p, *t, *[0] * (width - len(t))]
                              for s, p, t in zip(slots, positions, tables)], device=self.k[0].device)
 
+    def blocks(self, pool: torch.Tensor) -> torch.Tensor:
+        """A layer's K or V viewed as [block, slot in block, KV head, d_head]."""
+        return pool.view(self.num_blocks, self.block_size, *pool.shape[1:])
+
     def _scatter(self, layer: int, k, v, slots):
         """This pass's new K/V rows into their slots of the layer's pool; returns its (K, V)."""
         B, H, T, d = k.shape
@@ -616,7 +627,7 @@ class PagedKVCache:
         for pool, new in zip(pools, (k, v)):
             new = new.transpose(1, 2).reshape(B * T, H, d)
             new = new.to(pool.dtype) if self.codec is None else self.codec.encode(new)
-            pool.view(-1, H, pool.shape[-1]).index_copy_(0, slots, new)
+            pool.index_copy_(0, slots, new)
         return pools
 
     def _update(self, layer: int, k, v):
@@ -625,8 +636,8 @@ class PagedKVCache:
         for pool in self._scatter(layer, k, v, self._write):
             # Whole blocks in table order, head-major: contiguous (H, B, L, row), which
             # model.attend reads as is.
-            kv = (pool.index_select(0, self._read.flatten()).view(B, -1, H, pool.shape[-1])
-                  .permute(2, 0, 1, 3).contiguous())
+            kv = (self.blocks(pool).index_select(0, self._read.flatten())
+                  .view(B, -1, H, pool.shape[-1]).permute(2, 0, 1, 3).contiguous())
             kv = kv.to(k.dtype) if self.codec is None else self.codec.decode(kv, k.dtype)
             out.append(kv.transpose(0, 1))                                  # (B, H, L, d) views
         return out
@@ -651,7 +662,7 @@ class _PagedLayer:
         lie (the cache's ``in_place`` reader)."""
         c = self.cache
         K, V = c._scatter(self.index, k, v, rows[:, 0])
-        return c.in_place(q, K, V, rows[:, 2:], rows[:, 1], c.window)
+        return c.in_place(q, c.blocks(K), c.blocks(V), rows[:, 2:], rows[:, 1], c.window)
 
 
 # ----------------------------------------------------------------------------

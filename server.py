@@ -71,6 +71,7 @@ import ipaddress
 import json
 import queue
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -672,8 +673,10 @@ class Server:
     """Requests in, jobs to the engine thread, OpenAI's responses out."""
 
     def __init__(self, eng: engine.Engine, tok: Tokenizer, name: str, api_key: str | None = None,
-                 max_queue: int = 256, max_body: int = 1 << 20, guard: Guard | None = None):
+                 max_queue: int = 256, max_body: int = 1 << 20, guard: Guard | None = None,
+                 unbuilt: bool = False):
         self.engine, self.tok, self.name = eng, tok, name
+        self.unbuilt = unbuilt      # compiled steps not built yet: main builds them in the background
         self.tool_format = tools.Format.of(tok.chat_template)
         self.api_key, self.max_queue, self.max_body = api_key, max_queue, max_body
         self.guard = guard or Guard()
@@ -992,6 +995,11 @@ def parse_args(argv=None):
                     help="KV pool storage (quantize.py)")
     ap.add_argument("--max-batch", type=int, default=32, help="sequences decoding together (default: 32)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="memory for the KV pool, GiB (default: 1)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compiled decode steps on a CPU (default: the plan's); the first start builds them "
+                    "in the background (minutes) while the server answers on the eager step")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="build the compiled decode steps, then exit (what that background build runs)")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="compute every prompt whole (what the prefix cache buys: bench.py serve)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
@@ -1018,17 +1026,22 @@ def build(args) -> Server:
         raise ValueError(f"--kv-gib must be positive, got {args.kv_gib}")
     if not args.drain_seconds >= 0:
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
-    check_port(args.host, args.port)      # before minutes of loading, not after
+    if not args.compile_only:             # the background build runs beside the server on its port
+        check_port(args.host, args.port)  # before minutes of loading, not after
     # the runner's path: flags -> the plan (auto: its dtype; bf16 where native and measured faster) -> defaults
     cfg = RunConfig.from_flags(args)
     model, tok = nanoinfer.load.load(cfg)
     codec = quantize.kv_codec(cfg.kv_dtype)
+    reader = kernels.paged_reader(cfg.device, codec)
     eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), codec=codec,
-                        prefix_caching=not args.no_prefix_cache,
-                        in_place=kernels.paged_reader(cfg.device, codec),
-                        vocab=grammar_vocab(tok.to_json(), model.config.eos_ids))
+                        prefix_caching=not args.no_prefix_cache, in_place=reader,
+                        vocab=grammar_vocab(tok.to_json(), model.config.eos_ids),
+                        fixed_shapes=cfg.compile and reader is not None)
+    eng.warm_up()       # each compiled step loaded, built (--compile-only) or found missing
     guard = Guard(args.host, tuple(args.allow_host), tuple(args.allow_origin))
-    return Server(eng, tok, Path(cfg.model).name, args.api_key, args.max_queue, args.max_body, guard)
+    unbuilt = bool(getattr(model.compiled_step, "missing", None))      # kernels.AheadOfTime's
+    return Server(eng, tok, Path(cfg.model).name, args.api_key, args.max_queue, args.max_body, guard,
+                  unbuilt)
 
 
 def build_apart(args) -> Server:
@@ -1040,6 +1053,23 @@ def build_apart(args) -> Server:
     thread's the only one."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load") as loader:
         return loader.submit(build, args).result()
+
+
+def build_in_background(server: Server, argv: list[str]) -> subprocess.Popen | None:
+    """The compiled decode steps not built yet (the first start on this machine) are built by a
+    child process (this command with --compile-only, log in the cache folder) while the server
+    answers on the eager step; each loads at its next call once its file is there
+    (kernels.AheadOfTime). None when every step was there or nothing compiles."""
+    if not server.unbuilt:
+        return None
+    log = checkpoint.cache_root() / "compiled" / "server-build.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--compile-only"],
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    print(f"compiling the decode steps in the background (once, minutes; log: {log}); until then "
+          f"the answers run on the eager step", file=sys.stderr)
+    return child
 
 
 def check_port(host: str, port: int):
@@ -1092,6 +1122,10 @@ def main(argv=None) -> int:
         return 1
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {server.engine.describe()}",
           file=sys.stderr)
+    if args.compile_only:
+        print("compiled decode steps built", file=sys.stderr)
+        return 0
+    builder = build_in_background(server, sys.argv[1:] if argv is None else list(argv))
     print(f"serving on http://{args.host}:{args.port}/ (chat page), API at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
@@ -1102,6 +1136,8 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if builder is not None and builder.poll() is None:
+        builder.terminate()
     finished, cancelled = runner.outcome or (0, 0)
     print(f"stopped: {finished} requests finished while draining, {cancelled} cancelled",
           file=sys.stderr)

@@ -91,8 +91,8 @@ def test_paged_kernel_equals_the_gather_path(block_size):
     for in_place in (False, True):
         cache = PagedKVCache(1, alloc.num_blocks, block_size, kv_heads, d, device=DEV,
                              in_place=kernels.paged_decode if in_place else None)
-        cache.k[0].copy_(pool[0, 0])
-        cache.v[0].copy_(pool[0, 1])
+        cache.k[0].copy_(pool[0, 0].flatten(0, 1))
+        cache.v[0].copy_(pool[0, 1].flatten(0, 1))
         mask = cache.bind(tables).begin(torch.tensor([[n] for n in lengths], device=DEV))
         assert cache.layers[0].in_place is in_place
         if in_place:

@@ -133,3 +133,33 @@ def test_a_failed_background_compile_is_one_line_and_the_answers_stay_eager(caps
     assert chat.building is None
     serve_local.take_compiled_step(chat)            # the next turn: nothing more to say
     assert capsys.readouterr().err == ""
+
+
+def test_the_engine_runs_its_decode_steps_compiled_and_each_request_gets_its_text_alone(tmp_path,
+                                                                                       monkeypatch):
+    """The server's engine on fixed shapes (engine.Engine(fixed_shapes=True)): decode passes padded
+    to 1, 2, 4 rows run the compiled step, the pool written and read in place (paged_attention);
+    prompts decoding together get the tokens each gets alone, greedy and sampled, and every block
+    comes back. warm_up builds each shape before a request waits on it."""
+    from engine import Engine
+    from sampling import SamplingParams
+    if not kernels.native_kernels(quiet=True):
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = make_checkpoint(tmp_path / "m", tokenizer=False, num_hidden_layers=1)
+    model = M.Llama.from_pretrained(path, "cpu", attend=kernels.native_decode(M.attend))
+    model.config.eos_ids = []
+    kernels.compile_decode(model)
+
+    def run(prompts, **sampling):
+        engine = Engine(model, block_size=16, max_batch=4, kv_bytes=1 << 20, fixed_shapes=True,
+                        in_place=kernels.paged_reader("cpu"))
+        engine.warm_up()
+        reqs = [engine.add(p, SamplingParams(max_new_tokens=20, **sampling)) for p in prompts]
+        engine.run()
+        assert engine.num_free_blocks == engine.allocator.num_blocks
+        return [r.sequences[0].output for r in reqs]
+    prompts = [[7], list(range(3, 20)), list(range(10, 47))]
+    for sampling in ({}, {"temperature": 1.0, "seed": 5}):
+        assert run(prompts, **sampling) == [run([p], **sampling)[0] for p in prompts]
+    assert len(model.compiled_step.runners) == 3            # 1, 2 and 4 rows

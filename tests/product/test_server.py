@@ -432,10 +432,12 @@ def test_cli_bad_flag_is_one_line():
 
 
 def start_cli(bundled_dir, cache_home, *flags) -> tuple[subprocess.Popen, str]:
-    """`python server.py` on the bundled model and a free port, once /health answers: (process, url)."""
+    """`python server.py` on the bundled model and a free port, once /health answers: (process, url).
+    Eager (--no-compile): a first start would build its compiled steps beside the tests."""
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
-    proc = subprocess.Popen([sys.executable, "server.py", "--model", str(bundled_dir), "--port", str(port), *flags],
+    proc = subprocess.Popen([sys.executable, "server.py", "--model", str(bundled_dir), "--port", str(port),
+                             "--no-compile", *flags],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
