@@ -27,7 +27,7 @@ row waits for another. That needs a KV cache whose sequences come and go and
 grow independently: paged.py's blocks. Rows of different lengths decode in one
 forward pass: tokens (B, 1) at positions (B, 1), each row reading its keys
 through its own block table, padded to the longest and masked
-(kvcache.PagedKVCache).
+(kvcache.PagedKVCache), or read where they lie where the device has a reader.
 
 The parts, bottom up:
 
@@ -514,7 +514,9 @@ class Engine:
     quantized rows instead. ``in_place``: how a one-token pass reads the pool where it
     lies (kvcache.PagedKVCache's; None: gather). ``chunk_tokens``: the most prompt
     tokens a step computes (None: every admitted prompt whole). ``vocab``
-    (sampling.grammar_vocab): what requests with a schema or grammar need."""
+    (sampling.grammar_vocab): what requests with a schema or grammar need. ``fixed_shapes``: decode
+    passes padded to 1, 2, 4, ... rows and tables to max_len's blocks (needs ``in_place``), the
+    few shapes a compiled one-token step runs (kernels.compile_decode; ``warm_up`` loads them)."""
 
     def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES,
@@ -607,10 +609,11 @@ class Engine:
             raise ValueError("this engine has no vocabulary for schemas and grammars (the model "
                              "has no tokenizer.json, or Engine was given no vocab)")
         if len(ids) >= self.max_len:
+            a = self.allocator
             raise ValueError(f"prompt is {len(ids)} tokens but a sequence may hold at most "
                              f"{self.max_len} (model context {self.model.config.max_seq_len}, "
-                             f"KV pool {self.allocator.num_blocks * self.allocator.block_size} tokens = "
-                             f"{self.allocator.num_blocks} blocks of {self.allocator.block_size}); "
+                             f"KV pool {a.num_blocks * a.block_size} tokens = "
+                             f"{a.num_blocks} blocks of {a.block_size}); "
                              f"shorten it or give the engine more blocks")
         return ids
 
@@ -741,8 +744,8 @@ class Engine:
 
     @torch.inference_mode()
     def warm_up(self):
-        """With fixed shapes: one pass of each of them (1, 2, 4, ... rows up to max_batch's), every row
-        a padding row, so the model's compiled step loads or builds each before a request waits
+        """With fixed shapes: one pass of each of them (1, 2, 4, ... rows up to max_batch's), every
+        row a padding row, so the model's compiled step loads or builds each before a request waits
         on it (kernels.AheadOfTime). The pool's blocks are not touched: padding rows write and read
         the spare block alone."""
         if self.width is None:
