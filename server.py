@@ -1012,7 +1012,8 @@ def parse_args(argv=None):
                     "any; repeatable (default: only the server's own chat page)")
     ap.add_argument("--drain-seconds", type=float, default=30.0,
                     help="on SIGINT or SIGTERM, how long requests in flight may take to finish (default: 30)")
-    ap.set_defaults(kv="paged")     # what RunConfig.from_flags reads: the engine's block pool, eager
+    # what RunConfig.from_flags reads: the engine's block pool, its decode steps compiled as planned
+    ap.set_defaults(kv="paged", compiled_engine=True)
     return ap.parse_args(argv)
 
 

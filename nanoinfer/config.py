@@ -59,9 +59,9 @@ class RunConfig:
         * any speculative flag (--draft, --prompt-lookup, --lookahead) replaces the plan's method;
           --no-speculation drops the plan's.
         * --kv paged (the server's engine), --tp and --decoder naive run their own decoders: no
-          speculation of the plan's (and --tp: float weights), eager but for the engine's decode
-          steps on a CPU, which compile as the plan says; --weights int8/int4 drop the plan's
-          speculation too.
+          speculation of the plan's (and --tp: float weights), eager but for the server's engine
+          (compiled_engine) on a CPU, whose decode steps compile as the plan says; --weights
+          int8/int4 drop the plan's speculation too.
         A flag a command does not have counts as not given."""
         g = {k: v for k, v in vars(args).items() if v is not None}
         device = kernels.pick_device(g.get("device"))      # a device this machine lacks: one line, now
@@ -86,8 +86,8 @@ class RunConfig:
             compile = g.get("compile", p.compile)
             cache = "static" if compile or "ctx" in g else "dynamic"
         if own:     # the server's engine on a CPU compiles its decode steps (fixed shapes, paged)
-            paged_cpu = g.get("kv") == "paged" and device.type == "cpu"
-            compile, cache = compile and paged_cpu, g.get("cache", "dynamic")
+            engine_steps = g.get("compiled_engine", False) and device.type == "cpu"
+            compile, cache = compile and engine_steps, g.get("cache", "dynamic")
         methods = {k: g.get(k) for k in ("draft", "prompt_lookup", "lookahead")}
         if g.get("no_speculation"):
             if any(v is not None for v in methods.values()):

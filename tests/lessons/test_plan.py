@@ -186,13 +186,18 @@ def test_no_speculation(smol):
 
 def test_one_run_config_from_either_command(smol):
     """The runner's and the server's flags become one RunConfig the same way, in torch's types; the
-    server runs the engine (eager and paged: no compile, no speculation) on the plan's dtype."""
+    server runs the engine (paged, no speculation, its decode steps compiled as the plan says,
+    built in the background) on the plan's dtype; the runner's --kv paged chat stays eager."""
     import server
     p = plan.choose(cpu(bf16=True, int4=0.05), smol)          # fp32, int4 weights, compiled
     cfg = nl.RunConfig.from_flags(server.parse_args([]), p)
     assert (cfg.device, cfg.dtype, cfg.weights, cfg.kv_dtype, cfg.head) == (torch.device("cpu"), torch.float32,
                                                                              None, None, "float")
-    assert (cfg.kv, cfg.compile, cfg.draft, cfg.prompt_lookup, cfg.attn) == ("paged", False, None, None, "sdpa")
+    assert (cfg.kv, cfg.compile, cfg.draft, cfg.prompt_lookup, cfg.attn) == ("paged", True, None, None, "sdpa")
+    assert cfg.background_compile and cfg.cache == "dynamic"
+    assert not nl.RunConfig.from_flags(server.parse_args(["--no-compile"]), p).compile
+    assert not nl.RunConfig.from_flags(server.parse_args(["--compile-only"]), p).background_compile
+    assert not nl.RunConfig.from_flags(serve_local.parse_args(["--kv", "paged"]), p).compile
     cfg = nl.RunConfig.from_flags(server.parse_args(["--dtype", "bf16", "--weights", "int8"]), p)
     assert (cfg.dtype, cfg.weights) == (torch.bfloat16, "int8")
     one = nl.RunConfig.from_flags(serve_local.parse_args(["--prompt", "x"]), p)
