@@ -94,12 +94,12 @@ def bench_serve(args):
     own = checkpoint.bundled_gguf(*checkpoint.BUNDLED[1:]) if args.model == checkpoint.DEFAULT_MODEL else None
     if binary is None and not args.no_peer:
         print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
+    elif binary is not None and own is not None:
+        # our server runs the file's own bits too: this peer is the equal-bits one as well
+        servers.append((f"llama-server {own.name}", llama_server_command(binary, own, threads, slots, slots * 1024),
+                        log_dir / "llama-server-own.log"))
     elif binary is not None:
-        if own is not None:
-            servers.append((f"llama-server {own.name}",
-                            llama_server_command(binary, own, threads, slots, slots * 1024),
-                            log_dir / "llama-server-own.log"))
-        # the same weights at our server's bits: fp32, or bf16 where this CPU computes it natively
+        # another checkpoint: its weights at our server's bits, fp32 or bf16 where this CPU computes it natively
         dtype = "bf16" if kernels.bf16_supported(torch.device("cpu")) else "f32"
         gguf = log_dir / f"{path.name}-{dtype}.gguf"
         if not gguf.is_file():
