@@ -3,6 +3,8 @@ and the gaps between tokens."""
 
 from __future__ import annotations
 
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ import kernels
 import results
 import safetensors_io
 from model import LlamaConfig
-from bench.common import HANDBOOK, QUESTIONS, free_port, model_dir, start_server
+from bench.common import CHAT_PROMPTS, HANDBOOK, QUESTIONS, ROOT, free_port, model_dir, start_server
 from bench.peers import llama_server_binary, llama_server_command
 
 
@@ -134,9 +136,59 @@ def bench_serve(args):
           f"{r['ttft_p95']:.0f}", f"{r['shared_ttft_p50']:.0f}", f"{r['itl_p50']:.0f}", f"{r['itl_p95']:.0f}"]
          for r in rows])
     table.notes = serve_notes(rows, [name for name, _, _ in servers], args.concurrency)
-    print(f"\n{table.markdown()}")
+    tables = [table] + ([] if args.no_runner else [single_stream(args, ours, log_dir)])
+    print("\n" + "\n\n".join(t.markdown() for t in tables))
     plot = plot_serve(rows, args.model)
-    print(f"saved {results.save('serve', 'engine', [table], plots=[plot] if plot else [])}")
+    print(f"saved {results.save('serve', 'engine', tables, plots=[plot] if plot else [])}")
+
+
+def stream_rate(url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    """One streamed greedy chat answer: decode tok/s from its first token to its last, and its
+    tokens (one SSE chunk each)."""
+    import httpx
+    body = {"model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    times = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan"), len(times)
+
+
+def single_stream(args, ours: list[str], log_dir: Path) -> results.Table:
+    """One client through server.py against the runner (serve_local.py, its plan, compiled step
+    built first) on the same prompts in the same run, prompt by prompt alternating: decode tok/s
+    from first token to last, each prompt's median over the rounds."""
+    from bench.runner import RunnerSession
+    subprocess.run([sys.executable, "serve_local.py", "--model", args.model, "--compile-only"], cwd=ROOT,
+                   check=True, capture_output=True)       # the runner's compiled step, built once
+    runner = RunnerSession(["--model", args.model], args.max_tokens)
+    port = free_port()
+    proc = start_server(ours + ["--port", str(port)], port, log_dir / "server-single.log")
+    url, prompts = f"http://127.0.0.1:{port}", CHAT_PROMPTS
+    rates = {p: ([], []) for p in prompts}
+    try:
+        stream_rate(url, prompts[0], 8)                   # warm-up
+        for _ in range(args.single_rounds):
+            for p in prompts:
+                rates[p][0].append(stream_rate(url, p, args.max_tokens)[0])
+                rates[p][1].append(runner.ask(p)["tok_s"])
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        runner.close()
+    med = statistics.median
+    rows = [[p[:40], f"{med(s):.1f}", f"{med(r):.1f}", f"{med(s) / med(r):.2f}"] for p, (s, r) in rates.items()]
+    ratios = [med(s) / med(r) for s, r in rates.values()]
+    table = results.Table(
+        f"One streaming client: server.py against the runner (serve_local.py, its plan) on the same {len(prompts)} "
+        f"prompts, alternating, {args.single_rounds} rounds; greedy, at most {args.max_tokens} tokens, stopping at "
+        f"EOS; decode tok/s from the first token to the last, each prompt's median",
+        ["prompt", "server.py tok/s", "serve_local.py tok/s", "ratio"], rows)
+    table.notes = [f"server.py over serve_local.py: median {med(ratios):.2f}×, from {min(ratios):.2f}× to "
+                   f"{max(ratios):.2f}×"]
+    return table
 
 
 OURS, OURS_UNCACHED = "nanoinfer server.py", "nanoinfer server.py, no prefix cache"
@@ -186,4 +238,6 @@ def serve_args(p):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--seconds", type=float, default=40, help="how long each concurrency level runs")
     p.add_argument("--no-peer", action="store_true", help="our server alone (no llama-server)")
+    p.add_argument("--no-runner", action="store_true", help="without the single stream against serve_local.py")
+    p.add_argument("--single-rounds", type=int, default=3, help="rounds of the single-stream comparison")
     p.add_argument("--max-tokens", type=int, default=128)
