@@ -1226,26 +1226,32 @@ static at::Tensor attend_paged(const at::Tensor& q_, const at::Tensor& k, const 
                                const at::Tensor& tables, const at::Tensor& positions,
                                int64_t window) {
   at::Tensor q = q_.to(at::kFloat).contiguous();
-  at::Tensor tab = tables.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
+  // read through their strides: an engine's tables and positions are columns of one tensor, every
+  // layer's, and a copy of its padded tables per layer would cost more than the rows read
+  at::Tensor tab = tables.to(at::kLong), pos = positions.to(at::kLong);
   int64_t B = q.size(0), H = q.size(1), d = q.size(3), bs = k.size(1), Hkv = k.size(2),
-          n = tab.size(1), L = n * bs;
+          n = tab.size(1), L = n * bs, ts = tab.stride(0), tc = tab.stride(1), ps = pos.stride(0);
   TORCH_CHECK(k.size(3) == d && H % Hkv == 0 && d % 8 == 0 && n > 0 && tab.size(0) == B &&
-              pos.numel() == B, "paged_attention: shapes");
-  const int64_t *tp = tab.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+              pos.dim() == 1 && pos.size(0) == B, "paged_attention: shapes");
+  const int64_t *tab0 = tab.data_ptr<int64_t>(), *pos0 = pos.data_ptr<int64_t>();
+  std::vector<int64_t> pp(B);
   int64_t longest = 0;       // the chunks past every row's position are not visited
   for (int64_t b = 0; b < B; b++) {
+    pp[b] = pos0[b * ps];
     TORCH_CHECK(0 <= pp[b] && pp[b] < L, "paged_attention: a position beyond its table");
     longest = std::max(longest, pp[b] + 1);
+    for (int64_t i = 0; i <= pp[b] / bs; i++)        // the blocks this row reads
+      TORCH_CHECK(0 <= tab0[b * ts + i * tc] && tab0[b * ts + i * tc] < k.size(0),
+                  "paged_attention: a block id beyond the pool");
   }
-  for (int64_t i = 0; i < B * n; i++)
-    TORCH_CHECK(0 <= tp[i] && tp[i] < k.size(0), "paged_attention: a block id beyond the pool");
+  auto tp = [&](int64_t b, int64_t i) { return tab0[b * ts + i * tc]; };
   const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   int64_t kblk = k.stride(0), kslot = k.stride(1), kh = k.stride(2), vblk = v.stride(0),
           vslot = v.stride(1), vh = v.stride(2);
   auto y = attend_chunks<T>(
       q, Hkv, longest, [&](int64_t b) { return pp[b] + 1; },
       [&](int64_t b, int64_t h, int64_t j) {
-        int64_t blk = tp[b * n + j / bs], slot = j % bs;
+        int64_t blk = tp(b, j / bs), slot = j % bs;
         return std::make_pair(kp + blk * kblk + slot * kslot + h * kh,
                               vp + blk * vblk + slot * vslot + h * vh);
       },

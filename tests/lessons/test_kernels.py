@@ -517,6 +517,9 @@ def test_paged_attention_reads_the_pool_where_it_lies(B, H, H_kv, d, block, wind
         k, v, mask = gathered(p, tables, positions, window)
         want = kernels.decode_attention(x, k.to(q_type), v.to(q_type), mask.contiguous())
         assert torch.equal(kernels.paged_attention(x, p[0], p[1], tables, positions, window), want)
+        # as an engine hands them: columns of one (B, 2 + n) tensor of rows, read through strides
+        rows = torch.cat([torch.zeros_like(positions)[:, None], positions[:, None], tables], 1)
+        assert torch.equal(kernels.paged_attention(x, p[0], p[1], rows[:, 2:], rows[:, 1], window), want)
     with pytest.raises(RuntimeError, match="beyond"):
         kernels.paged_attention(q, pool[0], pool[1], tables + blocks, positions, None)
 
