@@ -496,6 +496,11 @@ class Stats(Counts):
     preemptions: int = 0
 
 
+def padded_rows(rows: int) -> int:
+    """The rows of a fixed-shape decode pass that holds ``rows`` sequences: the next power of two."""
+    return 1 << (rows - 1).bit_length()
+
+
 class Engine:
     """Continuous batching over one paged KV pool.
 
@@ -735,7 +740,7 @@ class Engine:
         self._apply_copies()
         rows = len(batch)
         # fixed shapes: up to a power of two with rows that write and read the spare block alone
-        pad = (1 << (rows - 1).bit_length()) - rows if self.width else 0
+        pad = padded_rows(rows) - rows if self.width else 0
         tables = [s.table for s in batch] + [self.padding] * pad
         ids = torch.tensor([[s.output[-1]] for s in batch] + [[0]] * pad, device=self.device)
         pos = torch.tensor([[t.num_tokens - 1] for t in tables], device=self.device)
@@ -750,7 +755,7 @@ class Engine:
         the spare block alone."""
         if self.width is None:
             return
-        for rows in (1 << i for i in range((self.max_batch - 1).bit_length() + 1)):
+        for rows in sorted({padded_rows(n) for n in range(1, self.max_batch + 1)}):
             ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
             self.model(ids, ids, self.cache.bind([self.padding] * rows, self.width))
 
