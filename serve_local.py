@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -386,10 +385,7 @@ def warm_up(chat: Chat, argv: list[str] | None = None):
     if getattr(chat.model.compiled_step, "missing", None):
         chat.cache.crop(0)
         log = build_log()
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as out:
-            chat.building = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--compile-only"],
-                                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        chat.building = nanoinfer.load.build_in_background(Path(__file__).resolve(), argv, log)
         print(f"compiling the decode step in the background (once, ~1 min; log: {log}); until then the answers "
               f"run on the eager step", file=sys.stderr)
         return

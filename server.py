@@ -1064,10 +1064,7 @@ def build_in_background(server: Server, argv: list[str]) -> subprocess.Popen | N
     if not server.unbuilt:
         return None
     log = checkpoint.cache_root() / "compiled" / "server-build.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--compile-only"],
-                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    child = nanoinfer.load.build_in_background(Path(__file__).resolve(), argv, log)
     print(f"compiling the decode steps in the background (once, minutes; log: {log}); until then "
           f"the answers run on the eager step", file=sys.stderr)
     return child

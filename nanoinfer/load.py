@@ -15,6 +15,8 @@ decoding load here too (proposer, load_draft).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -79,6 +81,16 @@ def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare:
 def load_compiled(model: Llama) -> Llama:
     """After a background build (cfg.background_compile): the step again, which now loads the package."""
     return kernels.compile_decode(model)
+
+
+def build_in_background(script: Path, argv: list[str], log: Path) -> subprocess.Popen:
+    """``script argv --compile-only`` as a child process, its output to ``log``: how a first start
+    of the runner or the server builds its compiled steps while it answers on the eager ones
+    (kernels.AheadOfTime loads each once its file is there)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, str(script), *argv, "--compile-only"],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
 
 def load_tp(cfg: RunConfig, device: torch.device, group=None) -> tuple[Llama, Tokenizer]:
