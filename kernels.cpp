@@ -28,6 +28,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -125,6 +126,30 @@ static void widened_rows(S s, S lo, int64_t G, int64_t r0, int64_t r1, int64_t s
     for (int64_t r = b0; r < b1; r += step)
       f(r, sp + (r - b0) * G, lp ? lp + (r - b0) * G : nullptr);
   }
+}
+
+// A pass's weight rows [0, N) against its M rows of x, split across threads: each thread widens
+// its own rows' scales, WIDEN_ROWS rows at a time (never the whole matrix's on one thread before
+// the loop: 3.5 MB of the tied head's), and takes R weight rows at a time against x's rows in
+// tiles of 4, 2 and 1, the weights widened once per tile and read from DRAM once.
+// f(rows, tile, n, m, scales, minimums) computes y[m .. m + tile, n .. n + rows]; rows and tile
+// come as std::integral_constant, for f's kernel template.
+template <int R, typename S, typename F>
+static void row_tiles(S s, S lo, int64_t G, int64_t N, int64_t M, F f) {
+  auto tiles = [&](auto rows, int64_t n, const float* sn, const float* ln) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) f(rows, std::integral_constant<int, 4>(), n, m, sn, ln);
+    for (; m + 2 <= M; m += 2) f(rows, std::integral_constant<int, 2>(), n, m, sn, ln);
+    if (m < M) f(rows, std::integral_constant<int, 1>(), n, m, sn, ln);
+  };
+  at::parallel_for(0, N / R, std::max(1, 16 / R), [&](int64_t p0, int64_t p1) {
+    widened_rows(s, lo, G, p0 * R, p1 * R, R, [&](int64_t n, const float* sn, const float* ln) {
+      tiles(std::integral_constant<int, R>(), n, sn, ln);
+    });
+  });
+  widened_rows(s, lo, G, N / R * R, N, 1, [&](int64_t n, const float* sn, const float* ln) {
+    tiles(std::integral_constant<int, 1>(), n, sn, ln);
+  });
 }
 
 // run(s, lo) with the scales as the kernels read them: pointers to fp32 or fp16 numbers, or
@@ -254,27 +279,6 @@ static inline void widen(const uint8_t* q, int64_t ahead, __m256& e0, __m256& o0
       o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
 }
 
-// 32 weights of one int4 row against MT rows of reordered x, into acc[t][0] (bytes 0-7, as lanes
-// 0-7) and acc[t][1] (bytes 8-15). Per 16 weights: one widening load, an and, a shift, two
-// conversions, then two FMAs per row of x and one for the block's scale.
-template <int MT>
-static inline void int4_block(const uint8_t* q, float scale, const float* xp, int64_t K,
-                              __m256 (*acc)[2]) {
-  __m256 e0, o0, e1, o1;
-  widen(q, AHEAD, e0, o0, e1, o1);
-  __m256 vs = _mm256_set1_ps(scale);
-  UNROLL
-  for (int t = 0; t < MT; t++) {
-    const float* xc = xp + t * K;
-    __m256 p0 = _mm256_fmadd_ps(o0, _mm256_loadu_ps(xc + 16),
-                                _mm256_mul_ps(e0, _mm256_loadu_ps(xc)));
-    __m256 p1 = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xc + 24),
-                                _mm256_mul_ps(e1, _mm256_loadu_ps(xc + 8)));
-    acc[t][0] = _mm256_fmadd_ps(p0, vs, acc[t][0]);
-    acc[t][1] = _mm256_fmadd_ps(p1, vs, acc[t][1]);
-  }
-}
-
 // The minimum's share, lo·Σx over the row's groups, 8 groups to a vector: a scalar chain of 18 FMAs
 // (SmolLM2's 576 columns) would hold each row back by ~70 cycles.
 static inline float lo_share(const float* lo, const float* sx, int64_t G) {
@@ -290,29 +294,14 @@ static inline float lo_share(const float* lo, const float* sx, int64_t G) {
   return hsum8(a);
 }
 
-// One weight row against MT rows of x (two 8-lane halves of the 16 lanes, two chains: one FMA's
-// latency does not gate the next); then the minimum's share. shift = log2(group / 32): block c's
-// scale is s[c >> shift].
-template <int MT>
-static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                     const float* xp, const float* sx, float* y, int64_t N) {
-  __m256 acc[MT][2];
-  UNROLL
-  for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < K / 32; c++)
-    int4_block<MT>(q + c * 16, s[c >> shift], xp + c * 32, K, acc);
-  int64_t G = (K / 32) >> shift;
-  UNROLL
-  for (int t = 0; t < MT; t++)
-    y[t * N] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1])) + lo_share(lo, sx + t * G, G);
-}
-
+// int4_rows<R, MT>: R weight rows (each K / 2 bytes on from the last) against MT rows of reordered
+// x (xp, K apart; their group sums sx, G apart) into y[t·N + r]. Each (row, row of x) gets the
+// sums of one row against one row, whatever R and MT: R weight rows share x's loads (a decode
+// step), MT rows of x share a weight block's widening (a pass over several rows).
 #if defined(__AVX512F__)
-// One row of x (a decode step) against R weight rows at a time, a block's 16 lanes in one register:
-// the widened bytes index a 16-entry table of 0..15 (vpermps reads an index's low 4 bits: no mask
-// for the low nibble, no conversions), and x's two loads a block serve R rows. 8 instructions per
-// 32 weights and row against AVX2's 17: 4.46 cycles against 5.02 (Zen 4, from L2, one thread); the
-// same sums in the same order.
+// A block's 16 lanes in one register: the widened bytes index a 16-entry table of 0..15 (vpermps
+// reads an index's low 4 bits: no mask for the low nibble, no conversions). 8 instructions per 32
+// weights at one row against AVX2's 17: 4.46 cycles against 5.02 (Zen 4, from L2, one thread).
 // A 16-lane sum's upper 8 lanes (its lower 8: _mm512_castps512_ps256).
 static inline __m256 upper8(__m512 a) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
@@ -323,68 +312,86 @@ static inline float hsum(__m512 a0, __m512 a1) {
   return hsum(h);
 }
 
-template <int R>
+template <int R, int MT>
 static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G,
-                                   const float* xc, __m512 table, int64_t fetch, __m512* acc) {
-  __m512 xe = _mm512_loadu_ps(xc), xo = _mm512_loadu_ps(xc + 16);
+                                   const float* xc, int64_t K, __m512 table, int64_t fetch,
+                                   __m512 (*acc)[MT]) {
+  __m512 xe[MT], xo[MT];
+  UNROLL
+  for (int t = 0; t < MT; t++)
+    xe[t] = _mm512_loadu_ps(xc + t * K), xo[t] = _mm512_loadu_ps(xc + t * K + 16);
   UNROLL
   for (int r = 0; r < R; r++) {
     if (fetch) _mm_prefetch((const char*)(q + r * row_bytes + fetch), _MM_HINT_T0);
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes)));
     __m512 e = _mm512_permutexvar_ps(b, table),
-           o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-    acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo, _mm512_mul_ps(e, xe)), _mm512_set1_ps(s[r * G]),
-                             acc[r]);
+           o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), vs = _mm512_set1_ps(s[r * G]);
+    UNROLL
+    for (int t = 0; t < MT; t++)
+      acc[r][t] =
+          _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo[t], _mm512_mul_ps(e, xe[t])), vs, acc[r][t]);
   }
 }
-template <int R>
+template <int R, int MT>
 static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                      const float* xp, const float* sx, float* y) {
+                      const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[R];
+  __m512 acc[R][MT];
   UNROLL
-  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
   const int64_t ahead = spans_ahead(STREAM_AHEAD, R * (K / 2));
   for (int64_t c = 0; c < K / 32; c++)
-    int4_block_rows<R>(q + c * 16, K / 2, s + (c >> shift), G, xp + c * 32, table,
-                       (c & 3) == 0 ? ahead : 0, acc);
+    int4_block_rows<R, MT>(q + c * 16, K / 2, s + (c >> shift), G, xp + c * 32, K, table,
+                           (c & 3) == 0 ? ahead : 0, acc);
   UNROLL
-  for (int r = 0; r < R; r++) {
-    y[r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), upper8(acc[r])))
-           + lo_share(lo + r * G, sx, G);
-  }
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++)
+      y[t * N + r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][t]), upper8(acc[r][t])))
+                     + lo_share(lo + r * G, sx + t * G, G);
 }
+// Weight rows a pass over several rows of x takes at a time: R·MT accumulators, MT rows of x in
+// two registers each, and the widened block fit AVX-512's 32 registers at R = 2, MT = 4.
+#define TILE_ROWS 2
 #else
-// One row of x (a decode step) against R weight rows at a time: x's four loads per 32 weights serve
-// R rows (R = 2: 9% faster than one row at a time, W from DRAM). Each row keeps int4_row<1>'s sums
-// and order.
-template <int R>
+// The 16 lanes in two 8-lane halves, two chains: one FMA's latency does not gate the next. A weight
+// row at a time (R = 2, 9% faster, W from DRAM) shares x's four loads per 32 weights.
+template <int R, int MT>
 static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                      const float* xp, const float* sx, float* y) {
+                      const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   const int64_t ahead = spans_ahead(AHEAD, R * (K / 2));
-  __m256 acc[R][2];
+  __m256 acc[R][MT][2];
   UNROLL
-  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
-    const float* xc = xp + c * 32;
-    __m256 x0 = _mm256_loadu_ps(xc), x1 = _mm256_loadu_ps(xc + 8), x2 = _mm256_loadu_ps(xc + 16),
-           x3 = _mm256_loadu_ps(xc + 24);
     UNROLL
     for (int r = 0; r < R; r++) {
       __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (c >> shift)]);
       widen(q + r * (K / 2) + c * 16, ahead, e0, o0, e1, o1);
-      acc[r][0] = _mm256_fmadd_ps(_mm256_fmadd_ps(o0, x2, _mm256_mul_ps(e0, x0)), vs, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(o1, x3, _mm256_mul_ps(e1, x1)), vs, acc[r][1]);
+      UNROLL
+      for (int t = 0; t < MT; t++) {
+        const float* xc = xp + t * K + c * 32;
+        acc[r][t][0] = _mm256_fmadd_ps(_mm256_fmadd_ps(o0, _mm256_loadu_ps(xc + 16),
+                                                       _mm256_mul_ps(e0, _mm256_loadu_ps(xc))),
+                                       vs, acc[r][t][0]);
+        acc[r][t][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(o1, _mm256_loadu_ps(xc + 24),
+                                                       _mm256_mul_ps(e1, _mm256_loadu_ps(xc + 8))),
+                                       vs, acc[r][t][1]);
+      }
     }
   }
   UNROLL
   for (int r = 0; r < R; r++)
-    y[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + lo_share(lo + r * G, sx, G);
+    for (int t = 0; t < MT; t++)
+      y[t * N + r] = hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]))
+                     + lo_share(lo + r * G, sx + t * G, G);
 }
+// 16 registers: a tile of 4 rows of x takes 8 accumulators, so one weight row at a time.
+#define TILE_ROWS 1
 #endif
-
 // w[0..3]: 32 weights as fp32, fed to MT rows of x at once (one conversion, MT uses).
 template <int MT>
 static inline void feed(const __m256* w, const float* x, int64_t K, __m256 (*acc)[4]) {
@@ -508,33 +515,30 @@ static inline float hsum(const float* a) {
   for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
   return hsum8(l);
 }
-template <int MT>
-static void int4_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                     const float* xp, const float* sx, float* y, int64_t N) {
-  int64_t G = (K / 32) >> shift;
-  for (int t = 0; t < MT; t++) {
-    float acc[16] = {0}, l[8];
-    for (int64_t c = 0; c < K / 32; c++) {
-      const uint8_t* b = q + c * 16;
-      const float* xc = xp + t * K + c * 32;
-      for (int i = 0; i < 16; i++)
-        acc[i] = std::fma(std::fma(float(b[i] >> 4), xc[16 + i], float(b[i] & 15) * xc[i]),
-                          s[c >> shift], acc[i]);
-    }
-    for (int i = 0; i < 8; i++) l[i] = 0.f;
-    for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[t * G + g], l[g % 8]);
-    float m = hsum8(l);
-    for (int i = 0; i < 8; i++) l[i] = acc[i] + acc[8 + i];
-    y[t * N] = hsum8(l) + m;
-  }
-}
-template <int R>
+template <int R, int MT>
 static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
-                      const float* xp, const float* sx, float* y) {
+                      const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   for (int r = 0; r < R; r++)
-    int4_row<1>(q + r * K / 2, s + r * G, lo + r * G, K, shift, xp, sx, y + r, 1);
+    for (int t = 0; t < MT; t++) {
+      const uint8_t* qr = q + r * (K / 2);
+      const float *sr = s + r * G, *lr = lo + r * G;
+      float acc[16] = {0}, l[8];
+      for (int64_t c = 0; c < K / 32; c++) {
+        const uint8_t* b = qr + c * 16;
+        const float* xc = xp + t * K + c * 32;
+        for (int i = 0; i < 16; i++)
+          acc[i] = std::fma(std::fma(float(b[i] >> 4), xc[16 + i], float(b[i] & 15) * xc[i]),
+                            sr[c >> shift], acc[i]);
+      }
+      for (int i = 0; i < 8; i++) l[i] = 0.f;
+      for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lr[g], sx[t * G + g], l[g % 8]);
+      float m = hsum8(l);
+      for (int i = 0; i < 8; i++) l[i] = acc[i] + acc[8 + i];
+      y[t * N + r] = hsum8(l) + m;
+    }
 }
+#define TILE_ROWS 1
 template <int MT>
 static void int8_row(const int8_t* q, float scale, int64_t K, const float* x, float* y, int64_t N) {
   for (int t = 0; t < MT; t++) {
@@ -555,10 +559,11 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
 }
 #endif
 
-// Rows of x in tiles of 4, then 2, then 1: each tile widens the weights once, for all its rows.
-// int4 keeps 2 accumulators per row of x (8 for a tile), int8 4 (16: more than the 16 vector
-// registers with the weights, yet a loop of that shape took 0.18 ns/weight for five rows as 4 + 1
-// against 0.25 as 2 + 2 + 1). Weight rows are split across threads.
+// Rows of x in tiles of 4, then 2, then 1, for the kernels without scales to widen (row_tiles is
+// this loop for those with them): each tile widens the weights once, for all its rows. int8 keeps
+// 4 accumulators per row of x (16 for a tile: more than AVX2's 16 vector registers with the
+// weights, yet a loop of that shape took 0.18 ns/weight for five rows as 4 + 1 against 0.25 as
+// 2 + 2 + 1). Weight rows are split across threads.
 // ROW(MT, n, m) computes y[m..m+MT, n].
 #define TILED(ROW)                                                                \
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {                       \
@@ -589,23 +594,15 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
     reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, const float* ln) {
+    int4_rows<decltype(rows)::value, decltype(tile)::value>(
+        qp + n * K / 2, sn, ln, K, shift, xp + m * K, sx + m * G, yp + m * N + n, N);
+  };
   auto run = [&](auto s_, auto lo_) {
-    if (M == 1) {
-      at::parallel_for(0, N / ROWS, 16 / ROWS, [&](int64_t p0, int64_t p1) {
-        widened_rows(s_, lo_, G, p0 * ROWS, p1 * ROWS, ROWS, [&](int64_t r, auto sr, auto lr) {
-          int4_rows<ROWS>(qp + r * K / 2, sr, lr, K, shift, xp, sx, yp + r);
-        });
-      });
-      widened_rows(s_, lo_, G, N / ROWS * ROWS, N, 1, [&](int64_t r, auto sr, auto lr) {
-        int4_rows<1>(qp + r * K / 2, sr, lr, K, shift, xp, sx, yp + r);
-      });
-      return;
-    }
-    std::vector<float> sb, lb;
-    const float *sp = as_f32(s_, N * G, sb), *lp = as_f32(lo_, N * G, lb);
-#define INT4(MT, n, m) int4_row<MT>(qp + n * K / 2, sp + n * G, lp + n * G, K, shift, xp + m * K, \
-                                    sx + m * G, yp + m * N + n, N)
-    TILED(INT4)
+    if (M == 1)
+      row_tiles<ROWS>(s_, lo_, G, N, M, kernel);
+    else
+      row_tiles<TILE_ROWS>(s_, lo_, G, N, M, kernel);
   };
   with_scales(s, lo, sd, lod, group, "int4_mm", run);
   return y;
@@ -831,19 +828,11 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
   const int8_t* qp = q.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   auto run = [&](auto s_, auto lo_) {
-    if (M == 1) {
-      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        widened_rows(s_, lo_, G, n0, n1, 1, [&](int64_t r, auto sr, auto lr) {
-          int8g_row<1>(qp + r * K, sr, lr, K, group, xp, lr ? sx : nullptr, yp + r, N);
-        });
-      });
-      return;
-    }
-    std::vector<float> sb, lb;
-    const float *sp = as_f32(s_, N * G, sb), *lp = lo_ ? as_f32(lo_, N * G, lb) : nullptr;
-#define INT8G(MT, n, m) int8g_row<MT>(qp + n * K, sp + n * G, lp ? lp + n * G : nullptr, K, group, \
-                                      xp + m * K, lp ? sx + m * G : nullptr, yp + m * N + n, N)
-    TILED(INT8G)
+    row_tiles<1>(s_, lo_, G, N, M, [&](auto, auto tile, int64_t n, int64_t m, const float* sn,
+                                       const float* ln) {
+      int8g_row<decltype(tile)::value>(qp + n * K, sn, ln, K, group, xp + m * K,
+                                       ln ? sx + m * G : nullptr, yp + m * N + n, N);
+    });
   };
   with_scales(s, lo_, sd, lod, group, "int8g_mm", run);
   return y;
