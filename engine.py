@@ -497,8 +497,12 @@ class Stats(Counts):
 
 
 def padded_rows(rows: int) -> int:
-    """The rows of a fixed-shape decode pass that holds ``rows`` sequences: the next power of two."""
-    return 1 << (rows - 1).bit_length()
+    """The rows of a fixed-shape decode pass that holds ``rows`` sequences: the next of 1, 2, 3, 4,
+    6, 8, 12, 16, 24, ... (powers of two and 1.5 times them). A pass's cost grows with its rows
+    (each row multiplies every weight), so padding costs up to a third of a pass where the next
+    power of two alone would cost up to half; each shape is one compiled step to build."""
+    power = 1 << (rows - 1).bit_length()
+    return power * 3 // 4 if power >= 4 and rows <= power * 3 // 4 else power
 
 
 class Engine:
@@ -520,7 +524,7 @@ class Engine:
     lies (kvcache.PagedKVCache's; None: gather). ``chunk_tokens``: the most prompt
     tokens a step computes (None: every admitted prompt whole). ``vocab``
     (sampling.grammar_vocab): what requests with a schema or grammar need. ``fixed_shapes``: decode
-    passes padded to 1, 2, 4, ... rows and tables to max_len's blocks (needs ``in_place``), the
+    passes padded to 1, 2, 3, 4, 6, 8, ... rows (padded_rows) and tables to max_len's blocks (needs ``in_place``), the
     few shapes a compiled one-token step runs (kernels.compile_decode; ``warm_up`` loads them)."""
 
     def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
@@ -739,7 +743,7 @@ class Engine:
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         self._apply_copies()
         rows = len(batch)
-        # fixed shapes: up to a power of two with rows that write and read the spare block alone
+        # fixed shapes: padded_rows's, with rows that write and read the spare block alone
         pad = padded_rows(rows) - rows if self.width else 0
         tables = [s.table for s in batch] + [self.padding] * pad
         ids = torch.tensor([[s.output[-1]] for s in batch] + [[0]] * pad, device=self.device)
@@ -749,7 +753,7 @@ class Engine:
 
     @torch.inference_mode()
     def warm_up(self):
-        """With fixed shapes: one pass of each of them (1, 2, 4, ... rows up to max_batch's), every
+        """With fixed shapes: one pass of each of them (padded_rows, up to max_batch's), every
         row a padding row, so the model's compiled step loads or builds each before a request waits
         on it (kernels.AheadOfTime). The pool's blocks are not touched: padding rows write and read
         the spare block alone."""

@@ -131,7 +131,8 @@ static void widened_rows(S s, S lo, int64_t G, int64_t r0, int64_t r1, int64_t s
 // A pass's weight rows [0, N) against its M rows of x, split across threads: each thread widens
 // its own rows' scales, WIDEN_ROWS rows at a time (never the whole matrix's on one thread before
 // the loop: 3.5 MB of the tied head's), and takes R weight rows at a time against x's rows in
-// tiles of 4, 2 and 1, the weights widened once per tile and read from DRAM once.
+// tiles of 4, then one of what is left (3, 2 or 1), the weights widened once per tile and read
+// from DRAM once.
 // f(rows, tile, n, m, scales, minimums) computes y[m .. m + tile, n .. n + rows]; rows and tile
 // come as std::integral_constant, for f's kernel template.
 template <int R, typename S, typename F>
@@ -139,8 +140,9 @@ static void row_tiles(S s, S lo, int64_t G, int64_t N, int64_t M, F f) {
   auto tiles = [&](auto rows, int64_t n, const float* sn, const float* ln) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) f(rows, std::integral_constant<int, 4>(), n, m, sn, ln);
-    for (; m + 2 <= M; m += 2) f(rows, std::integral_constant<int, 2>(), n, m, sn, ln);
-    if (m < M) f(rows, std::integral_constant<int, 1>(), n, m, sn, ln);
+    if (M - m == 3) f(rows, std::integral_constant<int, 3>(), n, m, sn, ln);
+    if (M - m == 2) f(rows, std::integral_constant<int, 2>(), n, m, sn, ln);
+    if (M - m == 1) f(rows, std::integral_constant<int, 1>(), n, m, sn, ln);
   };
   at::parallel_for(0, N / R, std::max(1, 16 / R), [&](int64_t p0, int64_t p1) {
     widened_rows(s, lo, G, p0 * R, p1 * R, R, [&](int64_t n, const float* sn, const float* ln) {

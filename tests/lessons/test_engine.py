@@ -16,7 +16,7 @@ import model as M
 import nanoinfer.load as nl
 import serve_local
 from conftest import make_checkpoint
-from engine import LLM, Engine, MinimalEngine, Request, Scheduler, Sequence, Status
+from engine import LLM, Engine, MinimalEngine, Request, Scheduler, Sequence, Status, padded_rows
 from kvcache import PagedKVCache
 from paged import BlockAllocator
 import engine as engine_mod
@@ -603,6 +603,14 @@ def test_out_of_blocks_frees_parked_conversations_first_then_preempts_the_newest
 
 
 # --- chunked prefill -------------------------------------------------------------
+
+def test_fixed_shape_passes_pad_less_than_a_third():
+    """A fixed-shape decode pass (the compiled engine's) pads its rows to a few shapes, each a
+    compiled step to build, and wastes less than a third of a pass on padding rows."""
+    assert sorted({padded_rows(n) for n in range(1, 33)}) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    for n in range(1, 1000):
+        assert n <= padded_rows(n) and 3 * (padded_rows(n) - n) < padded_rows(n)
+
 
 def test_chunked_prefill_produces_the_tokens_of_whole_prompts(llama):
     """Prompts longer than a step's budget are prefilled over several steps, never more

@@ -276,7 +276,7 @@ def near(y, exact, terms, k):
 @pytest.mark.parametrize("group,has_min", [(16, False), (16, True), (32, False), (32, True)])
 def test_int8g_kernel(builds, k, group, has_min):
     """int8g_mm: W = lo + q·s per group of 16 or 32; the exact product within float error, and the same
-    bits in every build, for 5 rows and for each row alone; 77 weight rows (odd: the tiles' tails)."""
+    bits in every build, for 7 rows and for each row alone; 77 weight rows (odd: the tiles' tails)."""
     torch.manual_seed(k + group + has_min)
     n = 77
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
@@ -284,7 +284,7 @@ def test_int8g_kernel(builds, k, group, has_min):
     lo = -torch.rand(n, k // group) * 0.1 if has_min else None
     w = (q.double().view(n, -1, group) * s.double()[..., None]
          + (0 if lo is None else lo.double()[..., None])).view(n, k)      # exact
-    x = torch.randn(5, k)
+    x = torch.randn(7, k)                                                  # tiles of 4 + 3
     y = same_bits_everywhere(builds, lambda lib, x: lib.int8g_mm(x, q, s, lo, group), x)
     near(y, x.double() @ w.t(), x.double().abs() @ w.abs().t(), k)
 
@@ -306,7 +306,7 @@ def test_older_kernels_give_every_build_the_same_bits(builds):
     q4, s4, lo4 = torch.randint(0, 256, (50, 288), dtype=torch.uint8), torch.rand(50, 18), torch.randn(50, 18)
     q8, s8 = torch.randint(-127, 128, (50, 576), dtype=torch.int8), torch.rand(50)
     w16, x = torch.randn(50, 576).bfloat16(), torch.randn(5, 576)
-    for rows in (x, torch.randn(11, 576)):       # tiles of 4 + 4 + 2 + 1 rows
+    for rows in (x, torch.randn(11, 576), torch.randn(6, 576)):     # tiles 4 + 1, 4 + 4 + 3, 4 + 2
         same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q4, s4, lo4, 32), rows)
     same_bits_everywhere(builds, lambda lib, x: lib.int8_mm(x, q8, s8), x)
     same_bits_everywhere(builds, lambda lib, x: lib.bf16_mm(x.bfloat16(), w16), x)
@@ -318,7 +318,7 @@ def test_fp16_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k):
     stored and widened exactly: int4_mm, int8g_mm and wide_mm give the bits they give the same
     numbers in fp32, in every build, for every tail of the lanes (k/32 groups: 18 and 64)."""
     torch.manual_seed(k)
-    n, x = 77, torch.randn(5, k)
+    n, x = 77, torch.randn(6, k)                                           # tiles of 4 + 2
     s, lo = (torch.randn(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.1).half()
     s16, lo16 = (torch.randn(n, k // 16) * 0.01).half(), (torch.randn(n, k // 16) * 0.1).half()
     q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)

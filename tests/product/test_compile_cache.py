@@ -138,9 +138,9 @@ def test_a_failed_background_compile_is_one_line_and_the_answers_stay_eager(caps
 def test_the_engine_runs_its_decode_steps_compiled_and_each_request_gets_its_text_alone(tmp_path,
                                                                                        monkeypatch):
     """The server's engine on fixed shapes (engine.Engine(fixed_shapes=True)): decode passes padded
-    to 1, 2, 4 rows run the compiled step, the pool written and read in place (paged_attention);
-    prompts decoding together get the tokens each gets alone, greedy and sampled, and every block
-    comes back. warm_up builds each shape before a request waits on it."""
+    to 1, 2, 3, 4 rows (padded_rows) run the compiled step, the pool written and read in place
+    (paged_attention); prompts decoding together get the tokens each gets alone, greedy and
+    sampled, and every block comes back. warm_up builds each shape before a request waits on it."""
     from engine import Engine
     from sampling import SamplingParams
     if not kernels.native_kernels(quiet=True):
@@ -162,4 +162,4 @@ def test_the_engine_runs_its_decode_steps_compiled_and_each_request_gets_its_tex
     prompts = [[7], list(range(3, 20)), list(range(10, 47))]
     for sampling in ({}, {"temperature": 1.0, "seed": 5}):
         assert run(prompts, **sampling) == [run([p], **sampling)[0] for p in prompts]
-    assert len(model.compiled_step.runners) == 3            # 1, 2 and 4 rows
+    assert len(model.compiled_step.runners) == 4            # 1, 2, 3 and 4 rows
