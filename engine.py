@@ -496,6 +496,14 @@ class Stats(Counts):
     preemptions: int = 0
 
 
+def pool_blocks(kv_bytes: int, token_bytes: int, block_size: int, max_batch: int,
+                max_len: int) -> int:
+    """The blocks of a pool given ``kv_bytes`` of memory (``token_bytes`` of K/V a token): what
+    they hold, but no more than ``max_batch`` sequences of ``max_len`` tokens can fill."""
+    return max(1, min(int(kv_bytes // (block_size * token_bytes)),
+                      math.ceil(max_batch * max_len / block_size)))
+
+
 def padded_rows(rows: int) -> int:
     """The rows of a fixed-shape decode pass that holds ``rows`` sequences: the next of 1, 2, 3, 4,
     6, 8, 12, 16, 24, ... (powers of two and 1.5 times them). A pass's cost grows with its rows
@@ -524,8 +532,9 @@ class Engine:
     lies (kvcache.PagedKVCache's; None: gather). ``chunk_tokens``: the most prompt
     tokens a step computes (None: every admitted prompt whole). ``vocab``
     (sampling.grammar_vocab): what requests with a schema or grammar need. ``fixed_shapes``: decode
-    passes padded to 1, 2, 3, 4, 6, 8, ... rows (padded_rows) and tables to max_len's blocks (needs ``in_place``), the
-    few shapes a compiled one-token step runs (kernels.compile_decode; ``warm_up`` loads them)."""
+    passes padded to 1, 2, 3, 4, 6, 8, ... rows (padded_rows) and tables to max_len's blocks
+    (needs ``in_place``), the few shapes a compiled one-token step runs (kernels.compile_decode;
+    ``warm_up`` loads them)."""
 
     def __init__(self, model: Llama, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES,
@@ -539,9 +548,8 @@ class Engine:
             # A quantized row is d_head one-byte values plus its scale's bytes.
             row, size = ((codec.row_bytes(c.head_dim), 1) if codec
                          else (c.head_dim, kv_dtype.itemsize))
-            per_block = block_size * kv_bytes_per_token(c.n_layers, c.n_kv_heads, row, size)
-            num_blocks = max(1, min(int(kv_bytes // per_block),
-                                    math.ceil(max_batch * c.max_seq_len / block_size)))
+            token_bytes = kv_bytes_per_token(c.n_layers, c.n_kv_heads, row, size)
+            num_blocks = pool_blocks(kv_bytes, token_bytes, block_size, max_batch, c.max_seq_len)
         if min(num_blocks, block_size, max_batch, chunk_tokens or 1) < 1:
             raise ValueError(f"num_blocks, block_size, max_batch and chunk_tokens (or None) "
                              f"must be >= 1 "

@@ -49,6 +49,7 @@ import checkpoint
 import drafting
 import quantize
 import safetensors_io
+from engine import padded_rows, pool_blocks
 from kvcache import kv_bytes_per_token
 from model import LlamaConfig
 
@@ -254,6 +255,17 @@ def layout_bytes(layout: dict, rows: int, cols: int) -> int:
 # The plan: every choice, and why.
 
 @dataclass
+class Serving:
+    """What the server's engine (engine.Engine behind server.py) runs beyond the model: how many
+    sequences decode together, the bytes of its paged KV pool, and whether the pool caches
+    prefixes."""
+    max_batch: int
+    kv_bytes: int
+    block_size: int = 16
+    prefix_caching: bool = True
+
+
+@dataclass
 class Plan:
     model: str
     machine: str
@@ -278,6 +290,7 @@ class Plan:
     prepack: bool = True
     reasons: list = field(default_factory=list)
     cost: list = field(default_factory=list)
+    serving: Serving | None = None   # a plan for the server's engine (choose_serving)
 
 
 def mb(n: float) -> str:
@@ -289,10 +302,10 @@ def gb(n: float) -> str:
 
 
 def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
-           answer_tokens: int | None = None) -> Plan:
+           answer_tokens: int | None = None, serving: Serving | None = None) -> Plan:
     """The plan for ``info`` on ``machine`` at ``ctx`` tokens (None: the runner's default),
-    for a chat (``answer_tokens`` None) or one answer of at most that many tokens. Pure:
-    probe() measures, this decides."""
+    for a chat (``answer_tokens`` None) or one answer of at most that many tokens; or, with
+    ``serving``, for the server's engine (choose_serving). Pure: probe() measures, this decides."""
     c, why = info.config, []
     limit = c.max_seq_len
     if ctx is not None and ctx > limit:
@@ -397,6 +410,9 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
             why.append(f"weights {fdt}: {gb(held('float'))}{prepacked} fits in "
                        f"{gb(machine.memory)}")
 
+    if serving is not None:
+        return choose_serving(p, machine, info, serving, scheme, held(scheme, p.prepack))
+
     # Compiled step: removes the per-kernel fixed cost, once a compile is paid for.
     if machine.device == "cuda":
         p.compile = True
@@ -488,6 +504,57 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
     if p.draft or p.prompt_lookup:
         p.cost.append(f"speculation: a pass over {p.spec_k + 1} positions reads the weights once, "
                       f"so every accepted guess is a token above this ceiling")
+    return p
+
+
+def choose_serving(p: Plan, machine: Machine, info: ModelInfo, s: Serving, scheme: str,
+                   w_held: float) -> Plan:
+    """The rest of a plan for the server's engine, after the dtype and the weights (the runner's
+    rules): a paged pool that many sequences share instead of one sequence's cache, decode
+    steps compiled once per batch shape, and batching where the runner would speculate."""
+    c, why, fdt = info.config, p.reasons, p.dtype
+    p.cache, p.ctx, p.serving = "paged", c.max_seq_len, s
+    shapes = sorted({padded_rows(n) for n in range(1, s.max_batch + 1)})
+    if machine.device == "cpu" and machine.compiler is not None:
+        p.compile = True
+        why.append(f"compiled decode steps, one per batch shape ({', '.join(map(str, shapes))} "
+                   f"rows; engine.padded_rows pads a batch to the next): inductor fuses a pass's "
+                   f"hundreds of small kernels, and the pool is read where it lies; the first "
+                   f"start builds them in a background process (minutes) while the server "
+                   f"answers on the eager step, later starts load them in seconds")
+    elif machine.device == "cpu":
+        why.append("eager decode steps: no C++ compiler ($CXX, g++ or c++) for inductor to "
+                   "compile them")
+    else:
+        why.append(f"eager decode steps: the engine's compiled steps are built for a CPU; on "
+                   f"{machine.device} its passes run op by op")
+    kv_dtype = p.kv_dtype if p.kv_dtype != "auto" else fdt
+    per_token = info.kv_bytes(1, p.kv_dtype, fdt)
+    blocks = pool_blocks(s.kv_bytes, per_token, s.block_size, s.max_batch, c.max_seq_len)
+    why.append(f"KV pool {kv_dtype}: {s.kv_bytes / 2 ** 30:g} GiB (--kv-gib) in {blocks:,} blocks "
+               f"of {s.block_size} tokens, {blocks * s.block_size:,} tokens shared by up to "
+               f"{s.max_batch} sequences at a time (--max-batch), each up to {c.max_seq_len} tokens"
+               + ("; prefix caching: a prompt's full blocks already in the pool are reused, not "
+                  "computed again (a chat's earlier turns, an agent's shared system prompt)"
+                  if s.prefix_caching else
+                  "; no prefix caching (--no-prefix-cache): every prompt is computed whole"))
+    if w_held + s.kv_bytes > machine.memory * HEADROOM:
+        why.append(f"memory: {gb(w_held)} of weights and the pool's {gb(s.kv_bytes)} are more "
+                   f"than {HEADROOM:.0%} of {gb(machine.memory)}: a smaller --kv-gib fits")
+    why.append("no speculation: a step reads each weight once for all its rows, so batching "
+               "requests raises the tokens per read instead")
+    tok, bw = info.token_bytes(scheme, fdt), machine.bandwidth
+    p.cost = [
+        f"a decode step reads every weight once for all its rows: {mb(tok)}, "
+        f"{mb(tok / s.max_batch)} a token at {s.max_batch} rows",
+        f"KV: {c.n_layers} layers · 2 · {c.n_kv_heads} kv heads · {c.head_dim} dims = "
+        f"{per_token / 1e3:.0f} KB a token of context, which each row reads for itself",
+        f"ceiling at the measured {bw / 1e9:.1f} GB/s read bandwidth: {bw / tok:,.0f} steps/s "
+        f"at an empty context; each row also multiplies every weight, so on a CPU a step's "
+        f"arithmetic grows with its rows, and a large batch makes fewer steps a second",
+        f"memory: {gb(w_held)} of weights + {gb(s.kv_bytes)} of KV pool = "
+        f"{(w_held + s.kv_bytes) / machine.memory:.0%} of {gb(machine.memory)}",
+    ]
     return p
 
 

@@ -94,6 +94,7 @@ import checkpoint
 import engine
 import kernels
 import nanoinfer.load
+import plan
 import quantize
 from nanoinfer import tools
 from nanoinfer.config import RunConfig
@@ -984,6 +985,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="OpenAI-compatible server on the batching engine (engine.py)")
     ap.add_argument("--model", default=checkpoint.DEFAULT_MODEL, help="alias, directory or .gguf (default: the "
                     "bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--plan", action="store_true", help="print the configuration plan.py chooses for this "
+                    "server on this machine, and why, then exit")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--device", default=None, help="cuda, mps or cpu (default: best available)")
@@ -1012,13 +1015,14 @@ def parse_args(argv=None):
                     "any; repeatable (default: only the server's own chat page)")
     ap.add_argument("--drain-seconds", type=float, default=30.0,
                     help="on SIGINT or SIGTERM, how long requests in flight may take to finish (default: 30)")
-    # what RunConfig.from_flags reads: the engine's block pool, its decode steps compiled as planned
-    ap.set_defaults(kv="paged", compiled_engine=True)
+    # what RunConfig.from_flags reads: the engine's block pool
+    ap.set_defaults(kv="paged")
     return ap.parse_args(argv)
 
 
-def build(args) -> Server:
-    """Load the model and assemble the server from parsed arguments (ValueError: one line to show)."""
+def configure(args) -> RunConfig:
+    """Parsed arguments -> the server's configuration: the runner's path (flags -> the plan ->
+    defaults), with the plan made for the engine (plan.Serving). ValueError: one line to show."""
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
                         ("--max-body", args.max_body), ("--port", args.port + 1)):
         if value < 1:
@@ -1027,10 +1031,22 @@ def build(args) -> Server:
         raise ValueError(f"--kv-gib must be positive, got {args.kv_gib}")
     if not args.drain_seconds >= 0:
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    serving = plan.Serving(args.max_batch, int(args.kv_gib * (1 << 30)), engine.BLOCK_SIZE,
+                           not args.no_prefix_cache)
+    cfg = RunConfig.from_flags(args, serving=serving)
+    if args.compile_only and not cfg.compile:
+        raise ValueError("nothing to compile: this server's decode steps run eagerly here "
+                         "(server.py --plan says why)")
+    return cfg
+
+
+def build(args) -> Server:
+    """Load the model and assemble the server from parsed arguments (ValueError: one line to show)."""
+    cfg = configure(args)
     if not args.compile_only:             # the background build runs beside the server on its port
         check_port(args.host, args.port)  # before minutes of loading, not after
-    # the runner's path: flags -> the plan (auto: its dtype; bf16 where native and measured faster) -> defaults
-    cfg = RunConfig.from_flags(args)
+    print(f"{plan.summary(cfg.in_effect())} — --plan says why", file=sys.stderr)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model, tok = nanoinfer.load.load(cfg)
     codec = quantize.kv_codec(cfg.kv_dtype)
     reader = kernels.paged_reader(cfg.device, codec)
@@ -1067,7 +1083,19 @@ def build_in_background(server: Server, argv: list[str]) -> subprocess.Popen | N
     child = nanoinfer.load.build_in_background(Path(__file__).resolve(), argv, log)
     print(f"compiling the decode steps in the background (once, minutes; log: {log}); until then "
           f"the answers run on the eager step", file=sys.stderr)
+    threading.Thread(target=report_build, args=(child, log), daemon=True, name="build").start()
     return child
+
+
+def report_build(child: subprocess.Popen, log: Path, out=None):
+    """Wait for the background build, then say in one line how it ended: built (each step loads at
+    its next call), or failed, with its log; stopped by the server's own shutdown: nothing."""
+    code, out = child.wait(), out or sys.stderr
+    if code == 0:
+        print("[compiled decode steps built: each loads at its next call]", file=out, flush=True)
+    elif code > 0:
+        print(f"[the background compile failed (exit {code}, log: {log}); the answers stay on the "
+              f"eager step]", file=out, flush=True)
 
 
 def check_port(host: str, port: int):
@@ -1111,9 +1139,15 @@ class Uvicorn(uvicorn.Server):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plan:
+        try:
+            print(plan.describe(configure(args).plan))
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     try:
         t0 = time.perf_counter()
-        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
         server = build_apart(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ import kernels
 import quantize
 from model import DTYPES
 from nanoinfer.machine import plan_for
-from plan import QUANTIZED, Plan
+from plan import QUANTIZED, Plan, Serving
 
 
 @dataclass
@@ -50,17 +50,19 @@ class RunConfig:
     plan: Plan | None = None            # what plan.choose chose (from_flags): --plan prints it
 
     @classmethod
-    def from_flags(cls, args: argparse.Namespace, chosen: Plan | None = None) -> RunConfig:
+    def from_flags(cls, args: argparse.Namespace, chosen: Plan | None = None,
+                   serving: Serving | None = None) -> RunConfig:
         """The runner's or the server's flags -> the configuration: the device named (or the best
-        present), this machine's plan for the model (``chosen``: a plan given instead), and each flag
-        given laid over the plan's choice for its item. What a flag implies follows:
+        present), this machine's plan for the model (``chosen``: a plan given instead; ``serving``:
+        the server's engine's plan), and each flag given laid over the plan's choice for its item.
+        What a flag implies follows:
         * --cache other than static turns the plan's compile off; --compile or --ctx alone take a static
           cache.
         * any speculative flag (--draft, --prompt-lookup, --lookahead) replaces the plan's method;
           --no-speculation drops the plan's.
         * --kv paged (the server's engine), --tp and --decoder naive run their own decoders: no
           speculation of the plan's (and --tp: float weights), eager but for the server's engine
-          (compiled_engine) on a CPU, whose decode steps compile as the plan says; --weights
+          (a plan made for it: Plan.serving) on a CPU, whose decode steps compile as the plan says; --weights
           int8/int4 drop the plan's speculation too.
         A flag a command does not have counts as not given."""
         g = {k: v for k, v in vars(args).items() if v is not None}
@@ -69,7 +71,7 @@ class RunConfig:
             kernels.check_triton(device)
         model = g.get("model", checkpoint.DEFAULT_MODEL)
         answer_tokens = g.get("max_new_tokens") if "prompt" in g else None   # one answer, or a chat
-        p = chosen or plan_for(model, device, g.get("ctx"), answer_tokens)
+        p = chosen or plan_for(model, device, g.get("ctx"), answer_tokens, serving)
 
         def flag_or_plan(item):   # "auto" for a dtype is the plan's; for weights or KV, as stored
             given = g.get(item)
@@ -86,8 +88,8 @@ class RunConfig:
             compile = g.get("compile", p.compile)
             cache = "static" if compile or "ctx" in g else "dynamic"
         if own:     # the server's engine on a CPU compiles its decode steps (fixed shapes, paged)
-            engine_steps = g.get("compiled_engine", False) and device.type == "cpu"
-            compile, cache = compile and engine_steps, g.get("cache", "dynamic")
+            engine_steps = p.serving is not None and device.type == "cpu"
+            compile, cache = compile and engine_steps, g.get("cache", p.cache if p.serving else "dynamic")
         methods = {k: g.get(k) for k in ("draft", "prompt_lookup", "lookahead")}
         if g.get("no_speculation"):
             if any(v is not None for v in methods.values()):

@@ -26,7 +26,7 @@ import torch.nn as nn
 import checkpoint
 import kernels
 import quantize
-from plan import SIZES, Machine, Plan, choose, model_info
+from plan import SIZES, Machine, Plan, Serving, choose, model_info
 
 CALIBRATION_BYTES = 64 << 20   # weights streamed per format and pass: twice a big L3 (32 MB), so from DRAM
 
@@ -128,7 +128,10 @@ def probe(device: torch.device, shape: tuple[int, int] = (1536, 576)) -> Machine
     return machine
 
 
-def plan_for(name: str, device: torch.device, ctx: int | None = None, answer_tokens: int | None = None) -> Plan:
-    """The runner's plan for model ``name``: its config, this machine measured at its MLP's shape, the rules."""
+def plan_for(name: str, device: torch.device, ctx: int | None = None, answer_tokens: int | None = None,
+             serving: Serving | None = None) -> Plan:
+    """The runner's plan for model ``name`` (or the server's, ``serving``): its config, this machine
+    measured at its MLP's shape, the rules."""
     info = model_info(name)
-    return choose(probe(device, (info.config.intermediate_size, info.config.hidden_size)), info, ctx, answer_tokens)
+    return choose(probe(device, (info.config.intermediate_size, info.config.hidden_size)), info, ctx, answer_tokens,
+                  serving)

@@ -30,6 +30,7 @@ QUICK = {
     "python serve_local.py --help": 60,
     "python server.py --help": 60,
     "python serve_local.py --plan": 60,
+    "python server.py --plan": 60,
 }
 # Run by another test.
 COVERED = {

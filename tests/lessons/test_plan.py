@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import checkpoint
+import engine
 import kernels
 import plan
 import serve_local
@@ -190,15 +191,16 @@ def test_one_run_config_from_either_command(smol):
     built in the background) on the plan's dtype; the runner's --kv paged chat stays eager."""
     import server
     p = plan.choose(cpu(bf16=True, int4=0.05), smol)          # fp32, int4 weights, compiled
-    cfg = nl.RunConfig.from_flags(server.parse_args([]), p)
+    served = plan.choose(cpu(bf16=True, int4=0.05), smol, serving=plan.Serving(32, GB))
+    cfg = nl.RunConfig.from_flags(server.parse_args([]), served)
     assert (cfg.device, cfg.dtype, cfg.weights, cfg.kv_dtype, cfg.head) == (torch.device("cpu"), torch.float32,
                                                                              None, None, "float")
     assert (cfg.kv, cfg.compile, cfg.draft, cfg.prompt_lookup, cfg.attn) == ("paged", True, None, None, "sdpa")
-    assert cfg.background_compile and cfg.cache == "dynamic"
-    assert not nl.RunConfig.from_flags(server.parse_args(["--no-compile"]), p).compile
-    assert not nl.RunConfig.from_flags(server.parse_args(["--compile-only"]), p).background_compile
+    assert cfg.background_compile and cfg.cache == "paged"
+    assert not nl.RunConfig.from_flags(server.parse_args(["--no-compile"]), served).compile
+    assert not nl.RunConfig.from_flags(server.parse_args(["--compile-only"]), served).background_compile
     assert not nl.RunConfig.from_flags(serve_local.parse_args(["--kv", "paged"]), p).compile
-    cfg = nl.RunConfig.from_flags(server.parse_args(["--dtype", "bf16", "--weights", "int8"]), p)
+    cfg = nl.RunConfig.from_flags(server.parse_args(["--dtype", "bf16", "--weights", "int8"]), served)
     assert (cfg.dtype, cfg.weights) == (torch.bfloat16, "int8")
     one = nl.RunConfig.from_flags(serve_local.parse_args(["--prompt", "x"]), p)
     assert (one.dtype, one.weights, one.compile, one.background_compile) == (torch.float32, None, True, False)
@@ -206,6 +208,41 @@ def test_one_run_config_from_either_command(smol):
     assert not nl.RunConfig.from_flags(serve_local.parse_args(["--compile-only"]), p).background_compile
     with pytest.raises(ValueError, match="int4 group size must be one of"):
         nl.RunConfig.from_flags(serve_local.parse_args(["--weights", "int4", "--group-size", "48"]), p)
+
+
+def test_the_servers_plan(smol):
+    """With plan.Serving (server.py's engine), the model's dtype and weights follow the runner's
+    rules; the rest is the engine's: a paged pool (blocks as engine.Engine counts them), decode
+    steps compiled once per batch shape where a compiler is found, and batching, not speculation,
+    even for a model with a draft."""
+    serving = plan.Serving(max_batch=8, kv_bytes=GB, block_size=16, prefix_caching=True)
+    p = plan.choose(cpu(bf16=True, int4=0.05), smol, serving=serving)
+    assert (p.dtype, p.weights, p.cache, p.compile, p.draft, p.prompt_lookup) == (
+        "float32", "auto", "paged", True, None, None)
+    text = plan.describe(p)
+    assert "fp32, paged cache, compiled, weights: the file's own bits, no speculation" in text
+    assert "(1, 2, 3, 4, 6, 8 rows; engine.padded_rows" in text
+    blocks = engine.pool_blocks(GB, smol.kv_bytes(1, "auto", "float32"), 16, 8, smol.config.max_seq_len)
+    assert f"1 GiB (--kv-gib) in {blocks:,} blocks of 16 tokens" in text and "prefix caching:" in text
+    assert "batching requests raises the tokens per read" in text and "a large batch" in text
+    p = plan.choose(cpu(compiler=None), smol, serving=replace(serving, prefix_caching=False))
+    assert not p.compile and "no C++ compiler" in plan.describe(p) and "no prefix caching" in plan.describe(p)
+    assert "a smaller --kv-gib fits" in plan.describe(plan.choose(cpu(memory=GB), smol, serving=serving))
+    assert not plan.choose(CUDA, smol, serving=serving).compile
+
+
+def test_server_plan_prints_and_exits_and_compile_only_says_when_nothing_compiles():
+    rc, out, err = run_cli("server.py", "--plan", env={"HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert rc == 0, err[-2000:]
+    assert out.startswith("plan for ") and "paged cache" in out and "cost model:" in out
+    assert "loading" not in err
+    rc, out, err = run_cli("server.py", "--compile-only", "--no-compile", env={"HF_HUB_OFFLINE": "1"},
+                           timeout=120)
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        "error: nothing to compile: this server's decode steps run eagerly here (server.py --plan "
+        "says why)")
+    assert "loading" not in err
+
 
 def test_probe_measures_once_and_caches(tmp_path, monkeypatch):
     kernels.native_kernels(quiet=True)       # built (or found) where it lives, not again under tmp_path

@@ -135,6 +135,26 @@ def test_a_failed_background_compile_is_one_line_and_the_answers_stay_eager(caps
     assert capsys.readouterr().err == ""
 
 
+def test_the_server_says_how_its_background_build_ended(tmp_path):
+    """server.py builds its compiled steps in a child while it answers: when the child ends, one line
+    says the steps are built, or that the build failed and where its log is; a child the server
+    stopped at its own shutdown ends without a word."""
+    import io
+    import server
+    log = tmp_path / "server-build.log"
+    said = {}
+    for name, code in (("built", "0"), ("failed", "3"), ("stopped", "import os, signal; "
+                                                          "os.kill(os.getpid(), signal.SIGTERM)")):
+        out = io.StringIO()
+        server.report_build(subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"
+                                              if code.isdigit() else code]), log, out)
+        said[name] = out.getvalue()
+    assert said["built"] == "[compiled decode steps built: each loads at its next call]\n"
+    assert said["failed"] == (f"[the background compile failed (exit 3, log: {log}); the answers "
+                              f"stay on the eager step]\n")
+    assert said["stopped"] == ""
+
+
 def test_the_engine_runs_its_decode_steps_compiled_and_each_request_gets_its_text_alone(tmp_path,
                                                                                        monkeypatch):
     """The server's engine on fixed shapes (engine.Engine(fixed_shapes=True)): decode passes padded
