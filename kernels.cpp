@@ -355,10 +355,15 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
 }
 // Weight rows a pass over several rows of x takes at a time: R·MT accumulators, MT rows of x in
 // two registers each, and the widened block fit AVX-512's 32 registers at R = 2, MT = 4.
+// Several rows of x cost a multiply and two FMAs per 32 weights and row. A table of s·0 .. s·15
+// (the scale folded in, exact for fp16 scales) leaves two FMAs, but on Zen 4 it made one row 6-9%
+// slower for 10-12% at four (2 threads, SmolLM2's and TinyLlama's int4 matrices): one row is the
+// runner's step, so not kept.
 #define TILE_ROWS 2
 #else
-// The 16 lanes in two 8-lane halves, two chains: one FMA's latency does not gate the next. A weight
-// row at a time (R = 2, 9% faster, W from DRAM) shares x's four loads per 32 weights.
+// The 16 lanes in two 8-lane halves, two chains: one FMA's latency does not gate the next. Two
+// weight rows at a time (R = 2: 9% faster than one, W from DRAM) share x's four loads per 32
+// weights.
 template <int R, int MT>
 static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
