@@ -11,6 +11,9 @@ the product measured: nanoinfer/machine.py probes it once, in a few seconds, and
 caches it), the model's config.json (no weights) and a context; it applies a
 handful of rules, each one printed with the numbers behind it
 (`python serve_local.py --plan` on this machine, `python plan.py` on three kinds).
+The server asks it too, with its engine's batch and pool (`Serving`): the same rules
+for the dtype and the weights, then `choose_serving` for what an engine decides
+instead of a runner (`python server.py --plan`).
 
 The cost model. Decoding one token is memory-bound: it reads every weight
 matrix once, plus the KV cache written so far, and does two flops per weight
