@@ -550,8 +550,8 @@ def choose_serving(p: Plan, machine: Machine, info: ModelInfo, s: Serving, schem
     p.cost = [
         f"a decode step reads every weight once for all its rows: {mb(tok)}, "
         f"{mb(tok / s.max_batch)} a token at {s.max_batch} rows",
-        f"KV: {c.n_layers} layers · 2 · {c.n_kv_heads} kv heads · {c.head_dim} dims = "
-        f"{per_token / 1e3:.0f} KB a token of context, which each row reads for itself",
+        f"KV: {c.n_layers} layers · 2 · {c.n_kv_heads} kv heads · {c.head_dim} dims in {kv_dtype} "
+        f"= {per_token / 1e3:.0f} KB a token of context, which each row reads for itself",
         f"ceiling at the measured {bw / 1e9:.1f} GB/s read bandwidth: {bw / tok:,.0f} steps/s "
         f"at an empty context; each row also multiplies every weight, so on a CPU a step's "
         f"arithmetic grows with its rows, and a large batch makes fewer steps a second",
