@@ -563,8 +563,9 @@ class Engine:
                                   c.head_dim, kv_dtype, model.device, c.sliding_window, codec,
                                   in_place)
         self.max_len = min(max_len or c.max_seq_len, c.max_seq_len, num_blocks * block_size)
-        # A decode pass padded to 1, 2, 4, ... rows, each table to the blocks of max_len, has one of
-        # a few fixed shapes: the model's compiled one-token step runs it (kernels.compile_decode).
+        # A decode pass padded to padded_rows's rows, each table to the blocks of max_len, has one
+        # of a few fixed shapes: the model's compiled one-token step runs it
+        # (kernels.compile_decode).
         self.width = math.ceil(self.max_len / block_size) if fixed_shapes else None
         self.padding = BlockTable(-1, block_size, [num_blocks], [0])
         self.watermark, self.chunk_tokens = watermark, chunk_tokens

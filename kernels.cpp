@@ -76,10 +76,10 @@ static KScales kscales(const at::Tensor& sc, const at::Tensor& d, int64_t group,
 // n scales (or minimums) as fp32, for the loops below to read one fp32 a group: fp32 ones as
 // they are, fp16 or a K-quant's widened into buf (exactly), WIDEN_ROWS rows at a time (a decode
 // step: a few KB that stay in L1 beside the streaming weights, where 64 of SmolLM2's rows, 9 KB,
-// did not, and fp16 scales then cost more than fp32 ones), a tile at a time (wide_tiles) or a
-// matrix at a time (a pass over several rows), so that no loop converts a scale per block and row
-// (a K-quant's int4 step took 1.8x as long that way), and none pays a call per row (SmolLM2's
-// 576-wide rows: 18 groups). nullptr stays nullptr.
+// did not, and fp16 scales then cost more than fp32 ones; every pass on the row loops, whatever
+// its rows of x: row_tiles) or a tile at a time (wide_tiles), so that no loop converts a scale
+// per block and row (a K-quant's int4 step took 1.8x as long that way), and none pays a call per
+// row (SmolLM2's 576-wide rows: 18 groups). nullptr stays nullptr.
 #ifndef WIDEN_ROWS
 #define WIDEN_ROWS 8
 #endif
@@ -114,7 +114,7 @@ static inline const float* as_f32(KScales s, int64_t n, std::vector<float>& buf)
   return buf.data();
 }
 
-// A decode step's rows [r0, r1) of a matrix with G groups a row, `step` rows at a time:
+// A thread's rows [r0, r1) of a matrix with G groups a row, `step` rows at a time:
 // f(row, its scales, its minimums (nullptr: none)) with the scales as fp32, widened WIDEN_ROWS
 // rows at a time (as_f32).
 template <typename S, typename F>

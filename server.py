@@ -1050,8 +1050,10 @@ def build(args) -> Server:
     model, tok = nanoinfer.load.load(cfg)
     codec = quantize.kv_codec(cfg.kv_dtype)
     reader = kernels.paged_reader(cfg.device, codec)
-    eng = engine.Engine(model, max_batch=args.max_batch, kv_bytes=int(args.kv_gib * (1 << 30)), codec=codec,
-                        prefix_caching=not args.no_prefix_cache, in_place=reader,
+    serving = cfg.plan.serving          # the batch and pool the plan was made for (configure)
+    eng = engine.Engine(model, max_batch=serving.max_batch, kv_bytes=serving.kv_bytes,
+                        block_size=serving.block_size, codec=codec,
+                        prefix_caching=serving.prefix_caching, in_place=reader,
                         vocab=grammar_vocab(tok.to_json(), model.config.eos_ids),
                         fixed_shapes=cfg.compile and reader is not None)
     eng.warm_up()       # each compiled step loaded, built (--compile-only) or found missing
