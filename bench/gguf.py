@@ -44,7 +44,7 @@ import results
 import safetensors_io
 import tokenizer
 from bench.common import CHAT_PROMPTS, HANDBOOK, ROOT, SETTLE_S
-from bench.peers import LlamaServerSession, llama_server_binary
+from bench.peers import LlamaServerSession, llama_cpp_tool, llama_server_binary
 from bench.runner import RunnerSession
 from kvcache import kv_bytes_per_token
 from model import LlamaConfig
@@ -134,13 +134,6 @@ def write_random_gguf(path: Path, config: dict, vocab_dir: Path, seed: int = 0) 
     return path
 
 
-def llama_quantize_binary() -> Path | None:
-    """llama-quantize beside llama-server (scripts/build_llama_server.sh builds both, one tree)."""
-    server = llama_server_binary()
-    tool = server.parent / "llama-quantize" if server is not None else None
-    return tool if tool is not None and tool.is_file() else None
-
-
 def quantize_gguf(src: Path, out: Path, qtype: str, tool: Path) -> Path:
     tmp = out.with_name(f".quantizing-{out.name}")
     done = subprocess.run([str(tool), str(src), str(tmp), qtype, str(torch.get_num_threads())],
@@ -163,7 +156,7 @@ def bench_files(pairs: list[tuple[str, str]], folder: Path, seed: int = 0) -> li
     file first, llama-quantize's Q4_K_M or Q8_0 from it."""
     def path(shape, qtype):
         return folder / f"random-{shape}-{qtype}.gguf"
-    tool = llama_quantize_binary()
+    tool = llama_cpp_tool("llama-quantize")
     if tool is None and any(t != "F16" and not path(s, t).is_file() for s, t in pairs):
         raise OSError("no llama-quantize beside llama-server to make the Q4_K_M and Q8_0 test "
                       "files: run scripts/build_llama_server.sh (it builds both), or give GGUF "

@@ -5,6 +5,8 @@ transformers `generate`."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -100,6 +102,28 @@ def llama_server_binary() -> Path | None:
     found = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
     built = checkpoint.cache_root() / "llama-server" / "build" / "bin" / "llama-server"
     return Path(found) if found else built if built.is_file() else None
+
+
+def llama_cpp_tool(name: str) -> Path | None:
+    """A llama.cpp tool built beside llama-server from the same tree (scripts/build_llama_server.sh
+    builds llama-quantize and llama-completion too)."""
+    server = llama_server_binary()
+    tool = server.parent / name if server is not None else None
+    return tool if tool is not None and tool.is_file() else None
+
+
+def completion_rate(binary: Path, gguf: Path, prompt: str, threads: int, max_tokens: int) -> float:
+    """llama.cpp's own command-line runner, llama-completion, on one chat turn (the GGUF's template,
+    greedy, stopping at EOS): its decode tok/s from its own timings. It is to llama-server what
+    serve_local.py is to server.py."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", prompt, "-n", str(max_tokens),
+                          "--temp", "0", "-cnv", "-st", "--jinja"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=600)
+    for line in out.stderr.splitlines():
+        if "prompt eval time" not in line and (m := re.search(r"eval time =.*?([\d.]+) tokens per second", line)):
+            return float(m.group(1))
+    last = " | ".join(out.stderr.strip().splitlines()[-3:])
+    raise OSError(f"llama-completion printed no timings (exit {out.returncode}): {last}")
 
 
 def llama_server_command(binary: Path, gguf: Path, threads: int, slots: int, ctx: int) -> list[str]:

@@ -19,7 +19,7 @@ import results
 import safetensors_io
 from model import LlamaConfig
 from bench.common import CHAT_PROMPTS, HANDBOOK, QUESTIONS, ROOT, free_port, model_dir, start_server
-from bench.peers import llama_server_binary, llama_server_command
+from bench.peers import completion_rate, llama_cpp_tool, llama_server_binary, llama_server_command
 
 
 def serve_requests(n: int) -> list[list[dict]]:
@@ -93,7 +93,7 @@ def bench_serve(args):
                (OURS_UNCACHED, ours + ["--no-prefix-cache"], log_dir / "server-uncached.log")]
     binary = None if args.no_peer else llama_server_binary()
     # the headline peer: llama-server on the GGUF a user downloaded, at its own bits
-    own = checkpoint.bundled_gguf(*checkpoint.BUNDLED[1:]) if args.model == checkpoint.DEFAULT_MODEL else None
+    own = bundled_gguf_of(args.model)
     if binary is None and not args.no_peer:
         print("no llama-server: build it with scripts/build_llama_server.sh (or set LLAMA_SERVER); ours alone")
     elif binary is not None and own is not None:
@@ -142,6 +142,11 @@ def bench_serve(args):
     print(f"saved {results.save('serve', 'engine', tables, plots=[plot] if plot else [])}")
 
 
+def bundled_gguf_of(model: str) -> Path | None:
+    """The GGUF a user downloads for ``model`` where it is the bundled one (its peers' file)."""
+    return checkpoint.bundled_gguf(*checkpoint.BUNDLED[1:]) if model == checkpoint.DEFAULT_MODEL else None
+
+
 def stream_rate(url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
     """One streamed greedy chat answer: decode tok/s from its first token to its last, and its
     tokens (one SSE chunk each)."""
@@ -159,15 +164,24 @@ def stream_rate(url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
 def single_stream(args, ours: list[str], log_dir: Path) -> results.Table:
     """One client through server.py against the runner (serve_local.py, its plan, compiled step
     built first) on the same prompts in the same run, prompt by prompt alternating: decode tok/s
-    from first token to last, each prompt's median over the rounds."""
+    from first token to last, each prompt's median over the rounds. Beside them, where the bundled
+    GGUF's peers are built, llama.cpp's own pair on the same prompts: llama-server through the same
+    client against llama-completion, its command-line runner. What a token costs between an
+    engine and a client over HTTP (the server's event loop, the loopback socket, the client's
+    wake-up) shows in both ratios alike."""
     from bench.runner import RunnerSession
     subprocess.run([sys.executable, "serve_local.py", "--model", args.model, "--compile-only"], cwd=ROOT,
                    check=True, capture_output=True)       # the runner's compiled step, built once
+    own = bundled_gguf_of(args.model)
+    server_bin, cli = llama_server_binary(), llama_cpp_tool("llama-completion")
+    pair = own is not None and server_bin is not None and cli is not None and not args.no_peer
+    threads = torch.get_num_threads()
+    prompts = CHAT_PROMPTS
+    rates = {p: ([], [], [], []) for p in prompts}
     runner = RunnerSession(["--model", args.model], args.max_tokens)
     port = free_port()
     proc = start_server(ours + ["--port", str(port)], port, log_dir / "server-single.log")
-    url, prompts = f"http://127.0.0.1:{port}", CHAT_PROMPTS
-    rates = {p: ([], []) for p in prompts}
+    url = f"http://127.0.0.1:{port}"
     try:
         stream_rate(url, prompts[0], 8)                   # warm-up
         for _ in range(args.single_rounds):
@@ -178,16 +192,50 @@ def single_stream(args, ours: list[str], log_dir: Path) -> results.Table:
         proc.terminate()
         proc.wait(60)
         runner.close()
+    if pair:
+        port = free_port()
+        proc = start_server(llama_server_command(server_bin, own, threads, 1, 4096) + ["--port", str(port)], port,
+                            log_dir / "llama-server-single.log")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            stream_rate(url, prompts[0], 8)
+            for _ in range(args.single_rounds):
+                for p in prompts:
+                    rates[p][2].append(stream_rate(url, p, args.max_tokens)[0])
+                    rates[p][3].append(completion_rate(cli, own, p, threads, args.max_tokens))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return single_stream_table(rates, args.single_rounds, args.max_tokens, own.name if pair else None)
+
+
+def single_stream_table(rates: dict[str, tuple[list, ...]], rounds: int, max_tokens: int,
+                        peer: str | None) -> results.Table:
+    """The single-stream table from each prompt's rates (server.py, serve_local.py, and with
+    ``peer``, the GGUF llama.cpp's pair ran: llama-server, llama-completion): per prompt the
+    medians and their ratio, and in the notes each ratio's median and spread."""
     med = statistics.median
-    rows = [[p[:40], f"{med(s):.1f}", f"{med(r):.1f}", f"{med(s) / med(r):.2f}"] for p, (s, r) in rates.items()]
-    ratios = [med(s) / med(r) for s, r in rates.values()]
+    columns = ["prompt", "server.py tok/s", "serve_local.py tok/s", "ratio"]
+    if peer:
+        columns += ["llama-server tok/s", "llama-completion tok/s", "its ratio"]
+    rows, ratios, theirs = [], [], []
+    for p, (s, r, ls, lc) in rates.items():
+        ratios.append(med(s) / med(r))
+        row = [p[:40], f"{med(s):.1f}", f"{med(r):.1f}", f"{ratios[-1]:.2f}"]
+        if peer:
+            theirs.append(med(ls) / med(lc))
+            row += [f"{med(ls):.1f}", f"{med(lc):.1f}", f"{theirs[-1]:.2f}"]
+        rows.append(row)
     table = results.Table(
-        f"One streaming client: server.py against the runner (serve_local.py, its plan) on the same {len(prompts)} "
-        f"prompts, alternating, {args.single_rounds} rounds; greedy, at most {args.max_tokens} tokens, stopping at "
-        f"EOS; decode tok/s from the first token to the last, each prompt's median",
-        ["prompt", "server.py tok/s", "serve_local.py tok/s", "ratio"], rows)
+        f"One streaming client: server.py against the runner (serve_local.py, its plan) on the same {len(rates)} "
+        f"prompts, alternating, {rounds} rounds; greedy, at most {max_tokens} tokens, stopping at EOS; decode tok/s "
+        f"from the first token to the last (the runners: their own timings), each prompt's median"
+        + (f"; llama.cpp's pair likewise on {peer}" if peer else ""), columns, rows)
     table.notes = [f"server.py over serve_local.py: median {med(ratios):.2f}×, from {min(ratios):.2f}× to "
                    f"{max(ratios):.2f}×"]
+    if peer:
+        table.notes.append(f"llama-server over llama-completion: median {med(theirs):.2f}×, from {min(theirs):.2f}× "
+                           f"to {max(theirs):.2f}×")
     return table
 
 

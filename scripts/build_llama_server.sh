@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server, the peer of `python bench.py serve`, from the llama.cpp sources
 # that llama-cpp-python's sdist vendors (the same version as the decode benchmark's peer).
-# Also builds llama-quantize from the same tree (beside it in build/bin), which `bench.py gguf` uses
-# to make its test files. Bench-only: no test needs it. About 10 minutes on 2 cores. Prints the
+# Also builds, from the same tree (beside it in build/bin), llama-quantize, which `bench.py gguf` uses
+# to make its test files, and llama-completion, llama.cpp's command-line runner, which `bench.py serve`
+# sets beside llama-server as serve_local.py is beside server.py. Bench-only: no test needs it. About 10 minutes on 2 cores. Prints the
 # llama-server binary's path.
 #   scripts/build_llama_server.sh [BUILD_DIR]   (default: ~/.cache/nanoinfer/llama-server)
 set -euo pipefail
 VERSION=0.3.36
 DIR=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/nanoinfer/llama-server}
 BIN=$DIR/build/bin/llama-server
-if [ -x "$BIN" ] && [ -x "$DIR/build/bin/llama-quantize" ]; then echo "$BIN"; exit 0; fi
+TOOLS="llama-server llama-quantize llama-completion"
+built=1
+for t in $TOOLS; do [ -x "$DIR/build/bin/$t" ] || built=0; done
+if [ $built = 1 ]; then echo "$BIN"; exit 0; fi
+if [ -f "$DIR/build/CMakeCache.txt" ]; then       # configured before: build what is missing
+  cmake --build "$DIR/build" --target $TOOLS -j "$(nproc)" >&2
+  echo "$BIN"; exit 0
+fi
 mkdir -p "$DIR"
 PY=${PYTHON:-python3}
 "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DIR" >&2
@@ -23,5 +31,5 @@ for f in avx512f:AVX512 avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_b
 done
 cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF $flags >&2
-cmake --build "$DIR/build" --target llama-server llama-quantize -j "$(nproc)" >&2
+cmake --build "$DIR/build" --target $TOOLS -j "$(nproc)" >&2
 echo "$BIN"

@@ -323,3 +323,40 @@ def test_serve_notes_compare_the_prefix_cache_and_each_peer():
     assert serve.serve_notes(rows, names, [4]) == [
         "4 clients: the prefix cache cuts the shared-prompt TTFT p50 12.0×; "
         "ours 0.90× llama-server x.gguf's tok/s, TTFT p95 1.20× its"]
+
+
+def test_llama_completion_rate_reads_its_own_timings_and_a_silent_one_is_one_line(tmp_path, monkeypatch):
+    """bench.py serve's llama.cpp pair: llama-completion beside llama-server, and its decode
+    tok/s read from its timing lines (the eval line, not the prompt's)."""
+    import bench.peers
+    binaries = tmp_path / "bin"
+    binaries.mkdir()
+    monkeypatch.setenv("LLAMA_SERVER", str(binaries / "llama-server"))
+    assert bench.peers.llama_cpp_tool("llama-completion") is None
+    tool = binaries / "llama-completion"
+    tool.write_text("#!/bin/sh\necho 'the answer'\n"
+                    "echo 'common_perf_print: prompt eval time =  117.87 ms /  40 tokens (  2.95 ms per "
+                    "token,   339.35 tokens per second)' >&2\n"
+                    "echo 'common_perf_print:        eval time =  940.03 ms /  125 runs   (  7.52 ms per "
+                    "token,   132.98 tokens per second)' >&2\n")
+    tool.chmod(0o755)
+    assert bench.peers.llama_cpp_tool("llama-completion") == tool
+    assert bench.peers.completion_rate(tool, tmp_path / "x.gguf", "Hi", 2, 8) == 132.98
+    tool.write_text("#!/bin/sh\necho 'error: no such model' >&2\nexit 1\n")
+    with pytest.raises(OSError) as e:
+        bench.peers.completion_rate(tool, tmp_path / "x.gguf", "Hi", 2, 8)
+    assert "printed no timings (exit 1): error: no such model" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_single_stream_table_gives_each_pairs_ratio():
+    """bench.py serve's single stream: per prompt server.py over serve_local.py, and with the
+    llama.cpp pair beside it, llama-server over llama-completion; medians over the rounds."""
+    rates = {"a prompt": ([90.0, 80.0, 100.0], [100.0, 100.0, 90.0], [45.0, 50.0, 40.0], [50.0, 50.0, 60.0]),
+             "another": ([70.0], [100.0], [48.0], [50.0])}
+    alone = bench.serve.single_stream_table(rates, 3, 128, None)
+    assert alone.columns[-1] == "ratio" and alone.rows[0][1:] == ["90.0", "100.0", "0.90"]
+    assert alone.notes == ["server.py over serve_local.py: median 0.80×, from 0.70× to 0.90×"]
+    both = bench.serve.single_stream_table(rates, 3, 128, "model.gguf")
+    assert both.rows[0][4:] == ["45.0", "50.0", "0.90"] and both.rows[1][4:] == ["48.0", "50.0", "0.96"]
+    assert both.notes[1] == "llama-server over llama-completion: median 0.93×, from 0.90× to 0.96×"
+    assert "llama.cpp's pair likewise on model.gguf" in both.title
