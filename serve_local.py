@@ -422,8 +422,7 @@ def take_compiled_step(chat: Chat):
         return
     proc, chat.building = chat.building, None
     if proc.returncode:
-        print(f"[the background compile failed (exit {proc.returncode}, log: {build_log()}); answers stay on the "
-              f"eager step]", file=sys.stderr)
+        print(nanoinfer.load.build_failed(proc.returncode, build_log()), file=sys.stderr)
         return
     t0 = time.perf_counter()
     nanoinfer.load.load_compiled(chat.model)

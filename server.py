@@ -1096,8 +1096,7 @@ def report_build(child: subprocess.Popen, log: Path, out=None):
     if code == 0:
         print("[compiled decode steps built: each loads at its next call]", file=out, flush=True)
     elif code > 0:
-        print(f"[the background compile failed (exit {code}, log: {log}); the answers stay on the "
-              f"eager step]", file=out, flush=True)
+        print(nanoinfer.load.build_failed(code, log), file=out, flush=True)
 
 
 def check_port(host: str, port: int):

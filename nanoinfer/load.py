@@ -93,6 +93,12 @@ def build_in_background(script: Path, argv: list[str], log: Path) -> subprocess.
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
 
+def build_failed(code: int, log: Path) -> str:
+    """The one line a runner or server prints when its background build (build_in_background)
+    failed: it goes on answering on the eager step."""
+    return f"[the background compile failed (exit {code}, log: {log}); the answers stay on the eager step]"
+
+
 def load_tp(cfg: RunConfig, device: torch.device, group=None) -> tuple[Llama, Tokenizer]:
     """This rank's part of the model on ``device`` (tp.load: read on the CPU, checked against the
     other ranks, split), then the swaps `build` makes: the CPU's C++ kernels, prepacked weights."""

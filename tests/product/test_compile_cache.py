@@ -129,7 +129,7 @@ def test_a_failed_background_compile_is_one_line_and_the_answers_stay_eager(caps
     serve_local.take_compiled_step(chat)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the background compile failed (exit 1, log: " in err
-    assert "background-build.log); answers stay on the eager step" in err
+    assert "background-build.log); the answers stay on the eager step" in err
     assert chat.building is None
     serve_local.take_compiled_step(chat)            # the next turn: nothing more to say
     assert capsys.readouterr().err == ""
