@@ -175,6 +175,9 @@ def single_stream(args, ours: list[str], log_dir: Path) -> results.Table:
     own = bundled_gguf_of(args.model)
     server_bin, cli = llama_server_binary(), llama_cpp_tool("llama-completion")
     pair = own is not None and server_bin is not None and cli is not None and not args.no_peer
+    if own is not None and server_bin is not None and cli is None and not args.no_peer:
+        print("no llama-completion beside llama-server: scripts/build_llama_server.sh builds it; the single "
+              "stream without llama.cpp's pair")
     threads = torch.get_num_threads()
     prompts = CHAT_PROMPTS
     rates = {p: ([], [], [], []) for p in prompts}
