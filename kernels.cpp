@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
-#include <tuple>
 #include <type_traits>
 #include <vector>
 #if defined(__F16C__)
@@ -1111,11 +1110,13 @@ static inline void weighted_v(const float* p, Row val, int64_t n, int64_t d, flo
 #endif
 
 // One query token per batch row against its keys, in chunks of CHUNK: row b reads keys [0, len(b));
-// at(b, h, j) is where key j of KV head h lies, as a pair of rows (K's, V's); keep(b, j) masks.
+// rows(b, h, j0, n, kr, vr) says where keys j0 ... j0 + n - 1 of KV head h lie (kr[j], vr[j]: key
+// j0 + j's K and V rows), a chunk at a time, so a paged pool finds each block once, not each key;
+// keep(b, j) masks.
 // A chunk past a row's length, or masked whole, is left out of the merge, as a chunk of -inf
 // scores would be. q (B, H, 1, d) fp32; the result (B, H, 1, d) fp32.
-template <typename T, typename Len, typename At, typename Keep>
-static at::Tensor attend_chunks(const at::Tensor& q, int64_t Hkv, int64_t L, Len len, At at,
+template <typename T, typename Len, typename Rows, typename Keep>
+static at::Tensor attend_chunks(const at::Tensor& q, int64_t Hkv, int64_t L, Len len, Rows rows,
                                 Keep keep) {
   int64_t B = q.size(0), H = q.size(1), d = q.size(3), G = H / Hkv;
   int64_t chunks = (L + CHUNK - 1) / CHUNK, units = B * Hkv * chunks;
@@ -1130,7 +1131,7 @@ static at::Tensor attend_chunks(const at::Tensor& q, int64_t Hkv, int64_t L, Len
       const float* qg = qp + (b * H + h * G) * d;
       // the chunk's rows found once for its G query heads
       const T *kr[CHUNK], *vr[CHUNK];
-      for (int64_t j = 0; j < n; j++) std::tie(kr[j], vr[j]) = at(b, h, j0 + j);
+      if (n > 0) rows(b, h, j0, n, kr, vr);
       auto key = [&](int64_t j) { return kr[j]; };
       auto val = [&](int64_t j) { return vr[j]; };
       for (int64_t g = 0; g < G; g++) {
@@ -1193,8 +1194,9 @@ static at::Tensor attend_one(const at::Tensor& q_, const at::Tensor& k, const at
           vb0 = v.stride(0), vb1 = v.stride(1);
   auto y = attend_chunks<T>(
       q, Hkv, L, [&](int64_t) { return L; },
-      [&](int64_t b, int64_t h, int64_t j) {
-        return std::make_pair(kp + b * kb0 + h * kb1 + j * sk, vp + b * vb0 + h * vb1 + j * sv);
+      [&](int64_t b, int64_t h, int64_t j0, int64_t n, const T** kr, const T** vr) {
+        const T *k0 = kp + b * kb0 + h * kb1 + j0 * sk, *v0 = vp + b * vb0 + h * vb1 + j0 * sv;
+        for (int64_t j = 0; j < n; j++) kr[j] = k0 + j * sk, vr[j] = v0 + j * sv;
       },
       [&](int64_t b, int64_t j) { return !mp || mp[b * mb + j]; });
   return y.to(q_.scalar_type());
@@ -1246,10 +1248,14 @@ static at::Tensor attend_paged(const at::Tensor& q_, const at::Tensor& k, const 
           vslot = v.stride(1), vh = v.stride(2);
   auto y = attend_chunks<T>(
       q, Hkv, longest, [&](int64_t b) { return pp[b] + 1; },
-      [&](int64_t b, int64_t h, int64_t j) {
-        int64_t blk = tp(b, j / bs), slot = j % bs;
-        return std::make_pair(kp + blk * kblk + slot * kslot + h * kh,
-                              vp + blk * vblk + slot * vslot + h * vh);
+      [&](int64_t b, int64_t h, int64_t j0, int64_t n, const T** kr, const T** vr) {
+        for (int64_t j = 0; j < n;) {       // a block's run of slots at a time
+          int64_t key = j0 + j, blk = tp(b, key / bs), slot = key % bs,
+                  run = std::min(n - j, bs - slot);
+          const T *k0 = kp + blk * kblk + slot * kslot + h * kh,
+                  *v0 = vp + blk * vblk + slot * vslot + h * vh;
+          for (int64_t i = 0; i < run; i++, j++) kr[j] = k0 + i * kslot, vr[j] = v0 + i * vslot;
+        }
       },
       [&](int64_t b, int64_t j) { return window <= 0 || j > pp[b] - window; });
   return y.to(q_.scalar_type());
