@@ -8,7 +8,9 @@ import random
 import statistics
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -120,3 +122,16 @@ def start_server(cmd: list[str], port: int, log: Path, timeout: float = 600):
         time.sleep(0.3)
     proc.kill()
     raise OSError(f"{cmd[0]} did not answer /health within {timeout:.0f} s: see {log}")
+
+
+@contextmanager
+def running(cmd: list[str], log: Path) -> Iterator[str]:
+    """A server, ``cmd`` on a free ``--port``, started as start_server starts it and stopped when the
+    block ends: its URL."""
+    port = free_port()
+    proc = start_server(cmd + ["--port", str(port)], port, log)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -22,7 +22,7 @@ import numpy as np
 
 import checkpoint
 import results
-from bench.common import CHAT_PROMPTS, free_port, model_dir, start_server
+from bench.common import CHAT_PROMPTS, model_dir, running
 
 SCHEMAS = {
     "person": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -158,10 +158,8 @@ def bench_grammar(args):
     print(f"\n{libs.markdown()}")
     log = checkpoint.cache_root() / "bench" / "grammar-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    proc = start_server([sys.executable, "server.py", "--model", str(path), "--port", str(port)], port, log)
-    url, measured = f"http://127.0.0.1:{port}", {}
-    try:
+    measured = {}
+    with running([sys.executable, "server.py", "--model", str(path)], log) as url:
         asyncio.run(level(url, 2, 4, SCHEMAS["answer"], 8))                  # warm-up
         for _ in range(args.rounds):
             for clients, requests in ((1, args.requests), (16, 4 * args.requests)):
@@ -169,9 +167,6 @@ def bench_grammar(args):
                     got = asyncio.run(level(url, clients, requests, schema, args.max_tokens))
                     for key, value in got.items():
                         measured.setdefault((clients, schema is not None, key), []).append(value)
-    finally:
-        proc.terminate()
-        proc.wait(60)
     med = lambda k: statistics.median(measured[k])
     cost = results.Table(
         f"server.py ({path.name}, its default plan) with a JSON schema (an answer string of 400 to "

@@ -18,7 +18,7 @@ import kernels
 import results
 import safetensors_io
 from model import LlamaConfig
-from bench.common import CHAT_PROMPTS, HANDBOOK, QUESTIONS, ROOT, free_port, model_dir, start_server
+from bench.common import CHAT_PROMPTS, HANDBOOK, QUESTIONS, ROOT, model_dir, running
 from bench.peers import completion_rate, llama_cpp_tool, llama_server_binary, llama_server_command
 
 
@@ -111,19 +111,13 @@ def bench_serve(args):
                         llama_server_command(binary, gguf, threads, slots, slots * 1024), log_dir / "llama-server.log"))
     rows = []
     for name, cmd, log in servers:
-        port = free_port()
-        proc = start_server(cmd + ["--port", str(port)], port, log)
-        try:
-            url = f"http://127.0.0.1:{port}"
+        with running(cmd, log) as url:
             asyncio.run(serve_load(url, 2, serve_requests(2), 8, 5))        # warm-up: first calls of every kernel
             for c in args.concurrency:
                 r = asyncio.run(serve_load(url, c, serve_requests(16), args.max_tokens, args.seconds))
                 rows.append({"server": name, **r})
                 print(f"  {name}, {c:2} clients: {r['tok_s']:6.1f} tok/s, TTFT p50/p95 {r['ttft_p50']:.0f}/"
                       f"{r['ttft_p95']:.0f} ms, ITL p50/p95 {r['itl_p50']:.0f}/{r['itl_p95']:.0f} ms", flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(60)
     single = {r["server"]: r["tok_s"] for r in rows if r["concurrency"] == min(args.concurrency)}
     table = results.Table(
         f"{args.model} served over HTTP, {threads} threads each, {slots} parallel slots each: C streaming clients "
@@ -172,43 +166,34 @@ def single_stream(args, ours: list[str], log_dir: Path) -> results.Table:
     from bench.runner import RunnerSession
     subprocess.run([sys.executable, "serve_local.py", "--model", args.model, "--compile-only"], cwd=ROOT,
                    check=True, capture_output=True)       # the runner's compiled step, built once
-    own = bundled_gguf_of(args.model)
-    server_bin, cli = llama_server_binary(), llama_cpp_tool("llama-completion")
-    pair = own is not None and server_bin is not None and cli is not None and not args.no_peer
-    if own is not None and server_bin is not None and cli is None and not args.no_peer:
+    own, server_bin = bundled_gguf_of(args.model), llama_server_binary()
+    cli = llama_cpp_tool("llama-completion")
+    peers = own is not None and server_bin is not None and not args.no_peer
+    if peers and cli is None:
         print("no llama-completion beside llama-server: scripts/build_llama_server.sh builds it; the single "
               "stream without llama.cpp's pair")
+    pair = peers and cli is not None
     threads = torch.get_num_threads()
     prompts = CHAT_PROMPTS
     rates = {p: ([], [], [], []) for p in prompts}
     runner = RunnerSession(["--model", args.model], args.max_tokens)
-    port = free_port()
-    proc = start_server(ours + ["--port", str(port)], port, log_dir / "server-single.log")
-    url = f"http://127.0.0.1:{port}"
     try:
-        stream_rate(url, prompts[0], 8)                   # warm-up
-        for _ in range(args.single_rounds):
-            for p in prompts:
-                rates[p][0].append(stream_rate(url, p, args.max_tokens)[0])
-                rates[p][1].append(runner.ask(p)["tok_s"])
+        with running(ours, log_dir / "server-single.log") as url:
+            stream_rate(url, prompts[0], 8)                   # warm-up
+            for _ in range(args.single_rounds):
+                for p in prompts:
+                    rates[p][0].append(stream_rate(url, p, args.max_tokens)[0])
+                    rates[p][1].append(runner.ask(p)["tok_s"])
     finally:
-        proc.terminate()
-        proc.wait(60)
         runner.close()
     if pair:
-        port = free_port()
-        proc = start_server(llama_server_command(server_bin, own, threads, 1, 4096) + ["--port", str(port)], port,
-                            log_dir / "llama-server-single.log")
-        url = f"http://127.0.0.1:{port}"
-        try:
+        with running(llama_server_command(server_bin, own, threads, 1, 4096),
+                     log_dir / "llama-server-single.log") as url:
             stream_rate(url, prompts[0], 8)
             for _ in range(args.single_rounds):
                 for p in prompts:
                     rates[p][2].append(stream_rate(url, p, args.max_tokens)[0])
                     rates[p][3].append(completion_rate(cli, own, p, threads, args.max_tokens))
-        finally:
-            proc.terminate()
-            proc.wait(60)
     return single_stream_table(rates, args.single_rounds, args.max_tokens, own.name if pair else None)
 
 

@@ -360,3 +360,19 @@ def test_single_stream_table_gives_each_pairs_ratio():
     assert both.rows[0][4:] == ["45.0", "50.0", "0.90"] and both.rows[1][4:] == ["48.0", "50.0", "0.96"]
     assert both.notes[1] == "llama-server over llama-completion: median 0.93×, from 0.90× to 0.96×"
     assert "llama.cpp's pair likewise on model.gguf" in both.title
+
+
+def test_running_gives_a_servers_url_and_stops_it(tmp_path):
+    """bench.common.running: the command on a free --port, up once /health answers, stopped
+    when the block ends (every bench that starts a server goes through it)."""
+    import httpx
+    script = ("import sys, http.server\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+              "    def log_message(self, *a): pass\n"
+              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[-1])), H).serve_forever()\n")
+    with bench.common.running([sys.executable, "-c", script], tmp_path / "server.log") as url:
+        assert httpx.get(url + "/health").status_code == 200
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)
