@@ -114,16 +114,17 @@ static inline const float* as_f32(KScales s, int64_t n, std::vector<float>& buf)
 }
 
 // A thread's rows [r0, r1) of a matrix with G groups a row, `step` rows at a time:
-// f(row, its scales, its minimums (nullptr: none)) with the scales as fp32, widened WIDEN_ROWS
-// rows at a time (as_f32).
+// f(row, its scales, its minimums (null: none)) with the scales as fp32, widened WIDEN_ROWS rows
+// at a time (as_f32). The minimums stay as stored: only lo_share reads them, once a row, and it
+// widens 8 at a time in registers (a K-quant's int4 step spent a fifth of its time widening
+// scales and minimums into buffers).
 template <typename S, typename F>
 static void widened_rows(S s, S lo, int64_t G, int64_t r0, int64_t r1, int64_t step, F f) {
-  std::vector<float> sb, lb;
+  std::vector<float> sb;
   for (int64_t b0 = r0; b0 < r1; b0 += WIDEN_ROWS) {
     int64_t b1 = std::min(r1, b0 + WIDEN_ROWS), n = (b1 - b0) * G;
-    const float *sp = as_f32(s + b0 * G, n, sb), *lp = lo ? as_f32(lo + b0 * G, n, lb) : nullptr;
-    for (int64_t r = b0; r < b1; r += step)
-      f(r, sp + (r - b0) * G, lp ? lp + (r - b0) * G : nullptr);
+    const float* sp = as_f32(s + b0 * G, n, sb);
+    for (int64_t r = b0; r < b1; r += step) f(r, sp + (r - b0) * G, lo ? lo + r * G : S());
   }
 }
 
@@ -136,7 +137,7 @@ static void widened_rows(S s, S lo, int64_t G, int64_t r0, int64_t r1, int64_t s
 // come as std::integral_constant, for f's kernel template.
 template <int R, typename S, typename F>
 static void row_tiles(S s, S lo, int64_t G, int64_t N, int64_t M, F f) {
-  auto tiles = [&](auto rows, int64_t n, const float* sn, const float* ln) {
+  auto tiles = [&](auto rows, int64_t n, const float* sn, S ln) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) f(rows, std::integral_constant<int, 4>(), n, m, sn, ln);
     if (M - m == 3) f(rows, std::integral_constant<int, 3>(), n, m, sn, ln);
@@ -144,11 +145,11 @@ static void row_tiles(S s, S lo, int64_t G, int64_t N, int64_t M, F f) {
     if (M - m == 1) f(rows, std::integral_constant<int, 1>(), n, m, sn, ln);
   };
   at::parallel_for(0, N / R, std::max(1, 16 / R), [&](int64_t p0, int64_t p1) {
-    widened_rows(s, lo, G, p0 * R, p1 * R, R, [&](int64_t n, const float* sn, const float* ln) {
+    widened_rows(s, lo, G, p0 * R, p1 * R, R, [&](int64_t n, const float* sn, S ln) {
       tiles(std::integral_constant<int, R>(), n, sn, ln);
     });
   });
-  widened_rows(s, lo, G, N / R * R, N, 1, [&](int64_t n, const float* sn, const float* ln) {
+  widened_rows(s, lo, G, N / R * R, N, 1, [&](int64_t n, const float* sn, S ln) {
     tiles(std::integral_constant<int, 1>(), n, sn, ln);
   });
 }
@@ -280,17 +281,34 @@ static inline void widen(const uint8_t* q, int64_t ahead, __m256& e0, __m256& o0
       o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
 }
 
+// Eight minimums from group g on as fp32 (exact), read as they are stored: fp32, fp16, or a
+// K-quant's int8 m times its super-block's -dmin (8 groups to a super-block, and a row starts on
+// one).
+static inline __m256 lo8(const float* lo, int64_t g) { return _mm256_loadu_ps(lo + g); }
+static inline __m256 lo8(const c10::Half* lo, int64_t g) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(lo + g)));
+}
+static inline __m256 lo8(KScales lo, int64_t g) {
+  if (lo.shift == 3 && ((lo.at + g) & 7) == 0)
+    return _mm256_mul_ps(_mm256_set1_ps(f32(lo.d[(lo.at + g) >> 3])),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                             _mm_loadl_epi64((const __m128i*)(lo.sc + lo.at + g)))));
+  float v[8];
+  for (int j = 0; j < 8; j++) v[j] = lo[g + j];
+  return _mm256_loadu_ps(v);
+}
+
 // The minimum's share, lo·Σx over the row's groups, 8 groups to a vector: a scalar chain of 18 FMAs
-// (SmolLM2's 576 columns) would hold each row back by ~70 cycles.
-static inline float lo_share(const float* lo, const float* sx, int64_t G) {
+// (SmolLM2's 576 columns) would hold each row back by ~70 cycles. The last G % 8 lanes take 0·0.
+template <typename L>
+static inline float lo_share(L lo, const float* sx, int64_t G) {
   __m256 a = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= G; g += 8)
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(lo + g), _mm256_loadu_ps(sx + g), a);
+  for (; g + 8 <= G; g += 8) a = _mm256_fmadd_ps(lo8(lo, g), _mm256_loadu_ps(sx + g), a);
   if (g < G) {
-    __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(G - g)),
-                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    a = _mm256_fmadd_ps(_mm256_maskload_ps(lo + g, tail), _mm256_maskload_ps(sx + g, tail), a);
+    float l[8] = {0}, x[8] = {0};
+    for (int j = 0; g + j < G; j++) l[j] = f32(lo[g + j]), x[j] = sx[g + j];
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(l), _mm256_loadu_ps(x), a);
   }
   return hsum8(a);
 }
@@ -333,8 +351,8 @@ static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const fl
           _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo[t], _mm512_mul_ps(e, xe[t])), vs, acc[r][t]);
   }
 }
-template <int R, int MT>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+template <int R, int MT, typename L>
+static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -363,8 +381,8 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
 // The 16 lanes in two 8-lane halves, two chains: one FMA's latency does not gate the next. Two
 // weight rows at a time (R = 2: 9% faster than one, W from DRAM) share x's four loads per 32
 // weights.
-template <int R, int MT>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+template <int R, int MT, typename L>
+static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   const int64_t ahead = spans_ahead(AHEAD, R * (K / 2));
@@ -521,14 +539,15 @@ static inline float hsum(const float* a) {
   for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
   return hsum8(l);
 }
-template <int R, int MT>
-static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t K, int shift,
+template <int R, int MT, typename L>
+static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) {
       const uint8_t* qr = q + r * (K / 2);
-      const float *sr = s + r * G, *lr = lo + r * G;
+      const float* sr = s + r * G;
+      L lr = lo + r * G;
       float acc[16] = {0}, l[8];
       for (int64_t c = 0; c < K / 32; c++) {
         const uint8_t* b = qr + c * 16;
@@ -538,7 +557,7 @@ static void int4_rows(const uint8_t* q, const float* s, const float* lo, int64_t
                             sr[c >> shift], acc[i]);
       }
       for (int i = 0; i < 8; i++) l[i] = 0.f;
-      for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lr[g], sx[t * G + g], l[g % 8]);
+      for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lr[g]), sx[t * G + g], l[g % 8]);
       float m = hsum8(l);
       for (int i = 0; i < 8; i++) l[i] = acc[i] + acc[8 + i];
       y[t * N + r] = hsum8(l) + m;
@@ -600,7 +619,7 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
     reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, const float* ln) {
+  auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
     int4_rows<decltype(rows)::value, decltype(tile)::value>(
         qp + n * K / 2, sn, ln, K, shift, xp + m * K, sx + m * G, yp + m * N + n, N);
   };
@@ -703,8 +722,8 @@ static inline __m512 widen16(const c10::BFloat16* p) { return bf16x16(p); }
 
 // One int8 row in groups against MT rows of x: lanes 0-15 take the scale s[c·step], lanes 16-31
 // s[c·step + step - 1] (step = 32 / group).
-template <int MT>
-static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <int MT, typename L>
+static void int8g_row(const int8_t* q, const float* s, L lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group, ahead = STREAM_AHEAD;
   __m512 acc[MT][2];
@@ -747,8 +766,8 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]);
 }
 #else
-template <int MT>
-static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <int MT, typename L>
+static void int8g_row(const int8_t* q, const float* s, L lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group;
   __m256 acc[MT][4], w[4];
@@ -785,13 +804,14 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 }
 #endif
 #else
-static inline float lo_share(const float* lo, const float* sx, int64_t G) {
+template <typename L>
+static inline float lo_share(L lo, const float* sx, int64_t G) {
   float l[8] = {0};
-  for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(lo[g], sx[g], l[g % 8]);
+  for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lo[g]), sx[g], l[g % 8]);
   return hsum8(l);
 }
-template <int MT>
-static void int8g_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+template <int MT, typename L>
+static void int8g_row(const int8_t* q, const float* s, L lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t G = K / group;
   for (int t = 0; t < MT; t++) {
@@ -835,7 +855,7 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
   float* yp = y.data_ptr<float>();
   auto run = [&](auto s_, auto lo_) {
     row_tiles<1>(s_, lo_, G, N, M, [&](auto, auto tile, int64_t n, int64_t m, const float* sn,
-                                       const float* ln) {
+                                       auto ln) {
       int8g_row<decltype(tile)::value>(qp + n * K, sn, ln, K, group, xp + m * K,
                                        ln ? sx + m * G : nullptr, yp + m * N + n, N);
     });
