@@ -35,7 +35,7 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
@@ -44,8 +44,8 @@ import torch
 from safetensors.torch import save_file
 
 import tokenizer
-from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, join_nibbles, read_weights,
-                            stack, widened)
+from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, join_nibbles, join_sixes,
+                            read_weights, stack, widened)
 
 
 # ----------------------------------------------------------------------------
@@ -165,9 +165,10 @@ def gguf_config(reader) -> dict:
 #     Q4_0               s = d, lo = -8d, q 0..15       int4, groups of 32
 #     Q4_1               s = d, lo = m, q 0..15         int4, groups of 32
 #     Q4_K               s = d·sc, lo = -dmin·m         int4, groups of 32 (8 in a 256-block)
-#     Q5_0, Q8_0         s = d, q -16..15 / -127..127   int8, groups of 32
-#     Q5_1, Q5_K         s as Q4_1 / Q4_K, q 0..31      int8 with a minimum, groups of 32
-#     Q6_K               s = d·sc, q -32..31            int8, groups of 16
+#     Q8_0               s = d, q -127..127             int8, groups of 32
+#     Q5_0               s = d, q -16..15               int8 in 6 bits, groups of 32
+#     Q5_1, Q5_K         s as Q4_1 / Q4_K, q 0..31      int8 in 6 bits with a minimum, groups of 32
+#     Q6_K               s = d·sc, q -32..31            int8 in 6 bits, groups of 16
 #     F16, BF16          -                              16-bit weights, fp32 arithmetic
 #     F32                -                              fp32
 #
@@ -177,8 +178,10 @@ def gguf_config(reader) -> dict:
 # group's largest weight) stays negative: the kernels' sums do not care. The numbers are stored
 # as the file holds them, not widened: d, m and -8d in fp16 (half_scales), a K-quant's sc and m
 # as int8 per group beside its fp16 d and -dmin per 256 weights (Packed.scale_d, lo_d), which the
-# kernels multiply as they read them. Q4_K then takes 148 bytes per 256 weights (the file 144),
-# Q6_K 274 (the file 210: 6-bit values held in 8), Q8_0 and Q4_1 as many as the file.
+# kernels multiply as they read them. The 5- and 6-bit values are held six bits each
+# (safetensors_io.join_sixes: three bytes per four), which the kernels widen to the same int8
+# values. Q4_K then takes 148 bytes per 256 weights (the file 144), Q6_K 210 (the file's 210),
+# Q5_K 212 (176), Q8_0 and Q4_1 as many as the file.
 
 
 class Kind(Enum):
@@ -188,12 +191,17 @@ class Kind(Enum):
     FLOAT = "float"     # fp32
 
 
+# The GGUF types whose values fit in six bits (-32..31): held six bits each (join_sixes).
+SIX_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
 @dataclass
 class Packed:
     """One GGUF matrix (rows, K) in a kernel layout: W[r, k] = lo[r, k // group] + q[r, k] ·
     scale[r, k // group] (lo absent: 0); HALF and FLOAT hold the weights in ``q``. A K-quant's
     scale and lo are int8 per group times ``scale_d`` and ``lo_d``, fp16 per 256 weights
-    (safetensors_io.block_scaled)."""
+    (safetensors_io.block_scaled). ``bits``: an INT8 layout's values are stored in 6 bits each
+    (their range allows it) or 8; ``q`` holds them as int8 either way."""
     kind: Kind
     q: torch.Tensor
     scale: torch.Tensor | None = None
@@ -201,6 +209,7 @@ class Packed:
     group: int | None = None
     scale_d: torch.Tensor | None = None
     lo_d: torch.Tensor | None = None
+    bits: int = 8
 
     def dequantized(self) -> torch.Tensor:
         if self.kind in (Kind.HALF, Kind.FLOAT):
@@ -211,7 +220,7 @@ class Packed:
         """The same layout over a selection of rows (llama.cpp's Q/K row order undone)."""
         pick = lambda t: None if t is None else t[index]
         return Packed(self.kind, pick(self.q), pick(self.scale), pick(self.lo), self.group,
-                      pick(self.scale_d), pick(self.lo_d))
+                      pick(self.scale_d), pick(self.lo_d), self.bits)
 
 
 def halves(qs: np.ndarray) -> np.ndarray:
@@ -305,7 +314,8 @@ def packed(tensor) -> Packed:
     return Packed(Kind.INT4 if q.dtype == np.uint8 else Kind.INT8,
                   torch.from_numpy(np.ascontiguousarray(q.reshape(rows, k))),
                   per_row(s, k // group, sub), per_row(lo, k // group, sub), group,
-                  per_row(s_d, k // 256, np.float16), per_row(lo_d, k // 256, np.float16))
+                  per_row(s_d, k // 256, np.float16), per_row(lo_d, k // 256, np.float16),
+                  6 if kind in SIX_BITS else 8)
 
 
 def grouped(parts: list[Packed]) -> list[Packed]:
@@ -330,7 +340,7 @@ def half_scales(parts: list[Packed]) -> list[Packed]:
                and exact(p.lo) for p in parts):
         return parts
     half = lambda t: None if t is None else t.half()
-    return [Packed(p.kind, p.q, half(p.scale), half(p.lo), p.group) for p in parts]
+    return [replace(p, scale=half(p.scale), lo=half(p.lo)) for p in parts]
 
 
 def stored(name: str, p: Packed) -> dict[str, torch.Tensor]:
@@ -339,7 +349,7 @@ def stored(name: str, p: Packed) -> dict[str, torch.Tensor]:
     ``weight_min``."""
     if p.kind in (Kind.HALF, Kind.FLOAT):
         return {f"{name}.weight": p.q}
-    q = join_nibbles(p.q) if p.kind == Kind.INT4 else p.q
+    q = join_nibbles(p.q) if p.kind == Kind.INT4 else join_sixes(p.q) if p.bits == 6 else p.q
     out = {f"{name}.weight": q, f"{name}.weight_scale": p.scale}
     if p.lo is not None:
         out[f"{name}.weight_min"] = p.lo
@@ -358,6 +368,8 @@ def layout_of(p: Packed) -> dict:
         spec |= {"group": p.group, "min": p.lo is not None,
                  "scales": "blocks" if p.scale_d is not None
                  else str(p.scale.dtype).removeprefix("torch.")}
+    if p.kind == Kind.INT8 and p.bits == 6:
+        spec["bits"] = 6            # join_sixes
     if p.kind == Kind.HALF:
         spec["dtype"] = str(p.q.dtype).removeprefix("torch.")
     return spec
@@ -368,7 +380,8 @@ def layout_of(p: Packed) -> dict:
 # at the file's own bits (Packed), not widened to fp32. 4: fp16 scales where the file's are.
 # 5: the embedding table at its bits (tied: stored once, as the head). 6: K-quants' scales as
 # int8 per group times fp16 per 256 weights. 7: a group's parts at different bits kept apart.
-CONVERTED_FORMAT = 7
+# 8: 5- and 6-bit values in six bits (join_sixes), not a byte.
+CONVERTED_FORMAT = 8
 
 
 def gguf_fingerprint(path: Path) -> str:
@@ -590,6 +603,7 @@ def export_gguf(model_dir: Path, out_path: Path, c, dtype: str = "f16",
                "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
                "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
                "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+               "q5_0": (Q.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
                "q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0)}
     mixed = mixed or {}
     if dtype not in formats or not set(mixed.values()) <= set(formats):

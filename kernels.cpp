@@ -691,6 +691,24 @@ static at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
 // are added as int8_mm's (hsum), and with a minimum its share Σ_j lo_j·Σx_j is added as int4_mm's
 // (lo_share, the group sums of each row of x computed once per call).
 
+// int8 values held in six bits each (safetensors_io.join_sixes: a GGUF's 5- and 6-bit blocks, 0.75
+// byte a value where int8 takes 1): per 32 values 24 bytes, first the low 4 bits of value i in
+// byte i's low nibble and of value i + 16 in its high one, then the top 2 bits of value 8k + j in
+// bits 2k, 2k + 1 of byte 16 + j; each stored plus 32. The kernels widen them to the int8 values
+// (so to the same bits as those values stored in int8), 32 at a time; `+ n` moves n bytes.
+struct Sixes {
+  const uint8_t* p = nullptr;
+  int8_t operator[](int64_t k) const {
+    const uint8_t* b = p + k / 32 * 24;
+    int i = int(k % 32), low = i < 16 ? b[i] & 15 : b[i - 16] >> 4;
+    return int8_t((low | ((b[16 + (i & 7)] >> (2 * (i >> 3))) & 3) << 4) - 32);
+  }
+  Sixes operator+(int64_t n) const { return Sixes{p + n}; }
+};
+// Where block c (32 values) of a row starts, for a prefetch.
+static inline const char* block_at(const int8_t* q, int64_t c) { return (const char*)(q + c * 32); }
+static inline const char* block_at(Sixes q, int64_t c) { return (const char*)(q.p + c * 24); }
+
 // Each group's sum of x, in order.
 static void group_sums(const float* x, int64_t K, int64_t group, float* sx) {
   for (int64_t g = 0; g < K / group; g++) {
@@ -710,6 +728,29 @@ static inline __m256 widen8(const c10::Half* p) {
 }
 static inline __m256 widen8(const c10::BFloat16* p) { return bf16x8(p); }
 
+// Block c's 32 int8 values: loaded, or a Sixes block's nibbles put beside their top 2 bits (each
+// of the 4 qwords takes its own pair of bits from the 8 shared bytes: a variable shift).
+static inline __m256i values32(Sixes q, int64_t c) {
+  const uint8_t* b = q.p + c * 24;
+  const __m128i nib = _mm_set1_epi8(15);
+  __m128i v = _mm_loadu_si128((const __m128i*)b);
+  __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
+  __m128i tops = _mm_loadl_epi64((const __m128i*)(b + 16));
+  __m256i top = _mm256_srlv_epi64(_mm256_broadcastq_epi64(tops), _mm256_setr_epi64x(0, 2, 4, 6));
+  top = _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(3)), 4);
+  return _mm256_sub_epi8(_mm256_or_si256(low, top), _mm256_set1_epi8(32));
+}
+// Block c's values as four vectors of 8 fp32 (AVX2's loops).
+static inline void widen32(const int8_t* q, int64_t c, __m256* w) {
+  for (int j = 0; j < 4; j++) w[j] = widen8(q + c * 32 + 8 * j);
+}
+static inline void widen32(Sixes q, int64_t c, __m256* w) {
+  __m256i v = values32(q, c);
+  __m128i h[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+  for (int j = 0; j < 4; j++)
+    w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(j % 2 ? _mm_srli_si128(h[j / 2], 8) : h[j / 2]));
+}
+
 #if defined(__AVX512F__)
 // 16 weights as fp32, the same ways.
 static inline __m512 widen16(const int8_t* q) {
@@ -719,19 +760,29 @@ static inline __m512 widen16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
 static inline __m512 widen16(const c10::BFloat16* p) { return bf16x16(p); }
+// Block c's values as two vectors of 16 fp32.
+static inline void widen32(const int8_t* q, int64_t c, __m512& w0, __m512& w1) {
+  w0 = widen16(q + c * 32), w1 = widen16(q + c * 32 + 16);
+}
+static inline void widen32(Sixes q, int64_t c, __m512& w0, __m512& w1) {
+  __m256i v = values32(q, c);
+  w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+  w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+}
 
 // One int8 row in groups against MT rows of x: lanes 0-15 take the scale s[c·step], lanes 16-31
 // s[c·step + step - 1] (step = 32 / group).
-template <int MT, typename L>
-static void int8g_row(const int8_t* q, const float* s, L lo, int64_t K, int64_t group,
+template <int MT, typename Q, typename L>
+static void int8g_row(Q q, const float* s, L lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group, ahead = STREAM_AHEAD;
   __m512 acc[MT][2];
   UNROLL
   for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
-    if ((c & 1) == 0) _mm_prefetch((const char*)(q + c * 32 + ahead), _MM_HINT_T0);
-    __m512 w0 = widen16(q + c * 32), w1 = widen16(q + c * 32 + 16);
+    if ((c & 1) == 0) _mm_prefetch(block_at(q, c) + ahead, _MM_HINT_T0);
+    __m512 w0, w1;
+    widen32(q, c, w0, w1);
     __m512 s0 = _mm512_set1_ps(s[c * step]), s1 = _mm512_set1_ps(s[c * step + step - 1]);
     UNROLL
     for (int t = 0; t < MT; t++) {
@@ -766,17 +817,17 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
   for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]);
 }
 #else
-template <int MT, typename L>
-static void int8g_row(const int8_t* q, const float* s, L lo, int64_t K, int64_t group,
+template <int MT, typename Q, typename L>
+static void int8g_row(Q q, const float* s, L lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t step = 32 / group, G = K / group;
   __m256 acc[MT][4], w[4];
   UNROLL
   for (int t = 0; t < MT; t++) for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
-    _mm_prefetch((const char*)(q + c * 32 + AHEAD), _MM_HINT_T0);
+    _mm_prefetch(block_at(q, c) + AHEAD, _MM_HINT_T0);
     __m256 sc[2] = {_mm256_set1_ps(s[c * step]), _mm256_set1_ps(s[c * step + step - 1])};
-    for (int j = 0; j < 4; j++) w[j] = widen8(q + c * 32 + 8 * j);
+    widen32(q, c, w);
     UNROLL
     for (int t = 0; t < MT; t++)
       for (int j = 0; j < 4; j++)
@@ -810,8 +861,8 @@ static inline float lo_share(L lo, const float* sx, int64_t G) {
   for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lo[g]), sx[g], l[g % 8]);
   return hsum8(l);
 }
-template <int MT, typename L>
-static void int8g_row(const int8_t* q, const float* s, L lo, int64_t K, int64_t group,
+template <int MT, typename Q, typename L>
+static void int8g_row(Q q, const float* s, L lo, int64_t K, int64_t group,
                       const float* x, const float* sx, float* y, int64_t N) {
   const int64_t G = K / group;
   for (int t = 0; t < MT; t++) {
@@ -843,24 +894,29 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
   int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   TORCH_CHECK((group == 16 || group == 32) && K % 32 == 0, "int8g_mm: group 16 or 32, K a multiple "
               "of 32");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == K &&
-              s.dim() == 2 && s.size(0) == N && s.size(1) == G,
-              "int8g_mm: q (N, K) int8, scale (N, K/group)");
+  const bool six = q.scalar_type() == at::kByte;      // the values in six bits (Sixes)
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
+              s.size(1) == G && (six ? q.size(1) * 4 == K * 3 : q.scalar_type() == at::kChar &&
+                                 q.size(1) == K),
+              "int8g_mm: q (N, K) int8 or (N, 3K/4) uint8 (six bits a value), scale (N, K/group)");
   const bool has_lo = lo_.has_value() && lo_->defined();
   auto y = at::empty({M, N}, x.options());
   std::vector<float> sums(has_lo ? M * G : 0);
   const float *xp = x.data_ptr<float>(), *sx = sums.data();
   for (int64_t m = 0; has_lo && m < M; m++) group_sums(xp + m * K, K, group, sums.data() + m * G);
-  const int8_t* qp = q.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](auto s_, auto lo_) {
-    row_tiles<1>(s_, lo_, G, N, M, [&](auto, auto tile, int64_t n, int64_t m, const float* sn,
-                                       auto ln) {
-      int8g_row<decltype(tile)::value>(qp + n * K, sn, ln, K, group, xp + m * K,
-                                       ln ? sx + m * G : nullptr, yp + m * N + n, N);
-    });
+  auto rows = [&](auto qp, int64_t row_len) {
+    auto run = [&](auto s_, auto lo_) {
+      row_tiles<1>(s_, lo_, G, N, M, [&](auto, auto tile, int64_t n, int64_t m, const float* sn,
+                                         auto ln) {
+        int8g_row<decltype(tile)::value>(qp + n * row_len, sn, ln, K, group, xp + m * K,
+                                         ln ? sx + m * G : nullptr, yp + m * N + n, N);
+      });
+    };
+    with_scales(s, lo_, sd, lod, group, "int8g_mm", run);
   };
-  with_scales(s, lo_, sd, lod, group, "int8g_mm", run);
+  if (six) rows(Sixes{q.data_ptr<uint8_t>()}, K / 4 * 3);
+  else rows(q.data_ptr<int8_t>(), K);
   return y;
 }
 
@@ -929,15 +985,36 @@ static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64
     }
   }
 }
+static void dequant_row(Sixes q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  __m256 w[4];
+  for (int64_t c = 0; c < K / 32; c++) {
+    widen32(q, c, w);
+    for (int i = 0; i < 4; i++) {
+      int64_t k = c * 32 + 8 * i;
+      __m256 vl = _mm256_set1_ps(lo ? lo[k / group] : 0.f);
+      put8(out + k, w[i], _mm256_set1_ps(s[k / group]), lo ? &vl : nullptr);
+    }
+  }
+}
 template <typename T>
 static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
   for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(out + k, widen8(w + k));
 }
 #else
-static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
-                        float* out) {
+template <typename Q>
+static void dequant_values(Q q, const float* s, const float* lo, int64_t K, int64_t group,
+                           float* out) {
   for (int64_t k = 0; k < K; k++)
     out[k] = lo ? std::fma(float(q[k]), s[k / group], lo[k / group]) : float(q[k]) * s[k / group];
+}
+static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  dequant_values(q, s, lo, K, group, out);
+}
+static void dequant_row(Sixes q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  dequant_values(q, s, lo, K, group, out);
 }
 static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
@@ -955,8 +1032,8 @@ static void dequant_row(const T* w, const float*, const float*, int64_t K, int64
 // call, not two per tile, which on a busy machine cost a time slice each (a 128-row prefill of a
 // 2048×5632 matrix took 6x as long tile by tile). Tiles of WIDE_ROWS rows, fewer where that would
 // leave a thread without 4 of them. A tile's scales are widened to fp32 once (as_f32).
-template <typename T, typename S>
-static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, S s, S lo,
+template <typename W, typename S>
+static void wide_tiles(const at::Tensor& x, W w, int64_t row_len, S s, S lo,
                        int64_t group, at::Tensor& y) {
   int64_t K = x.size(1), N = y.size(1), G = group ? K / group : 0;
   int64_t rows = std::min<int64_t>(WIDE_ROWS, (N + 4 * at::get_num_threads() - 1) /
@@ -981,8 +1058,9 @@ static void wide_tiles(const at::Tensor& x, const T* w, int64_t row_len, S s, S 
   });
 }
 
-// w: int8 (N, K) with scale (N,) or (N, K/group) and lo None or as scale; int4 bytes (N, K/2) with
-// scale and lo (N, K/group); fp16 or bf16 (N, K) alone.
+// w: int8 (N, K) with scale (N,) or (N, K/group) and lo None or as scale (or those values in six
+// bits: uint8 (N, 3K/4), Sixes); int4 bytes (N, K/2) with scale and lo (N, K/group); fp16 or bf16
+// (N, K) alone.
 static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
                           int64_t group, const std::optional<at::Tensor>& sd,
@@ -1007,14 +1085,17 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
   if (s.dim() == 1) group = K;
   TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0 && s.numel() == N * (K / group),
               "wide_mm: scale (N, K/group), group a multiple of 16");
+  const bool six = type == at::kByte && w.size(1) * 4 == K * 3;   // int8 values in six bits
   if (type == at::kChar) {
     TORCH_CHECK(w.size(1) == K, "wide_mm: int8 w (N, K)");
-  } else {
+  } else if (!six) {
     TORCH_CHECK(type == at::kByte && w.size(1) * 2 == K && has_lo && group % 32 == 0,
-                "wide_mm: int4 w (N, K/2) with scale and lo");
+                "wide_mm: int4 w (N, K/2) with scale and lo, or six-bit int8 (N, 3K/4)");
   }
+  TORCH_CHECK(!six || s.dim() == 2, "wide_mm: six-bit values come in groups");
   auto run = [&](auto sp, auto lp) {
     if (type == at::kChar) wide_tiles(x, w.data_ptr<int8_t>(), K, sp, lp, group, y);
+    else if (six) wide_tiles(x, Sixes{w.data_ptr<uint8_t>()}, K / 4 * 3, sp, lp, group, y);
     else wide_tiles(x, w.data_ptr<uint8_t>(), K / 2, sp, lp, group, y);
   };
   with_scales(s, lo_, sd, lod, group, "wide_mm", run);

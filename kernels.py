@@ -519,8 +519,9 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 def int8g_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None,
              group: int, scale_d: torch.Tensor | None = None,
              lo_d: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) fp32 · Wᵀ for W int8 in groups as quantize.Int8Linear holds it: q (N, K) int8,
-    scale (N, K/group) as int4_mm's, lo None or as scale, group 16 or 32, K a multiple of 32;
+    """x (M, K) fp32 · Wᵀ for W int8 in groups as quantize.Int8Linear holds it: q (N, K) int8 (or
+    its values six bits each: (N, 3K/4) uint8, safetensors_io.join_sixes), scale (N, K/group) as
+    int4_mm's, lo None or as scale, group 16 or 32, K a multiple of 32;
     W = lo + q·s. Needs native_kernels()."""
     return torch.ops.nanoinfer.int8g_mm(x, q, scale, lo, group, scale_d, lo_d)
 
@@ -725,7 +726,7 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
                     fast = Int4Linear(child.in_features, child.out_features, child.group, bias)
                 elif isinstance(child, quantize.Int8Linear):
                     fast = Int8Linear(child.in_features, child.out_features, child.group,
-                                      child.weight_min is not None, bias)
+                                      child.weight_min is not None, bias, bits=child.bits)
                 else:
                     fast = HalfLinear(child.in_features, child.out_features, child.weight.dtype,
                                       bias)

@@ -201,12 +201,12 @@ def model_info(name: str) -> ModelInfo:
     table = layers.pop("embed_tokens", None)
     for layer, layout in layers.items():
         rows, cols = matrix_shape(c, layer)
-        kinds[layout["kind"]] = kinds.get(layout["kind"], 0) + rows * cols
+        kinds[layout_kind(layout)] = kinds.get(layout_kind(layout), 0) + rows * cols
         stored += layout_bytes(layout, rows, cols)
     table_bytes, table_kind, head_kind = 0, None, None
     if source == "gguf":    # the table: at its bits, tied to the head (in it), or fp32 apart
-        head_kind = layers.get("lm_head", {}).get("kind", "float")
-        table_kind = table["kind"] if table else head_kind
+        head_kind = layout_kind(layers.get("lm_head", {"kind": "float"}))
+        table_kind = layout_kind(table) if table else head_kind
         table_bytes = (layout_bytes(table, c.vocab_size, c.hidden_size) if table
                        else 0 if c.tie_embeddings else 4 * head)
     return ModelInfo(name, c, c.n_layers * per_layer + head, 0 if c.tie_embeddings else head,
@@ -217,8 +217,8 @@ def describe_layouts(info: ModelInfo) -> str:
     """A GGUF's bits by tensor kind: its matrices by layout, largest first, then its LM head's and
     its embedding table's: "matrices int4 groups of 32 79%, int8 groups 21%; LM head int8 groups;
     embedding table int8 groups (the LM head's: tied)"."""
-    names = {"int4": "int4 groups of 32", "int8": "int8 groups", "half": "16-bit",
-             "float": "fp32"}
+    names = {"int4": "int4 groups of 32", "int8": "int8 groups", "int6": "int8 groups in 6 bits",
+             "half": "16-bit", "float": "fp32"}
     total = sum(info.file_params.values())
     matrices = "matrices " + ", ".join(f"{names[k]} {n / total:.0%}" for k, n in
                                        sorted(info.file_params.items(), key=lambda kv: -kv[1]))
@@ -239,6 +239,11 @@ def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
             "lm_head": (c.vocab_size, h), "embed_tokens": (c.vocab_size, h)}[part]
 
 
+def layout_kind(layout: dict) -> str:
+    """A GGUF layout's kind, "int6" for int8 values held in six bits (its 5- and 6-bit blocks)."""
+    return "int6" if layout.get("bits") == 6 else layout["kind"]
+
+
 def layout_bytes(layout: dict, rows: int, cols: int) -> int:
     """Bytes of one matrix in a GGUF layout (gguf_hf.Packed): the integers, then a scale (and a
     minimum) per group: fp32, fp16 (gguf_hf.half_scales), or a K-quant's int8 times an fp16 per
@@ -251,7 +256,7 @@ def layout_bytes(layout: dict, rows: int, cols: int) -> int:
         extra = n // layout["group"] * numbers + n // 256 * 2 * numbers
     else:
         extra = n // layout["group"] * (2 if layout.get("scales") == "float16" else 4) * numbers
-    return n // (2 if layout["kind"] == "int4" else 1) + extra
+    return {"int4": n // 2, "int6": n // 4 * 3}.get(layout_kind(layout), n) + extra
 
 
 # ----------------------------------------------------------------------------

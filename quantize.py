@@ -21,8 +21,10 @@ a step, s/2, so small groups (one row, one token of one head) keep s small.
     fp8 e4m3, plain cast       1                             KV, for comparison:
                                                              no scale, range ±448
     int4, asymmetric, grouped  0.5 + 4/group (s and a zero)  weights, groups of 32-128 along a row
-    int8, grouped              1 + 2/group (an fp16 s),      a GGUF's 5-8-bit weights (Q8_0,
-                               + 2/group with a minimum      Q5_0/1, Q5_K, Q6_K): groups of 16, 32
+    int8, grouped              1 + 2/group (an fp16 s),      a GGUF's 8-bit weights (Q8_0):
+                               + 2/group with a minimum      groups of 32
+    int8 in 6 bits, grouped    0.75 + as int8, grouped       its 5- and 6-bit ones (Q5_0/1,
+                                                             Q5_K, Q6_K): groups of 16, 32
     int4/int8, K-quant scales  + 1/group (an int8 s) + 2/256 a GGUF's Q4_K, Q5_K, Q6_K: a
                                (an fp16 per block), twice    super-block's fp16 times the group's
                                with a minimum                int8, multiplied as it is read
@@ -38,11 +40,12 @@ int4 model's LM head in int8 (`python bench.py quantize --eval` prints its bytes
 
 A GGUF file arrives already quantized, in llama.cpp's blocks, and runs at its
 own bits rather than widened to fp32 (32 bits a weight against its 4 to 8). Its
-4-bit blocks become int4 groups of 32; its 5-, 6- and 8-bit blocks a byte per
-value with a scale (and a minimum) per group of 16 or 32: int4's W = lo + q·s
-with a wider q, its scales kept as the file stores them (gguf_hf.py: Q4_1, Q8_0
-and Q4_K at the file's own bits, the 5- and 6-bit ones a byte per value), for
-one kernel per width instead of one per block format. Its F16/BF16 tensors stay
+4-bit blocks become int4 groups of 32; its 5-, 6- and 8-bit blocks int8 values
+with a scale (and a minimum) per group of 16 or 32: int4's W = lo + q·s with a
+wider q, its scales kept as the file stores them. The 5- and 6-bit values are
+held six bits each (three bytes per four) and widened to int8 as a kernel reads
+them (gguf_hf.py: every block type at about the file's own bytes), for one
+kernel per width instead of one per block format. Its F16/BF16 tensors stay
 in 16 bits, and its embedding table in its own layout (StoredEmbedding: a lookup
 widens one row).
 
@@ -77,7 +80,7 @@ import torch.nn.functional as F
 import safetensors_io
 # two int4 values a byte, the even column in the low nibble: the portable, on-disk layout (a
 # kernel converts it into its own layout at load time)
-from safetensors_io import join_nibbles, split_nibbles
+from safetensors_io import join_nibbles, split_nibbles, split_sixes
 from model import (FUSED, QUANTIZATION_KEY, Llama, LlamaConfig, adopt_checkpoint, as_dtype,
                    attend, fused_rows)
 
@@ -257,20 +260,29 @@ class Int8Linear(nn.Module):
 
     A GGUF's 5-, 6- and 8-bit blocks load this way at their own bits, with their fp32 or fp16
     scales, or (``blocks``: a K-quant's) an int8 per group times an fp16 per 256 weights
-    (weight_scale_d, weight_min_d: safetensors_io.block_scaled). A scale per group no longer
-    factors out of the row, so this layer dequantizes and runs one matmul (the reference;
-    kernels.py applies each group's scale inside its loop). ``bias``: added to the output."""
+    (weight_scale_d, weight_min_d: safetensors_io.block_scaled). ``bits`` 6: values that fit in
+    -32..31 (the 5- and 6-bit blocks) stored six bits each, three bytes per four
+    (safetensors_io.join_sixes; weight (N, 3K/4) uint8), the same int8 values once widened.
+    A scale per group no longer factors out of the row, so this layer dequantizes and runs one
+    matmul (the reference; kernels.py applies each group's scale inside its loop). ``bias``:
+    added to the output."""
 
     def __init__(self, in_features: int, out_features: int, group: int | None = None,
-                 has_min: bool = False, bias: bool = False, blocks: bool = False):
+                 has_min: bool = False, bias: bool = False, blocks: bool = False, bits: int = 8):
         super().__init__()
         if group is not None and (group <= 0 or in_features % group):
             raise ValueError(f"int8 groups of {group} do not divide a row of {in_features} "
                              f"weights; give a group that divides it (a GGUF's blocks: 16 or 32)")
         if has_min and group is None:
             raise ValueError("an int8 layer with a minimum needs groups: give group=16 or 32")
+        if bits not in (6, 8) or bits == 6 and (group is None or in_features % 32):
+            raise ValueError(f"int8 values are stored in 8 bits, or in 6 in groups along rows of a "
+                             f"multiple of 32 weights; not {bits} bits, group {group}")
         self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.bits = bits
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8)
+                             if bits == 8 else
+                             torch.zeros(out_features, in_features // 4 * 3, dtype=torch.uint8))
         groups = () if group is None else (in_features // group,)
         self.register_buffer("weight_scale", torch.ones(out_features, *groups))
         self.register_buffer("weight_min",
@@ -302,7 +314,8 @@ class Int8Linear(nn.Module):
         if self.group is None:
             return dequantize_int8(self.weight, self.weight_scale[:, None],
                                    self.weight_scale.dtype)
-        return dequantize_grouped(self.weight, self.weight_scale, self.weight_min, torch.float32,
+        q = self.weight if self.bits == 8 else split_sixes(self.weight)
+        return dequantize_grouped(q, self.weight_scale, self.weight_min, torch.float32,
                                   self.weight_scale_d, self.weight_min_d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -422,7 +435,9 @@ class StoredEmbedding(nn.Module):
     def __init__(self, layer: nn.Module, dtype: torch.dtype = torch.float32,
                  persistent: bool = True):
         super().__init__()
-        self.int4 = isinstance(layer, Int4Linear)
+        # how the stored integers come back: two to a byte, four to three bytes, or as they are
+        self.unpack = (split_nibbles if isinstance(layer, Int4Linear) else
+                       split_sixes if isinstance(layer, Int8Linear) and layer.bits == 6 else None)
         self.dtype = dtype          # of the rows it returns: the model's
         for name in ("weight", *safetensors_io.SCALES):
             self.register_buffer(name, getattr(layer, name, None), persistent=persistent)
@@ -434,7 +449,7 @@ class StoredEmbedding(nn.Module):
             rows = q.float()
         else:
             pick = lambda t: None if t is None else t[ids]
-            rows = safetensors_io.widened(split_nibbles(q) if self.int4 else q,
+            rows = safetensors_io.widened(self.unpack(q) if self.unpack else q,
                                           self.weight_scale[ids], pick(self.weight_min),
                                           pick(self.weight_scale_d), pick(self.weight_min_d))
         return rows.to(self.dtype).reshape(*tokens.shape, -1)
@@ -578,7 +593,7 @@ def stored_layer(layout: dict, in_features: int, out_features: int, bias: bool) 
         return Int4Linear(in_features, out_features, layout["group"], bias=bias, blocks=blocks)
     if layout["kind"] == "int8":
         return Int8Linear(in_features, out_features, layout["group"], layout["min"], bias=bias,
-                          blocks=blocks)
+                          blocks=blocks, bits=layout.get("bits", 8))
     return HalfLinear(in_features, out_features, getattr(torch, layout["dtype"]), bias=bias)
 
 

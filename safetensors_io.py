@@ -318,6 +318,27 @@ def split_nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
 
 
+def join_sixes(q: torch.Tensor) -> torch.Tensor:
+    """Values -32..31 (int8, a row a multiple of 32 long) in six bits each, 24 bytes per 32 (a
+    GGUF's 5- and 6-bit blocks: three bytes per four values where int8 takes four). Each value
+    plus 32: the low 4 bits of value i of a block in byte i's low nibble, of value i + 16 in its
+    high one; then the top 2 bits of value 8k + j in bits 2k, 2k + 1 of byte 16 + j."""
+    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(q.shape[0], -1, 32)
+    low = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
+    top = (u >> 4).reshape(*u.shape[:2], 4, 8)
+    top = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    return torch.cat([low, top], -1).reshape(q.shape[0], -1)
+
+
+def split_sixes(b: torch.Tensor) -> torch.Tensor:
+    """join_sixes' inverse: (rows, 3K/4) bytes -> (rows, K) int8."""
+    blocks = b.reshape(b.shape[0], -1, 24)
+    low = torch.cat([blocks[..., :16] & 15, blocks[..., :16] >> 4], -1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(4, 1)
+    top = ((blocks[..., None, 16:] >> shifts) & 3).reshape(*blocks.shape[:2], 32)
+    return ((low | (top << 4)).to(torch.int16) - 32).to(torch.int8).reshape(b.shape[0], -1)
+
+
 def block_scaled(sub: torch.Tensor | None, d: torch.Tensor | None) -> torch.Tensor | None:
     """A group's scale (or minimum) as one number. A K-quant stores an int8 per group (``sub``)
     and an fp16 per 256-weight super-block (``d``): their product, exact in fp32. Without
@@ -359,7 +380,8 @@ def widen_layers(state: dict[str, torch.Tensor], layers: dict[str, dict]) -> dic
         take = lambda suffix: joined([state.pop(f"{n}.{suffix}") for n in names])
         w = take("weight")
         if spec["kind"] in ("int4", "int8"):
-            q = split_nibbles(w) if spec["kind"] == "int4" else w
+            q = split_nibbles(w) if spec["kind"] == "int4" else \
+                split_sixes(w) if spec.get("bits") == 6 else w
             blocks, has_min = spec.get("scales") == "blocks", spec.get("min")
             w = widened(q, take("weight_scale"), take("weight_min") if has_min else None,
                         take("weight_scale_d") if blocks else None,

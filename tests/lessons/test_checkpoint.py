@@ -16,6 +16,7 @@ import torch
 
 import checkpoint
 import gguf_hf
+import kernels
 import model as M
 import quantize
 import safetensors_io
@@ -188,6 +189,14 @@ def test_every_gguf_type_keeps_its_bits(kind):
         blocks = kind in ("Q4_K", "Q5_K", "Q6_K")
         assert narrow.scale.dtype == (torch.float16 if half else torch.int8 if blocks else torch.float32)
         assert (p.scale_d is not None) == blocks and (p.lo_d is not None) == (kind in ("Q4_K", "Q5_K"))
+        # the 5- and 6-bit values stored six bits each: 0.75 byte a value, the same values back
+        weight = gguf_hf.stored("w", p)["w.weight"]
+        if kind in gguf_hf.SIX_BITS:
+            assert p.bits == 6 and gguf_hf.layout_of(p)["bits"] == 6
+            assert weight.dtype == torch.uint8 and weight.shape == (6, 512 * 3 // 4)
+            assert torch.equal(safetensors_io.split_sixes(weight), p.q)
+        else:
+            assert p.bits == 8 and "bits" not in gguf_hf.layout_of(p)
 
 
 def test_an_unsupported_gguf_type_is_refused_in_one_line():
@@ -205,27 +214,39 @@ def test_a_group_of_mixed_types_keeps_each_part_at_its_bits(tmp_path):
     """Q4_K_M keeps some layers' V in Q6_K beside Q4_K Q and K. Parts in one layout stack into one
     matrix; parts at different bits (here V in Q4_0 beside Q8_0 Q and K, gate in Q4_0 beside a
     Q8_0 up) stay apart, each its own stored layer (quantize.StoredParts), none re-laid wider;
-    beside an fp32 part, all fp32. The model's logits are the plain (widened) model's."""
+    beside an fp32 part, all fp32. A Q5_0 down projection is held six bits a value. The model's
+    logits are the plain (widened) model's, on the C++ kernels too."""
     q, v = gguf_hf.packed(gguf_blocks("Q4_K")), gguf_hf.packed(gguf_blocks("Q6_K", seed=1))
     assert [p.kind.value for p in gguf_hf.grouped([q, q, v])] == ["int4", "int4", "int8"]
     wide = gguf_hf.grouped([q, gguf_hf.packed(gguf_blocks("F32"))])
     assert {p.kind.value for p in wide} == {"float"} and torch.equal(wide[0].dequantized(), q.dequantized())
     src = make_checkpoint(tmp_path / "hf", hidden_size=128, intermediate_size=256)
     path = gguf_hf.export_gguf(src, tmp_path / "mixed.gguf", config(src), "q8_0",
-                               mixed={"v_proj.weight": "q4_0", "gate_proj.weight": "q4_0"})
+                               mixed={"v_proj.weight": "q4_0", "gate_proj.weight": "q4_0",
+                                      "down_proj.weight": "q5_0"})
     back = gguf_hf.convert_gguf(path, tmp_path / "cache")
     fast = quantize.from_pretrained(back, "cpu", torch.float32)
     qkv = fast.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, quantize.StoredParts)
     assert [type(p).__name__ for p in qkv.parts] == ["Int8Linear", "Int8Linear", "Int4Linear"]
     plain = M.Llama.from_pretrained(back, "cpu", torch.float32)
-    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6] * 3])
     with torch.no_grad():
-        torch.testing.assert_close(fast(ids, torch.arange(8)), plain(ids, torch.arange(8)),
+        torch.testing.assert_close(fast(ids, torch.arange(24)), plain(ids, torch.arange(24)),
                                    atol=1e-4, rtol=0)
+    if kernels.native_kernels(quiet=True):
+        on_kernels = kernels.swap_quantized(quantize.from_pretrained(back, "cpu", torch.float32,
+                                                                     prepare=False), torch.float32)
+        assert on_kernels.layers[0].mlp.down_proj.native
+        with torch.no_grad():
+            for n in (1, 24):       # a step's kernel and a prefill's tiles
+                torch.testing.assert_close(on_kernels(ids[:, :n], torch.arange(n)),
+                                           plain(ids[:, :n], torch.arange(n)), atol=1e-4, rtol=0)
     stored = safetensors_io.read_weights(back)      # each part as the file holds it
     assert stored["model.layers.0.self_attn.v_proj.weight"].dtype == torch.uint8        # int4
     assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    down = stored["model.layers.0.mlp.down_proj.weight"]                                # Q5_0
+    assert down.dtype == torch.uint8 and down.shape == (128, 256 * 3 // 4)
 
 
 def test_a_quantized_gguf_converts_at_its_own_bits(tmp_path):

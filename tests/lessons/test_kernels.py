@@ -363,6 +363,33 @@ def test_k_quant_block_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k
                                kernels.wide_mm(rows, q, *flat, group))
 
 
+def test_six_bit_values_give_the_bits_of_the_same_values_in_int8(builds):
+    """int8 values held in six bits (safetensors_io.join_sixes: a GGUF's 5- and 6-bit blocks) are
+    widened to the same int8 values: int8g_mm and wide_mm give the bits those values in int8 give,
+    in every build, for groups of 16 and 32, with and without a minimum, with fp32, fp16 or a
+    K-quant's scales."""
+    torch.manual_seed(9)
+    n, k, x, rows = 77, 512, torch.randn(6, 512), torch.randn(40, 512)
+    q = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    q[0, :64] = torch.arange(-32, 32)                 # every value, both halves of a block
+    six = safetensors_io.join_sixes(q)
+    assert six.shape == (n, k * 3 // 4) and torch.equal(safetensors_io.split_sixes(six), q)
+    sc = lambda group: torch.randint(-64, 64, (n, k // group), dtype=torch.int8)
+    d = lambda: (torch.randn(n, k // 256) * 0.01).half()
+    cases = [(torch.rand(n, k // 16), None, 16, None, None),
+             (torch.rand(n, k // 32), torch.randn(n, k // 32), 32, None, None),
+             (torch.rand(n, k // 32).half(), torch.randn(n, k // 32).half(), 32, None, None),
+             (sc(16), None, 16, d(), None),                                          # Q6_K
+             (sc(32), sc(32), 32, d(), d())]                                        # Q5_K
+    for s, lo, group, sd, md in cases:
+        call = lambda lib, x: lib.int8g_mm(x, six, s, lo, group, sd, md)
+        y = same_bits_everywhere(builds, call, x)
+        assert torch.equal(y, torch.ops.nanoinfer.int8g_mm(x, q, s, lo, group, sd, md))
+        for lib in builds.values():
+            assert torch.equal(lib.wide_mm(rows, six, s, lo, group, sd, md),
+                               torch.ops.nanoinfer.wide_mm(rows, q, s, lo, group, sd, md))
+
+
 def test_tiled_prefill_equals_the_dequantized_matrix(builds):
     """wide_mm: tiles of W dequantized into a scratch, one BLAS product each, for every stored kind; the
     tiles hold the same values in every build, so BLAS gives the same bits."""
