@@ -1118,9 +1118,10 @@ class AheadOfTime:
         # A package built where a step ran kernels.cpp calls its operators: they must be
         # registered before it loads, which a fresh process has not done yet.
         native_kernels(quiet=True)
-        with warnings.catch_warnings():     # as in build
-            warnings.simplefilter("ignore", FutureWarning)
-            runner = torch._inductor.aoti_load_package(str(path))
+        # The package's own C++ loader, as torch._inductor.aoti_load_package wraps it: importing
+        # torch._inductor to call that (its compiler, sympy, triton) would hold ~140 MB more of a
+        # runner's memory for nothing a built step runs.
+        runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         weights = self.weights()
         own = [k for k in runner.get_constant_fqns() if k not in weights]
         if own:
@@ -1129,14 +1130,14 @@ class AheadOfTime:
                              f"which a package without weights cannot hold: "
                              f"run this configuration without --compile")
         self.handed.append({k: weights[k] for k in runner.get_constant_fqns()})
-        runner.load_constants(self.handed[-1], check_full_update=True, user_managed=True)
+        runner.load_constants(self.handed[-1], False, True, True, False)  # active, checked, ours
         self.log.append(f"compiled step loaded from cache in {time.perf_counter() - t0:.2f} s")
         # The inputs in the order export flattened them, without the package's own Python call: that
         # one parses its call spec and walks the 60 K/V tensors as a tree at every step (a few
         # percent of a SmolLM2 step).
-        out = torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1])
+        out = torch.utils._pytree.treespec_loads(runner.get_call_spec()[1])
         return lambda *inputs: torch.utils._pytree.tree_unflatten(
-            runner.loader.boxed_run([t for t in inputs if t is not None]), out)
+            runner.boxed_run([t for t in inputs if t is not None]), out)
 
     def build(self, path: Path, call):
         """torch.export the step on stand-in tensors of the call's shapes, then AOTInductor."""

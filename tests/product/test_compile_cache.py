@@ -24,6 +24,16 @@ def decode(model, prompt, max_len=64, n=32):
     return list(M.generate_cached(model, prompt, M.SamplingParams(max_new_tokens=n), cache=cache))
 
 
+LATER_START = """
+import sys, kernels, kvcache, model as M
+m = kernels.compile_decode(M.Llama.from_pretrained(sys.argv[1], "cpu", "float32"))
+m.config.eos_ids = []
+cache = kvcache.new_cache(m, "static", max_len=64)
+list(M.generate_cached(m, [7, 8], M.SamplingParams(max_new_tokens=2), cache=cache))
+print(m.compiled_step.log[0].split()[2], "torch._inductor" in sys.modules)
+"""
+
+
 def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = make_checkpoint(tmp_path / "m", tokenizer=False, num_hidden_layers=1)
@@ -51,6 +61,10 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
 
     handed = second.compiled_step.handed[0]                               # the model's own tensors, no copy
     assert handed["model.embed_tokens.weight"] is second.embed_tokens.weight
+    # a later process loads it without importing inductor (its compiler and triton: ~140 MB held)
+    later = subprocess.run([sys.executable, "-c", LATER_START, str(path)], cwd=ROOT, text=True,
+                           capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert later.stdout.split() == ["loaded", "False"], later.stderr[-500:]
 
     lazy = kernels.compile_decode(start(), build=False)          # another context: a package of its own, not on disk yet
     assert decode(lazy, prompt, max_len=128, n=2) == decode(eager, prompt, max_len=128, n=2)   # (ran eagerly)
