@@ -384,10 +384,10 @@ def layout_of(p: Packed) -> dict:
 CONVERTED_FORMAT = 8
 
 
-def gguf_fingerprint(path: Path) -> str:
+def gguf_fingerprint(path: Path, version: int = CONVERTED_FORMAT) -> str:
     # Size + the first MiB (header, metadata, start of the tensors) name a file
     # well enough for a cache key without reading gigabytes.
-    h = hashlib.sha256(f"{CONVERTED_FORMAT}:{path.stat().st_size}".encode())
+    h = hashlib.sha256(f"{version}:{path.stat().st_size}".encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
     return h.hexdigest()[:16]
@@ -468,6 +468,12 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    # this file's conversions by earlier versions of the format: their names carry the
+    # fingerprint that version gave it, and nothing reads them any more
+    for old in (Path(out_root) / f"{path.stem}-{gguf_fingerprint(path, v)}"
+                for v in range(1, CONVERTED_FORMAT)):
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
     return out
 
 

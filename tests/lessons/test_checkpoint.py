@@ -308,6 +308,19 @@ def test_conversion_is_cached(cache_home):
     assert not list(again.parent.glob(".converting-*"))   # no half-written leftovers
 
 
+def test_a_new_conversion_removes_the_same_files_older_ones(tmp_path):
+    """A conversion by a newer format (gguf_hf.CONVERTED_FORMAT) removes what earlier formats made
+    of the same file, named by the fingerprint each gave it, and nothing else."""
+    gguf_file = bundled_gguf()
+    older = tmp_path / f"{gguf_file.stem}-{gguf_hf.gguf_fingerprint(gguf_file, 7)}"
+    other = tmp_path / f"{gguf_file.stem}-0123456789abcdef"      # another file of that name
+    for d in (older, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"old")
+    out = gguf_hf.convert_gguf(gguf_file, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, other.name])
+
+
 def test_non_llama_gguf_is_refused(tmp_path):
     import gguf
     path = tmp_path / "other.gguf"
