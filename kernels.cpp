@@ -1,6 +1,6 @@
-// kernels.py's int4, int8 (per row and in groups), fp16 and bf16 matrix-vector products, a
-// prefill's matrix product over tiles of dequantized weights, and one-token attention for a CPU
-// (kernels.native_kernels builds this file).
+// kernels.py's int4, int8 (per row and in groups, or held six bits a value), fp16 and bf16
+// matrix-vector products, a prefill's matrix product over tiles of dequantized weights, and
+// one-token attention for a CPU (kernels.native_kernels builds this file).
 //
 // Decoding with int4 weights reads 0.5 byte per weight plus a scale and a minimum per 32 (0.75 B in
 // all), int8 1 B, bf16 2 B, fp32 4 B. aten's CPU kernels for int4 and int8 are compute-bound: on a
@@ -116,8 +116,7 @@ static inline const float* as_f32(KScales s, int64_t n, std::vector<float>& buf)
 // A thread's rows [r0, r1) of a matrix with G groups a row, `step` rows at a time:
 // f(row, its scales, its minimums (null: none)) with the scales as fp32, widened WIDEN_ROWS rows
 // at a time (as_f32). The minimums stay as stored: only lo_share reads them, once a row, and it
-// widens 8 at a time in registers (a K-quant's int4 step spent a fifth of its time widening
-// scales and minimums into buffers).
+// widens 8 at a time in registers, with no buffer to write and read back.
 template <typename S, typename F>
 static void widened_rows(S s, S lo, int64_t G, int64_t r0, int64_t r1, int64_t step, F f) {
   std::vector<float> sb;

@@ -1119,8 +1119,8 @@ class AheadOfTime:
         # registered before it loads, which a fresh process has not done yet.
         native_kernels(quiet=True)
         # The package's own C++ loader, as torch._inductor.aoti_load_package wraps it: importing
-        # torch._inductor to call that (its compiler, sympy, triton) would hold ~140 MB more of a
-        # runner's memory for nothing a built step runs.
+        # torch._inductor to call that would hold its compiler (sympy, triton) in a runner's
+        # memory for nothing a built step runs.
         runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         weights = self.weights()
         own = [k for k in runner.get_constant_fqns() if k not in weights]
