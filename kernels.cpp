@@ -298,18 +298,21 @@ static inline __m256 lo8(KScales lo, int64_t g) {
 }
 
 // The minimum's share, lo·Σx over the row's groups, 8 groups to a vector: a scalar chain of 18 FMAs
-// (SmolLM2's 576 columns) would hold each row back by ~70 cycles. The last G % 8 lanes take 0·0.
+// (SmolLM2's 576 columns) would hold each row back by ~70 cycles. The last G % 8 groups go to
+// their lanes one at a time, the other lanes adding 0 as a vector's 0·0 would, and the lanes are
+// then added in hsum8's order: gathering the tail into a vector instead (scalar stores read back
+// by one vector load) stalls each row on the load.
 template <typename L>
 static inline float lo_share(L lo, const float* sx, int64_t G) {
   __m256 a = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) a = _mm256_fmadd_ps(lo8(lo, g), _mm256_loadu_ps(sx + g), a);
-  if (g < G) {
-    float l[8] = {0}, x[8] = {0};
-    for (int j = 0; g + j < G; j++) l[j] = f32(lo[g + j]), x[j] = sx[g + j];
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(l), _mm256_loadu_ps(x), a);
-  }
-  return hsum8(a);
+  if (g == G) return hsum8(a);
+  float l[8];
+  _mm256_storeu_ps(l, a);
+  for (int j = 0; j < 8; j++)
+    l[j] = g + j < G ? std::fma(f32(lo[g + j]), sx[g + j], l[j]) : l[j] + 0.f;
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
 // int4_rows<R, MT>: R weight rows (each K / 2 bytes on from the last) against MT rows of reordered
