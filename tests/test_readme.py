@@ -99,6 +99,7 @@ SLOW = {
     "python bench.py serve --seconds 30": "~5 min",
     "python bench.py runner": "~10 min (a first run builds the compiled step: +1-2.5 min)",
     "python bench.py runner --rounds 1": "~5 min",
+    "python bench.py runner --rounds 2": "~8 min",
     "python bench.py gguf": "~15 min (a first run writes and quantizes its files: +3 min; needs "
                             "scripts/build_llama_server.sh)",
 }
