@@ -94,20 +94,23 @@ static inline const float* as_f32(const c10::Half* s, int64_t n, std::vector<flo
   for (; i < n; i++) buf[i] = f32(s[i]);
   return buf.data();
 }
+#if defined(__AVX2__)
+// Whether a K-quant's 8 numbers from group g on share one super-block's d: 8 groups or more to a
+// super-block (Q4_K's and Q5_K's 8 of 32, Q6_K's 16 of 16) and g on a multiple of 8 (a row starts
+// on a super-block). Those 8 as fp32, exactly: one load, one widening, one multiply.
+static inline bool share_d8(KScales s, int64_t g) { return s.shift >= 3 && ((s.at + g) & 7) == 0; }
+static inline __m256 kscales8(KScales s, int64_t g) {
+  return _mm256_mul_ps(_mm256_set1_ps(f32(s.d[(s.at + g) >> s.shift])),
+                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                           _mm_loadl_epi64((const __m128i*)(s.sc + s.at + g)))));
+}
+#endif
 static inline const float* as_f32(KScales s, int64_t n, std::vector<float>& buf) {
   if (!s) return nullptr;
   buf.resize(n);
   int64_t i = 0;
 #if defined(__AVX2__)
-  // 8 groups share a super-block's d (Q4_K's 8 groups of 32, Q6_K's 16 of 16): a row starts on
-  // a super-block, so every 8 aligned groups do
-  if (s.shift >= 3 && (s.at & ((int64_t(1) << s.shift) - 1)) == 0)
-    for (; i + 8 <= n; i += 8) {
-      __m256 d = _mm256_set1_ps(f32(s.d[(s.at + i) >> s.shift]));
-      __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64((const __m128i*)(s.sc + s.at + i))));
-      _mm256_storeu_ps(buf.data() + i, _mm256_mul_ps(d, v));
-    }
+  for (; i + 8 <= n && share_d8(s, i); i += 8) _mm256_storeu_ps(buf.data() + i, kscales8(s, i));
 #endif
   for (; i < n; i++) buf[i] = s[i];
   return buf.data();
@@ -281,17 +284,13 @@ static inline void widen(const uint8_t* q, int64_t ahead, __m256& e0, __m256& o0
 }
 
 // Eight minimums from group g on as fp32 (exact), read as they are stored: fp32, fp16, or a
-// K-quant's int8 m times its super-block's -dmin (8 groups to a super-block, and a row starts on
-// one).
+// K-quant's int8 m times its super-block's -dmin (kscales8).
 static inline __m256 lo8(const float* lo, int64_t g) { return _mm256_loadu_ps(lo + g); }
 static inline __m256 lo8(const c10::Half* lo, int64_t g) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(lo + g)));
 }
 static inline __m256 lo8(KScales lo, int64_t g) {
-  if (lo.shift == 3 && ((lo.at + g) & 7) == 0)
-    return _mm256_mul_ps(_mm256_set1_ps(f32(lo.d[(lo.at + g) >> 3])),
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                             _mm_loadl_epi64((const __m128i*)(lo.sc + lo.at + g)))));
+  if (share_d8(lo, g)) return kscales8(lo, g);
   float v[8];
   for (int j = 0; j < 8; j++) v[j] = lo[g + j];
   return _mm256_loadu_ps(v);
@@ -963,12 +962,22 @@ static at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {
 static inline void put8(float* o, __m256 w, __m256 s, const __m256* lo) {
   _mm256_storeu_ps(o, lo ? _mm256_fmadd_ps(w, s, *lo) : _mm256_mul_ps(w, s));
 }
-static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
-                        float* out) {
-  for (int64_t j = 0; j < K / group; j++) {
-    __m256 vs = _mm256_set1_ps(s[j]), vl = _mm256_set1_ps(lo ? lo[j] : 0.f);
-    for (int64_t k = j * group; k < (j + 1) * group; k += 8)
-      put8(out + k, widen8(q + k), vs, lo ? &vl : nullptr);
+// int8 values, a byte each or six bits (Sixes), 32 at a time (widen32), 8 a store; a group is a
+// whole number of stores (16, 32, or a row), so its scale changes between stores.
+template <typename Q>
+static void dequant_values(Q q, const float* s, const float* lo, int64_t K, int64_t group,
+                           float* out) {
+  __m256 w[4], vs = _mm256_set1_ps(s[0]), vl = _mm256_set1_ps(lo ? lo[0] : 0.f);
+  int64_t j = 0, left = group / 8;
+  for (int64_t c = 0; c < K / 32; c++) {
+    widen32(q, c, w);
+    for (int i = 0; i < 4; i++) {
+      put8(out + c * 32 + 8 * i, w[i], vs, lo ? &vl : nullptr);
+      if (--left == 0 && ++j < K / group) {
+        left = group / 8;
+        vs = _mm256_set1_ps(s[j]), vl = _mm256_set1_ps(lo ? lo[j] : 0.f);
+      }
+    }
   }
 }
 // 16 bytes: their low and high nibbles interleaved back into the 32 weights' order.
@@ -987,18 +996,6 @@ static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64
     }
   }
 }
-static void dequant_row(Sixes q, const float* s, const float* lo, int64_t K, int64_t group,
-                        float* out) {
-  __m256 w[4];
-  for (int64_t c = 0; c < K / 32; c++) {
-    widen32(q, c, w);
-    for (int i = 0; i < 4; i++) {
-      int64_t k = c * 32 + 8 * i;
-      __m256 vl = _mm256_set1_ps(lo ? lo[k / group] : 0.f);
-      put8(out + k, w[i], _mm256_set1_ps(s[k / group]), lo ? &vl : nullptr);
-    }
-  }
-}
 template <typename T>
 static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
   for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(out + k, widen8(w + k));
@@ -1010,14 +1007,6 @@ static void dequant_values(Q q, const float* s, const float* lo, int64_t K, int6
   for (int64_t k = 0; k < K; k++)
     out[k] = lo ? std::fma(float(q[k]), s[k / group], lo[k / group]) : float(q[k]) * s[k / group];
 }
-static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
-                        float* out) {
-  dequant_values(q, s, lo, K, group, out);
-}
-static void dequant_row(Sixes q, const float* s, const float* lo, int64_t K, int64_t group,
-                        float* out) {
-  dequant_values(q, s, lo, K, group, out);
-}
 static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
   for (int64_t k = 0; k < K; k++)
@@ -1028,6 +1017,14 @@ static void dequant_row(const T* w, const float*, const float*, int64_t K, int64
   for (int64_t k = 0; k < K; k++) out[k] = float(w[k]);
 }
 #endif
+static void dequant_row(const int8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  dequant_values(q, s, lo, K, group, out);
+}
+static void dequant_row(Sixes q, const float* s, const float* lo, int64_t K, int64_t group,
+                        float* out) {
+  dequant_values(q, s, lo, K, group, out);
+}
 
 // Each thread takes whole tiles, dequantizes them into its own scratch and runs one single-threaded
 // at::mm each (inside a parallel region aten and BLAS do not fork again): one fork and join per
