@@ -174,27 +174,33 @@ def single_stream(args, ours: list[str], log_dir: Path) -> results.Table:
               "stream without llama.cpp's pair")
     pair = peers and cli is not None
     threads = torch.get_num_threads()
-    prompts = CHAT_PROMPTS
-    rates = {p: ([], [], [], []) for p in prompts}
     runner = RunnerSession(["--model", args.model], args.max_tokens)
     try:
         with running(ours, log_dir / "server-single.log") as url:
-            stream_rate(url, prompts[0], 8)                   # warm-up
-            for _ in range(args.single_rounds):
-                for p in prompts:
-                    rates[p][0].append(stream_rate(url, p, args.max_tokens)[0])
-                    rates[p][1].append(runner.ask(p)["tok_s"])
+            rates = alternating(url, lambda p: runner.ask(p)["tok_s"], args.single_rounds, args.max_tokens)
     finally:
         runner.close()
+    theirs = {p: ([], []) for p in rates}
     if pair:
         with running(llama_server_command(server_bin, own, threads, 1, 4096),
                      log_dir / "llama-server-single.log") as url:
-            stream_rate(url, prompts[0], 8)
-            for _ in range(args.single_rounds):
-                for p in prompts:
-                    rates[p][2].append(stream_rate(url, p, args.max_tokens)[0])
-                    rates[p][3].append(completion_rate(cli, own, p, threads, args.max_tokens))
-    return single_stream_table(rates, args.single_rounds, args.max_tokens, own.name if pair else None)
+            theirs = alternating(url, lambda p: completion_rate(cli, own, p, threads, args.max_tokens),
+                                 args.single_rounds, args.max_tokens)
+    return single_stream_table({p: rates[p] + theirs[p] for p in rates}, args.single_rounds, args.max_tokens,
+                               own.name if pair else None)
+
+
+def alternating(url: str, runner_rate, rounds: int, max_tokens: int) -> dict[str, tuple[list, list]]:
+    """Each chat prompt streamed from the server at ``url``, then asked of its command-line runner
+    (runner_rate(prompt): decode tok/s), in turn, ``rounds`` times after a warm-up answer: each
+    prompt's (server rates, runner rates)."""
+    rates = {p: ([], []) for p in CHAT_PROMPTS}
+    stream_rate(url, CHAT_PROMPTS[0], 8)                   # warm-up
+    for _ in range(rounds):
+        for p in CHAT_PROMPTS:
+            rates[p][0].append(stream_rate(url, p, max_tokens)[0])
+            rates[p][1].append(runner_rate(p))
+    return rates
 
 
 def single_stream_table(rates: dict[str, tuple[list, ...]], rounds: int, max_tokens: int,
