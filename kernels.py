@@ -425,6 +425,14 @@ VECTOR_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
                 "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw"]}
 
 
+def vector_flags() -> list[str]:
+    """This CPU's build: its instruction set's flags, and AVX-512 VNNI where it has it (int4_x8_mm's
+    integer dot products in one instruction, the same integers as without it)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    vnni = capability == "AVX512" and torch.cpu.get_capabilities().get("avx512_vnni", False)
+    return VECTOR_FLAGS.get(capability, []) + (["-mavx512vnni"] if vnni else [])
+
+
 @functools.cache
 def native_kernels(quiet: bool = False) -> bool:
     """Build (first use: seconds) or load the kernels above; False where they cannot be built: not
@@ -433,11 +441,12 @@ def native_kernels(quiet: bool = False) -> bool:
         return True
     if os.environ.get("NANOINFER_NATIVE") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    if not build_kernels("nanoinfer", VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []),
-                         quiet):
+    if not build_kernels("nanoinfer", vector_flags(), quiet):
         return False
     # their outputs' shapes, for torch.compile and torch.export to trace them
     torch.library.register_fake("nanoinfer::int4_mm")(
+        lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::int4_x8_mm")(
         lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8_mm")(
         lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
@@ -502,6 +511,15 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Ten
     256-weight super-block's fp16 number (scale_d, lo_d: a K-quant's); W = lo + q·s. Needs
     native_kernels()."""
     return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group, scale_d, lo_d)
+
+
+def int4_x8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+               group: int, scale_d: torch.Tensor | None = None,
+               lo_d: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_mm's product with each 32 of x rounded to int8 (d = max|x|/127, llama.cpp's Q8_0)
+    first: integer dot products, not exact to the file (asked for: RunConfig.activations).
+    Needs native_kernels()."""
+    return torch.ops.nanoinfer.int4_x8_mm(x, q, scale, lo, group, scale_d, lo_d)
 
 
 def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -619,10 +637,12 @@ def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def tiled_prefill(layer: nn.Module) -> bool:
-    """Whether a layer on the C++ kernels runs its prefills on wide_mm's tiles even where prepack
-    could give it an fp32 copy: int8 in groups and 16-bit weights, whose point is their bytes."""
+    """Whether a layer on the C++ kernels runs its prefills without an fp32 copy even where prepack
+    could give it one: int8 in groups and 16-bit weights, whose point is their bytes, on wide_mm's
+    tiles; int4 with x rounded to 8 bits, on its integer products."""
     return isinstance(layer, HalfLinear) or (isinstance(layer, Int8Linear)
-                                             and layer.group is not None)
+                                             and layer.group is not None) or \
+        (isinstance(layer, Int4Linear) and layer.round_x)
 
 
 class Int8Linear(quantize.Int8Linear):
@@ -658,27 +678,34 @@ class Int8Linear(quantize.Int8Linear):
 
 class Int4Linear(quantize.Int4Linear):
     """quantize.Int4Linear on int4_mm (``native``), which reads the portable layout itself: no
-    tiled copy. ``onednn``: prepack's fp32 copy for prefills."""
+    tiled copy. ``onednn``: prepack's fp32 copy for prefills. ``round_x``: every pass, one row or
+    a prefill's, on int4_x8_mm (x rounded to 8 bits: asked for, not exact)."""
     native: bool = False
+    round_x: bool = False
     onednn: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def prepare(self, dtype: torch.dtype, native: bool | None = None):
+    def prepare(self, dtype: torch.dtype, native: bool | None = None, round_x: bool = False):
         self.native = uses_native(self, dtype, native)
         if not self.native:
             return super().prepare(dtype)
-        self.dtype = dtype
+        self.dtype, self.round_x = dtype, round_x
         self.weight = self.weight.contiguous()
         kernel_scales(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.native and x.dtype == torch.float32:
-            if rows >= quantize.PREFILL_ROWS:
+            if rows >= quantize.PREFILL_ROWS and not self.round_x:
                 return quantize.with_bias(wide_linear(self, x), self.bias)
-            y = int4_mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
-                        self.weight_min, self.group, self.weight_scale_d, self.weight_min_d)
+            mm = int4_x8_mm if self.round_x else int4_mm
+            y = mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
+                   self.weight_min, self.group, self.weight_scale_d, self.weight_min_d)
             return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
         return super().forward(x)
+
+    def extra_repr(self) -> str:
+        # in the compiled step's key (AheadOfTime.path): the two products are different steps
+        return "x rounded to 8 bits" if self.round_x else ""
 
 
 class HalfLinear(quantize.HalfLinear):
@@ -709,10 +736,11 @@ FAST = {quantize.Int8Linear: Int8Linear, quantize.Int4Linear: Int4Linear,
         quantize.HalfLinear: HalfLinear}
 
 
-def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = None) -> nn.Module:
+def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = None,
+                   round_x: bool = False) -> nn.Module:
     """Give every stored layer (still in quantize.py's portable layout: prepare not called) its
     fast form, holding the same tensors, prepared for ``dtype`` activations (``native``:
-    uses_native's). Idempotent."""
+    uses_native's; ``round_x``: int4 layers on int4_x8_mm). Idempotent."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) not in FAST:
@@ -732,7 +760,10 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
                                       bias)
             for key, buffer in child.named_buffers(recurse=False):
                 setattr(fast, key, buffer)
-            fast.prepare(dtype, native)
+            if isinstance(fast, Int4Linear):
+                fast.prepare(dtype, native, round_x)
+            else:
+                fast.prepare(dtype, native)
             setattr(parent, name, fast)
     return model
 

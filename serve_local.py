@@ -327,6 +327,10 @@ def parse_args(argv=None):
                     help="auto: as stored (a GGUF's own bits); float: a GGUF's weights widened to the "
                          "dtype (the exact reference); int8 (per row) or int4 (grouped): every Linear "
                          "re-rounded at load; default: the plan's")
+    ap.add_argument("--activations", default=None, choices=["fp32", "int8"],
+                    help="int8: round x to 8 bits per 32 in the products with int4 weights, as "
+                         "llama.cpp does (integer dot products, faster; close to the file, not "
+                         "exact); default fp32, exact to the file")
     ap.add_argument("--group-size", type=int, default=None, help="--weights int4: 32, 64 or 128 weights share "
                     "a scale (default: 32)")
     ap.add_argument("--draft", default=None, help="speculative decoding with a draft model of the same "
@@ -534,6 +538,7 @@ def check_flags(args):
             raise ValueError(f"--tp must be at least 1 process, got {args.tp}")
         bad = [flag for flag, on in (("--kv paged", args.kv == "paged"), ("--compile", args.compile),
                                      ("--weights", args.weights not in (None, "auto")),
+                                     ("--activations int8", args.activations == "int8"),
                                      ("--draft", args.draft is not None),
                                      ("--lookahead", args.lookahead is not None),
                                      ("--prompt-lookup", args.prompt_lookup is not None)) if on]

@@ -361,8 +361,10 @@ def optional(v, fmt) -> str:
     return "-" if v is None else fmt(v)
 
 
-def gguf_tables(runs: list[FileRun], setup: str, notes: list[str]) -> list[results.Table]:
-    """The acceptance's ratios per file, then each side's measurements."""
+def gguf_tables(runs: list[FileRun], setup: str, notes: list[str],
+                flags: str = "") -> list[results.Table]:
+    """The acceptance's ratios per file, then each side's measurements; ``flags``: those added to
+    our runner's command line (none: its defaults)."""
     med, mb = statistics.median, (lambda b: f"{b / 1e6:.0f}")
     ratio_rows, rows = [], []
     for r in runs:
@@ -383,7 +385,8 @@ def gguf_tables(runs: list[FileRun], setup: str, notes: list[str]) -> list[resul
     bounds = {n: f"{'≤' if below else '≥'} {b}" for n, b, below in BOUNDS}
     return [
         results.Table(
-            f"GGUF files: serve_local.py (its command line, its defaults) against llama-server's "
+            f"GGUF files: serve_local.py ({f'with {flags}' if flags else 'its defaults'}) "
+            f"against llama-server's "
             f"defaults on the same file, the ratios the acceptance reads; {setup}",
             ["file", "file MB", "KV MB (context)", f"our cache / file ({bounds['cache']})",
              f"our peak RSS / (file + KV) ({bounds['RSS']})",
@@ -459,8 +462,11 @@ def bench_gguf(args):
         # Saved after every file: a run stopped midway keeps what it measured, and says so.
         partial = [] if done else [f"partial: the run stopped after {len(runs)} of {len(files)} "
                                    "files"]
-        tables = gguf_tables(runs, setup_line(args, shapes, vocab_size), method + failed + partial)
-        return results.save("gguf", "runner", tables), tables
+        tables = gguf_tables(runs, setup_line(args, shapes, vocab_size), method + failed + partial,
+                             args.flags.strip())
+        # a run with flags of ours beside the defaults' run, not over it
+        name = "-".join(["gguf", *re.findall(r"[a-z0-9]+", args.flags.lower())])
+        return results.save(name, "runner", tables), tables
 
     for path in files:
         prompt = long_prompt(path, args.prompt_tokens)

@@ -30,6 +30,7 @@ class RunConfig:
     weights: str | None = None          # int8 / int4: every Linear quantized at load; None: as stored
     group_size: int = quantize.GROUP    # int4's weights per scale
     head: str | None = None             # the LM head's scheme under ``weights`` (quantize.scheme_of)
+    activations: str = "fp32"           # "int8": x rounded to 8 bits in int4 products (not exact)
     attn: str = "sdpa"                  # flash.ATTENTION
     prepack: bool = True                # kernels.prepack's copies (half the memory without)
     compile: bool = False               # the compiled one-token step, on a static cache
@@ -108,7 +109,8 @@ class RunConfig:
         speculates = any(v is not None for v in (draft, prompt_lookup, lookahead))
         return cls(
             model=model, device=device, dtype=DTYPES[flag_or_plan("dtype")], weights=weights,
-            group_size=group_size, head=p.head, attn=flag_or_plan("attn"),
+            group_size=group_size, head=p.head, activations=g.get("activations", "fp32"),
+            attn=flag_or_plan("attn"),
             # --tp: the plan's no-copy was for the quantized weights it would have chosen
             prepack=(p.prepack or bool(g.get("tp"))) and not g.get("no_prepack"), compile=compile,
             background_compile=compile and not speculates and "prompt" not in g and not g.get("compile_only"),
@@ -122,5 +124,6 @@ class RunConfig:
         return replace(self.plan, dtype=str(self.dtype).removeprefix("torch."), cache=self.cache, ctx=self.ctx,
                        attn=self.attn, compile=self.compile, draft=self.draft, prompt_lookup=self.prompt_lookup,
                        lookahead=self.lookahead, spec_k=self.spec_k, weights=self.weights or "auto",
-                       head=self.head, kv_dtype=self.kv_dtype or "auto", prepack=self.prepack,
+                       head=self.head, activations=self.activations,
+                       kv_dtype=self.kv_dtype or "auto", prepack=self.prepack,
                        reasons=list(self.plan.reasons), cost=list(self.plan.cost))

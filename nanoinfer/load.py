@@ -71,7 +71,11 @@ def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare:
         kernels.native_kernels()
     quantize.quantize_model(model, cfg.weights, cfg.group_size, prepare=False, head=cfg.head)
     if prepare:
-        kernels.swap_quantized(model, cfg.dtype)
+        kernels.swap_quantized(model, cfg.dtype, round_x=cfg.activations == "int8")
+        if cfg.activations == "int8" and not any(isinstance(m, kernels.Int4Linear) and m.round_x
+                                                 for m in model.modules()):
+            raise ValueError("--activations int8 rounds x in int4 products on the C++ kernels, and "
+                             "this model has none (fp32 on a CPU with int4 weights): drop it")
     kernels.prepack(model, copies=cfg.prepack)    # a no-op off the CPU
     if cfg.compile:
         kernels.compile_decode(model, build=not cfg.background_compile)

@@ -37,6 +37,7 @@ COVERED = {
     "make chat": "test_chat_session.py (the runner in a terminal)",
     'make chat ARGS="--dtype bf16"': "test_chat_session.py; --dtype in test_runner.py",
     "make test": "CI itself",
+    "python serve_local.py --activations int8": "test_runner.py (--activations int8 on the bundled model)",
     "make exercise": "test_exercises.py",
     "make exercise E=flash": "test_exercises.py",
     "python -m pytest tests --exercise flash": "test_exercises.py",

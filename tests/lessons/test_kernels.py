@@ -252,6 +252,8 @@ def builds():
     mine = torch.backends.cpu.get_cpu_capability()
     libs = {mine: torch.ops.nanoinfer}
     others = [("AVX2", kernels.VECTOR_FLAGS["AVX2"])] if mine == "AVX512" else []
+    if kernels.vector_flags() != kernels.VECTOR_FLAGS.get(mine, []):      # built with VNNI: without
+        others.append(("AVX512_plain", kernels.VECTOR_FLAGS["AVX512"]))
     for name, flags in others + ([("scalar", [])] if mine in kernels.VECTOR_FLAGS else []):
         assert kernels.build_kernels(f"nanoinfer_{name.lower()}", flags, quiet=True)
         libs[name] = getattr(torch.ops, f"nanoinfer_{name.lower()}")
@@ -408,6 +410,73 @@ def test_tiled_prefill_equals_the_dequantized_matrix(builds):
         torch.testing.assert_close(y, x @ w.t(), atol=1e-5 * float((x.abs() @ w.abs().t()).max()), rtol=0)
         for lib in builds.values():
             assert torch.equal(lib.wide_mm(x, *args), y)
+
+
+# --- int4 with x rounded to 8 bits (asked for: --activations int8) ------------------------------
+
+def rounded_x_product(x, q, s, lo, group):
+    """int4_x8_mm's arithmetic in float64: each 32 of x rounded to int8 (d = max|x|/127, ties to
+    even), each block's integer sum exact, times its scale and d; the minimum's share on x as is."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    d = blocks.abs().amax(-1) / 127
+    xq = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))[..., None])
+    w = quantize.split_nibbles(q).double().view(len(q), k // 32, 32)
+    sums = torch.einsum("mck,nck->mnc", xq.double(), w)
+    per_block = s.double().repeat_interleave(group // 32, dim=1)
+    y = (sums * per_block * d.double()[:, None, :]).sum(-1)
+    return y + x.double().view(m, k // group, group).sum(-1) @ lo.double().t(), d
+
+
+@pytest.mark.parametrize("k,group", [(544, 32), (576, 32), (2048, 64), (512, 128), (512, 32)])
+def test_int4_with_x_rounded_to_8_bits(builds, k, group):
+    """int4_x8_mm: the same bits in every build (integer sums, then one fixed order of float
+    ones), for 7 rows and each alone, with 17 and 18 blocks a row (a last quad of 1 and 2); within
+    fp32 error of its arithmetic in float64; off the exact product by at most the rounding of x
+    (half a step of d per element); fp16 and a K-quant's scales read as the same fp32 ones."""
+    torch.manual_seed(k + group)
+    n, x = 77, torch.randn(7, k)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    s, lo = (torch.rand(n, k // group) * 0.01).half().float(), (torch.randn(n, k // group) * 0.1).half().float()
+    y = same_bits_everywhere(builds, lambda lib, x: lib.int4_x8_mm(x, q, s, lo, group), x)
+    ref, d = rounded_x_product(x, q, s, lo, group)
+    w = quantize.split_nibbles(q).double().view(n, -1, 32) * \
+        s.double().repeat_interleave(group // 32, dim=1)[..., None]
+    terms = torch.einsum("mc,nck->mn", d.double() * 127, w.abs()) + x.double().abs().view(
+        7, k // group, group).sum(-1) @ lo.double().abs().t()
+    near(y, ref, terms, 4)
+    exact = kernels.int4_mm(x, q, s, lo, group).double()
+    rounding = torch.einsum("mc,nck->mn", d.double() / 2, w.abs())
+    assert ((y.double() - exact).abs() <= rounding + terms * k * 2 ** -23).all()
+    assert not torch.equal(y, exact.float())                  # it is not the exact product
+    assert torch.equal(same_bits_everywhere(builds, lambda lib, x: lib.int4_x8_mm(x, q, s.half(), lo.half(),
+                                                                                   group), x), y)
+    if k % 256 == 0 and group == 32:                                      # Q4_K's scales
+        sc, m = (torch.randint(0, 64, (n, k // 32), dtype=torch.int8) for _ in range(2))
+        sd, md = ((torch.randn(n, k // 256) * 0.01).half() for _ in range(2))
+        call = lambda lib, x: lib.int4_x8_mm(x, q, sc, m, 32, sd, md)
+        flat = (safetensors_io.block_scaled(sc, sd), safetensors_io.block_scaled(m, md))
+        assert torch.equal(same_bits_everywhere(builds, call, x), kernels.int4_x8_mm(x, q, *flat, 32))
+
+
+def test_int4_layer_with_x_rounded_runs_every_pass_on_it():
+    """swap_quantized(round_x=True): an int4 layer's one-row passes and prefills (40 rows: no fp32
+    copy from prepack) all run int4_x8_mm, so each row of a prefill has a step's bits; its repr
+    says so (the compiled step's key); a compiled step gives the eager bits."""
+    native_or_skip()
+    portable = stored_pair("int4", True)[0]
+    fast = kernels.swap_quantized(torch.nn.Sequential(portable), torch.float32, round_x=True)[0]
+    assert fast.round_x and "x rounded to 8 bits" in repr(fast)
+    kernels.prepack(torch.nn.Sequential(fast))
+    assert fast.onednn is None
+    with torch.inference_mode():
+        x = torch.randn(40, 576)
+        y = fast(x)
+        assert torch.equal(y, torch.cat([fast(x[i:i + 1]) for i in range(40)]))
+        assert torch.equal(y, kernels.int4_x8_mm(x, fast.weight, fast.weight_scale, fast.weight_min,
+                                                 32) + fast.bias)
+        step = torch.compile(fast, dynamic=False, fullgraph=True)
+        assert torch.equal(step(x[:1]), y[:1])
 
 
 def stored_pair(kind: str, bias: bool):

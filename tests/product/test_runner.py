@@ -89,6 +89,16 @@ def test_runner_answers_paris(cache_home):
         assert "+ 538 MB of oneDNN-prepacked copies" in err
 
 
+def test_activations_int8_is_asked_for_and_said(cache_home):
+    """--activations int8 on the bundled model (its int4 layers, x rounded to 8 bits): it answers,
+    and its plan line says what it does (the default never does it)."""
+    rc, out, err = run_cli("serve_local.py", "--prompt", "What is the capital of France?",
+                           "--max-new-tokens", "8", "--activations", "int8",
+                           env={"XDG_CACHE_HOME": str(cache_home)})
+    assert rc == 0, err
+    assert out.strip() and "x rounded to 8 bits in int4 products" in err
+
+
 @pytest.mark.parametrize("flags", [[], ["--kv", "paged"], ["--no-speculation"]])
 def test_json_schema_shapes_every_answer(capsys, bundled_dir, tmp_path, flags):
     """--json-schema on the runner's decoders (the plan's speculative one, the paged engine,
@@ -191,6 +201,7 @@ def test_invalid_sampling_values(capsys, tiny_ckpt, flags, message):
     (["--block-size", "8"], "add --kv paged"),
     (["--adaptive-k"], "add --draft"),
     (["--group-size", "64"], "add --weights int4"),
+    (["--activations", "int8"], "--activations int8 rounds x in int4 products"),     # fp32 weights
     (["--json", "--json-schema", "x.json"], "give one"),
     (["--json-schema", "/no/such.json"], "--json-schema: cannot read /no/such.json"),
     (["--json-schema", __file__], "is not JSON"),
