@@ -1,6 +1,7 @@
 // kernels.py's int4, int8 (per row and in groups, or held six bits a value), fp16 and bf16
-// matrix-vector products, a prefill's matrix product over tiles of dequantized weights, and
-// one-token attention for a CPU (kernels.native_kernels builds this file).
+// matrix-vector products, the same for int4 and int8 groups with x rounded to 8 bits, a prefill's
+// matrix product over tiles of dequantized weights, and one-token attention for a CPU
+// (kernels.native_kernels builds this file).
 //
 // Decoding with int4 weights reads 0.5 byte per weight plus a scale and a minimum per 32 (0.75 B in
 // all), int8 1 B, bf16 2 B, fp32 4 B. aten's CPU kernels for int4 and int8 are compute-bound: on a
@@ -11,8 +12,8 @@
 // (evens, then odds: no shuffles) and one by the group's scale; the minimum adds lo·Σx per group.
 // From DRAM int8 and bf16 stream near the memory's speed, int4 is compute-bound (~4.5 cycles per 32
 // weights on a Zen 4 core with AVX-512, 5 with AVX2). llama.cpp rounds x to 8 bits per 32 for
-// integer SIMD, which makes int4 a stream again but changes the sums: int4_x8_mm does that when
-// asked (--activations int8), and the default keeps fp32 x, exact to the file.
+// integer SIMD, which makes int4 a stream again but changes the sums: int4_x8_mm and int8g_x8_mm
+// do that when asked (--activations int8), and the default keeps fp32 x, exact to the file.
 //
 // Each output y[m, n] is summed in one fixed order whatever the number of rows and the instruction
 // set (partial sums in fixed lanes, a fixed reduction), so a pass verifying k+1 positions gives
@@ -960,33 +961,38 @@ static constexpr int64_t QUAD = 128;
 #ifndef X8_CHUNK_BYTES
 #define X8_CHUNK_BYTES (256 << 10)
 #endif
+// One block of 32: v[i] = x[i]/d to the nearest integer (ties to even), |v| ≤ 127; returns d.
+static inline float round_block(const float* xc, int32_t* v) {
+#if defined(__AVX2__)
+  // a chain of 32 scalar maxima took more time than the dot products of a 64-row prefill
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 a[4], m;
+  for (int j = 0; j < 4; j++) a[j] = _mm256_loadu_ps(xc + 8 * j);
+  m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                    _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  for (int j = 0; j < 4; j++)       // to nearest, ties to even (MXCSR's default): nearbyint's
+    _mm256_storeu_si256((__m256i*)(v + 8 * j),
+                        _mm256_cvtps_epi32(_mm256_mul_ps(a[j], _mm256_set1_ps(id))));
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xc[i]));
+  const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  for (int i = 0; i < 32; i++) v[i] = int32_t(std::nearbyint(xc[i] * id));
+#endif
+  return d;
+}
+// A row of x for int4_x8_mm: the quads' layout above.
 static void round_x(const float* x, int64_t K, int8_t* xq, float* dq) {
   const int64_t nb = K / 32, nq = (nb + 3) / 4;
   std::fill(xq, xq + nq * QUAD, int8_t(0));
   std::fill(dq, dq + nq * 16, 0.f);
   for (int64_t c = 0; c < nb; c++) {
-    const float* xc = x + 32 * c;
     int32_t v[32];
-#if defined(__AVX2__)
-    // a chain of 32 scalar maxima took more time than the dot products of a 64-row prefill
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 a[4], m;
-    for (int j = 0; j < 4; j++) a[j] = _mm256_loadu_ps(xc + 8 * j);
-    m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
-                      _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    for (int j = 0; j < 4; j++)       // to nearest, ties to even (MXCSR's default): nearbyint's
-      _mm256_storeu_si256((__m256i*)(v + 8 * j),
-                          _mm256_cvtps_epi32(_mm256_mul_ps(a[j], _mm256_set1_ps(id))));
-#else
-    float amax = 0.f;
-    for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xc[i]));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    for (int i = 0; i < 32; i++) v[i] = int32_t(std::nearbyint(xc[i] * id));
-#endif
+    const float d = round_block(x + 32 * c, v);
     int8_t* ev = xq + (c / 4) * QUAD + (c % 4) * 16;
     for (int i = 0; i < 16; i++) ev[i] = int8_t(v[2 * i]), ev[64 + i] = int8_t(v[2 * i + 1]);
     for (int j = 0; j < 4; j++) dq[(c / 4) * 16 + (c % 4) * 4 + j] = d;
@@ -1185,6 +1191,221 @@ static at::Tensor int4_x8_mm(const at::Tensor& x, const at::Tensor& q, const at:
     };
     with_scales(s, lo, sd, lod, group, "int4_x8_mm", run);
   }
+  return y;
+}
+
+// ---- int8 weights in groups (a GGUF's 5-, 6- and 8-bit blocks) with x rounded to 8 bits
+// The same rounding of x, each block's values in order, blocks in pairs (64 bytes; an odd last
+// block paired with zeros); per block its d, 8 times (its 8 lanes), and per lane -128 times the sum
+// of its 4 values: with VNNI the weights go in as w + 128, unsigned. The order every build sums
+// in: per pair of blocks, 16 int32 lanes, lane 8b + j holding block b's values 4j .. 4j + 3 times
+// their x, exact; acc += lane · (s·d), s the scale of the lane's group (16 or 32 values); lanes i
+// and i + 8 added, reduced as hsum8; the minimum's share added where there is one.
+static void round_x_pairs(const float* x, int64_t K, int8_t* xq, float* dq, int32_t* corr) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2;
+  std::fill(xq, xq + np * 64, int8_t(0));
+  std::fill(dq, dq + np * 16, 0.f);
+  std::fill(corr, corr + np * 16, 0);
+  for (int64_t c = 0; c < nb; c++) {
+    int32_t v[32];
+    const float d = round_block(x + 32 * c, v);
+    for (int i = 0; i < 32; i++) xq[32 * c + i] = int8_t(v[i]);
+    for (int j = 0; j < 8; j++)
+      dq[8 * c + j] = d, corr[8 * c + j] = -128 * (v[4 * j] + v[4 * j + 1] + v[4 * j + 2] + v[4 * j + 3]);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Block c's 32 values as int8 (values32 above for six bits).
+static inline __m256i values32(const int8_t* q, int64_t c) {
+  return _mm256_loadu_si256((const __m256i*)(q + c * 32));
+}
+#endif
+#if defined(__AVX512BW__)
+// Blocks c and c + 1 in one register; without the second (two false), zeros in its place.
+template <typename Q>
+static inline __m512i values64(Q q, int64_t c, bool two) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(values32(q, c)),
+                            two ? values32(q, c + 1) : _mm256_setzero_si256(), 1);
+}
+// One weight row against MT rows of x, a pair of blocks a step: per row of x one VNNI dot product
+// of w + 128 by x on the lanes' corrections, or without VNNI |w| by x with w's sign (maddubs, then
+// madd by ones: |sum| ≤ 2·128·127 in int16), the same integers; a conversion, a multiply-add.
+template <int R, int MT, typename Q, typename L>
+static void int8g_x8_rows(Q q, int64_t row_len, const float* s, L lo, int64_t K, int64_t group,
+                          const int8_t* xq, const float* dq, const int32_t* corr, const float* sx,
+                          float* y, int64_t N) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2, G = K / group, per = 32 / group;
+  const __m512i idx = group == 32
+      ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+      : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __mmask16 both = __mmask16((1u << (2 * per)) - 1), one = __mmask16((1u << per) - 1);
+#if defined(__AVX512VNNI__)
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+#else
+  const __m512i ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
+#endif
+  __m512 acc[R][MT];
+  UNROLL
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; p++) {
+    const int64_t c = 2 * p;
+    const bool two = c + 1 < nb;
+#if defined(__AVX512VNNI__)
+    __m512i u[R];
+#else
+    __m512i aw[R];
+    __mmask64 neg[R];
+#endif
+    __m512 sv[R];
+    UNROLL
+    for (int r = 0; r < R; r++) {
+      _mm_prefetch(block_at(q + r * row_len, c) + X8_AHEAD, _MM_HINT_T0);
+      const __m512i w = values64(q + r * row_len, c, two);
+      sv[r] = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(two ? both : one,
+                                                               s + r * G + c * per));
+#if defined(__AVX512VNNI__)
+      u[r] = _mm512_xor_si512(w, flip);
+#else
+      aw[r] = _mm512_abs_epi8(w), neg[r] = _mm512_movepi8_mask(w);
+#endif
+    }
+    UNROLL
+    for (int t = 0; t < MT; t++) {
+      const int64_t at = t * np * 16 + p * 16;
+      const __m512i e = _mm512_loadu_si512(xq + t * np * 64 + p * 64);
+      const __m512 d = _mm512_loadu_ps(dq + at);
+#if defined(__AVX512VNNI__)
+      const __m512i k = _mm512_loadu_si512(corr + at);
+#endif
+      UNROLL
+      for (int r = 0; r < R; r++) {
+#if defined(__AVX512VNNI__)
+        const __m512i v = _mm512_dpbusd_epi32(k, u[r], e);
+#else
+        const __m512i v = _mm512_madd_epi16(
+            _mm512_maddubs_epi16(aw[r], _mm512_mask_sub_epi8(e, neg[r], zero, e)), ones);
+#endif
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv[r], d), acc[r][t]);
+      }
+    }
+  }
+  UNROLL
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) {
+      float v = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][t]), upper8(acc[r][t])));
+      y[t * N + r] = lo ? v + lo_share(lo + r * G, sx + t * G, G) : v;
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// A block a step, into the accumulator of its place in the pair; |w| by x with w's sign. One
+// weight row at a time (R = 1: AVX2's 16 registers).
+template <int R, int MT, typename Q, typename L>
+static void int8g_x8_rows(Q q, int64_t, const float* s, L lo, int64_t K, int64_t group,
+                          const int8_t* xq, const float* dq, const int32_t*, const float* sx,
+                          float* y, int64_t N) {
+  static_assert(R == 1, "one weight row at a time");
+  const int64_t nb = K / 32, np = (nb + 1) / 2, G = K / group, per = 32 / group;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT][2];
+  UNROLL
+  for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < nb; c++) {
+    const int h = int(c & 1);
+    if (h == 0) _mm_prefetch(block_at(q, c) + X8_AHEAD, _MM_HINT_T0);
+    const __m256i w = values32(q, c), aw = _mm256_abs_epi8(w);
+    const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[c * per]), _mm_set1_ps(s[c * per + per - 1]));
+    UNROLL
+    for (int t = 0; t < MT; t++) {
+      const __m256i e = _mm256_loadu_si256((const __m256i*)(xq + t * np * 64 + c * 32));
+      const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(e, w)), ones);
+      acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v),
+                                  _mm256_mul_ps(sv, _mm256_loadu_ps(dq + t * np * 16 + c * 8)),
+                                  acc[t][h]);
+    }
+  }
+  UNROLL
+  for (int t = 0; t < MT; t++) {
+    float v = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+    y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
+  }
+}
+#else
+template <int R, int MT, typename Q, typename L>
+static void int8g_x8_rows(Q q, int64_t, const float* s, L lo, int64_t K, int64_t group,
+                          const int8_t* xq, const float* dq, const int32_t*, const float* sx,
+                          float* y, int64_t N) {
+  static_assert(R == 1, "one weight row at a time");
+  const int64_t nb = K / 32, np = (nb + 1) / 2, G = K / group;
+  for (int t = 0; t < MT; t++) {
+    float acc[16] = {0}, l[8];
+    for (int64_t c = 0; c < nb; c++)
+      for (int j = 0; j < 8; j++) {
+        int32_t v = 0;
+        for (int64_t k = 32 * c + 4 * j; k < 32 * c + 4 * j + 4; k++)
+          v += int32_t(q[k]) * xq[t * np * 64 + k];
+        float& a = acc[8 * (c & 1) + j];
+        a = std::fma(float(v), s[(32 * c + 4 * j) / group] * dq[t * np * 16 + 8 * c + j], a);
+      }
+    for (int i = 0; i < 8; i++) l[i] = acc[i] + acc[8 + i];
+    float v = hsum8(l);
+    y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
+  }
+}
+#endif
+
+static at::Tensor int8g_x8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
+                              const std::optional<at::Tensor>& lo_, int64_t group,
+                              const std::optional<at::Tensor>& sd,
+                              const std::optional<at::Tensor>& lod) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8g_x8_mm: x (M, K) fp32");
+  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
+  TORCH_CHECK((group == 16 || group == 32) && K % 32 == 0,
+              "int8g_x8_mm: group 16 or 32, K a multiple of 32");
+  const bool six = q.scalar_type() == at::kByte;
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
+              s.size(1) == G && (six ? q.size(1) * 4 == K * 3 : q.scalar_type() == at::kChar &&
+                                 q.size(1) == K),
+              "int8g_x8_mm: q (N, K) int8 or (N, 3K/4) uint8 (six bits a value), scale (N, K/group)");
+  const bool has_lo = lo_.has_value() && lo_->defined();
+  const int64_t np = (K / 32 + 1) / 2;
+  auto y = at::empty({M, N}, x.options());
+  std::vector<int8_t> rounded(M * np * 64);
+  std::vector<float> scales(M * np * 16), sums(has_lo ? M * G : 0);
+  std::vector<int32_t> corr(M * np * 16);
+  const float* xf = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      round_x_pairs(xf + m * K, K, rounded.data() + m * np * 64, scales.data() + m * np * 16,
+                    corr.data() + m * np * 16);
+      if (has_lo) group_sums(xf + m * K, K, group, sums.data() + m * G);
+    }
+  });
+  float* yp = y.data_ptr<float>();
+  // a prefill's rows of x in chunks that stay in L2 (int4_x8_mm)
+  const int64_t chunk = std::max<int64_t>(4, (X8_CHUNK_BYTES / (K * 3)) / 4 * 4);
+  auto rows = [&](auto qp, int64_t row_len) {
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
+        m += m0;
+        int8g_x8_rows<decltype(rows)::value, decltype(tile)::value>(
+            qp + n * row_len, row_len, sn, ln, K, group, rounded.data() + m * np * 64,
+            scales.data() + m * np * 16, corr.data() + m * np * 16,
+            ln ? sums.data() + m * G : nullptr, yp + m * N + n, N);
+      };
+      auto run = [&](auto s_, auto lo_) {
+        if (M == 1)
+          row_tiles<1>(s_, lo_, G, N, 1, kernel);
+        else
+          row_tiles<X8_TILE_ROWS>(s_, lo_, G, N, std::min(chunk, M - m0), kernel);
+      };
+      with_scales(s, lo_, sd, lod, group, "int8g_x8_mm", run);
+    }
+  };
+  if (six) rows(Sixes{q.data_ptr<uint8_t>()}, K / 4 * 3);
+  else rows(q.data_ptr<int8_t>(), K);
   return y;
 }
 
@@ -1637,6 +1858,8 @@ DEFINE(LIBRARY, m) {
         "Tensor? lo_d=None) -> Tensor");
   m.def("int4_x8_mm(Tensor x, Tensor q, Tensor scale, Tensor lo, int group, "
         "Tensor? scale_d=None, Tensor? lo_d=None) -> Tensor");
+  m.def("int8g_x8_mm(Tensor x, Tensor q, Tensor scale, Tensor? lo, int group, "
+        "Tensor? scale_d=None, Tensor? lo_d=None) -> Tensor");
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
   m.def("wide_mm(Tensor x, Tensor w, Tensor? scale, Tensor? lo, int group, Tensor? scale_d=None, "
         "Tensor? lo_d=None) -> Tensor");
@@ -1650,6 +1873,7 @@ TORCH_LIBRARY_IMPL(LIBRARY, CPU, m) {
   m.impl("int8_mm", &int8_mm);
   m.impl("int8g_mm", &int8g_mm);
   m.impl("int4_x8_mm", &int4_x8_mm);
+  m.impl("int8g_x8_mm", &int8g_x8_mm);
   m.impl("half_mm", &half_mm);
   m.impl("wide_mm", &wide_mm);
   m.impl("bf16_mm", &bf16_mm);

@@ -448,6 +448,8 @@ def native_kernels(quiet: bool = False) -> bool:
         lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int4_x8_mm")(
         lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
+    torch.library.register_fake("nanoinfer::int8g_x8_mm")(
+        lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8_mm")(
         lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8g_mm")(
@@ -520,6 +522,14 @@ def int4_x8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.
     first: integer dot products, not exact to the file (asked for: RunConfig.activations).
     Needs native_kernels()."""
     return torch.ops.nanoinfer.int4_x8_mm(x, q, scale, lo, group, scale_d, lo_d)
+
+
+def int8g_x8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None,
+                group: int, scale_d: torch.Tensor | None = None,
+                lo_d: torch.Tensor | None = None) -> torch.Tensor:
+    """int8g_mm's product with x rounded as int4_x8_mm rounds it: integer dot products of the
+    int8 (or six-bit) values with the rounded x. Needs native_kernels()."""
+    return torch.ops.nanoinfer.int8g_x8_mm(x, q, scale, lo, group, scale_d, lo_d)
 
 
 def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -649,31 +659,39 @@ class Int8Linear(quantize.Int8Linear):
     """quantize.Int8Linear on int8_mm (a scale per row) or int8g_mm (per group) where ``native``;
     without them, inside a compiled one-token step, a layer with a scale per row runs `matvec_sum`,
     which inductor fuses into one loop that widens each int8 weight as it reads it. ``onednn``:
-    prepack's fp32 copy for prefills (rows only)."""
+    prepack's fp32 copy for prefills (rows only). ``round_x`` (groups only): int8g_x8_mm for
+    one-row passes, and for prefills of int8 values (six-bit ones widen faster into wide_mm's
+    tiles: their prefills stay there, exact)."""
     native: bool = False
+    round_x: bool = False
     onednn: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def prepare(self, dtype: torch.dtype, native: bool | None = None):
+    def prepare(self, dtype: torch.dtype, native: bool | None = None, round_x: bool = False):
         super().prepare(dtype)
         self.native = uses_native(self, dtype, native)
         if self.native and self.group is not None:
             self.weight = self.weight.contiguous()
+            self.round_x = round_x
             kernel_scales(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.native and x.dtype == torch.float32:
-            if rows >= quantize.PREFILL_ROWS:
+            if rows >= quantize.PREFILL_ROWS and not (self.round_x and self.bits == 8):
                 return quantize.with_bias(wide_linear(self, x), self.bias)
             flat = x.reshape(rows, -1).contiguous()
+            grouped = int8g_x8_mm if self.round_x else int8g_mm
             y = (int8_mm(flat, self.weight, self.weight_scale) if self.group is None
-                 else int8g_mm(flat, self.weight, self.weight_scale, self.weight_min, self.group,
-                               self.weight_scale_d, self.weight_min_d))
+                 else grouped(flat, self.weight, self.weight_scale, self.weight_min, self.group,
+                              self.weight_scale_d, self.weight_min_d))
             return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
         if rows == 1 and self.group is None and x.device.type == "cpu" and \
                 torch.compiler.is_compiling():
             return quantize.with_bias(matvec_sum(x, self.weight, self.weight_scale), self.bias)
         return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return "x rounded to 8 bits" if self.round_x else ""
 
 
 class Int4Linear(quantize.Int4Linear):
@@ -740,7 +758,8 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
                    round_x: bool = False) -> nn.Module:
     """Give every stored layer (still in quantize.py's portable layout: prepare not called) its
     fast form, holding the same tensors, prepared for ``dtype`` activations (``native``:
-    uses_native's; ``round_x``: int4 layers on int4_x8_mm). Idempotent."""
+    uses_native's; ``round_x``: int4 and grouped int8 layers with x rounded to 8 bits, on
+    int4_x8_mm and int8g_x8_mm). Idempotent."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) not in FAST:
@@ -760,7 +779,7 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
                                       bias)
             for key, buffer in child.named_buffers(recurse=False):
                 setattr(fast, key, buffer)
-            if isinstance(fast, Int4Linear):
+            if isinstance(fast, (Int4Linear, Int8Linear)):
                 fast.prepare(dtype, native, round_x)
             else:
                 fast.prepare(dtype, native)

@@ -293,7 +293,7 @@ class Plan:
     stored: str | None = None
     # the LM head's scheme under int4 (ModelInfo.head): None int8, "float" kept
     head: str | None = None
-    # "int8": x rounded to 8 bits per 32 in int4 products (llama.cpp's arithmetic): only if asked
+    # "int8": x rounded to 8 bits per 32 for quantized weights (llama.cpp's arithmetic): if asked
     activations: str = "fp32"
     kv_dtype: str = "auto"           # auto (the model's dtype) / int8
     # kernels.prepack's copies (fp32/bf16 weights; quantized ones' prefill copy)
@@ -586,7 +586,7 @@ def summary(p: Plan) -> str:
         parts.append(f"attention {p.attn}")
     parts += [f"weights {p.weights}"] if p.weights not in (None, "auto") else []
     parts += ["weights: the file's own bits"] if p.weights == "auto" and p.stored == "gguf" else []
-    parts += ["x rounded to 8 bits in int4 products"] if p.activations == "int8" else []
+    parts += ["x rounded to 8 bits for quantized weights"] if p.activations == "int8" else []
     parts += [f"KV {p.kv_dtype}"] if p.kv_dtype not in (None, "auto") else []
     spec = ([{"bundled": "EAGLE head", "medusa": "Medusa heads"}.get(p.draft, p.draft)]
             if p.draft else [])

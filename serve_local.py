@@ -328,7 +328,7 @@ def parse_args(argv=None):
                          "dtype (the exact reference); int8 (per row) or int4 (grouped): every Linear "
                          "re-rounded at load; default: the plan's")
     ap.add_argument("--activations", default=None, choices=["fp32", "int8"],
-                    help="int8: round x to 8 bits per 32 in the products with int4 weights, as "
+                    help="int8: round x to 8 bits per 32 in the products with quantized weights, as "
                          "llama.cpp does (integer dot products, faster; close to the file, not "
                          "exact); default fp32, exact to the file")
     ap.add_argument("--group-size", type=int, default=None, help="--weights int4: 32, 64 or 128 weights share "

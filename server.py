@@ -995,7 +995,7 @@ def parse_args(argv=None):
     ap.add_argument("--weights", default="auto", choices=["auto", "float", "int8", "int4"],
                     help="auto: as stored (a GGUF's own bits); float: widened; int8/int4: re-rounded")
     ap.add_argument("--activations", default=None, choices=["fp32", "int8"],
-                    help="int8: x rounded to 8 bits per 32 in products with int4 weights, as "
+                    help="int8: x rounded to 8 bits per 32 in products with quantized weights, as "
                          "llama.cpp does (faster, not exact); default fp32, exact to the file")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8-plain"],
                     help="KV pool storage (quantize.py)")

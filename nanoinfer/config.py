@@ -30,7 +30,7 @@ class RunConfig:
     weights: str | None = None          # int8 / int4: every Linear quantized at load; None: as stored
     group_size: int = quantize.GROUP    # int4's weights per scale
     head: str | None = None             # the LM head's scheme under ``weights`` (quantize.scheme_of)
-    activations: str = "fp32"           # "int8": x rounded to 8 bits in int4 products (not exact)
+    activations: str = "fp32"           # "int8": x in 8 bits for quantized weights (not exact)
     attn: str = "sdpa"                  # flash.ATTENTION
     prepack: bool = True                # kernels.prepack's copies (half the memory without)
     compile: bool = False               # the compiled one-token step, on a static cache

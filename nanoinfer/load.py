@@ -72,10 +72,11 @@ def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare:
     quantize.quantize_model(model, cfg.weights, cfg.group_size, prepare=False, head=cfg.head)
     if prepare:
         kernels.swap_quantized(model, cfg.dtype, round_x=cfg.activations == "int8")
-        if cfg.activations == "int8" and not any(isinstance(m, kernels.Int4Linear) and m.round_x
+        if cfg.activations == "int8" and not any(getattr(m, "round_x", False)
                                                  for m in model.modules()):
-            raise ValueError("--activations int8 rounds x in int4 products on the C++ kernels, and "
-                             "this model has none (fp32 on a CPU with int4 weights): drop it")
+            raise ValueError("--activations int8 rounds x for quantized weights on the C++ "
+                             "kernels (int4, or int8 in groups, fp32 on a CPU), and this model "
+                             "has none: drop it")
     kernels.prepack(model, copies=cfg.prepack)    # a no-op off the CPU
     if cfg.compile:
         kernels.compile_decode(model, build=not cfg.background_compile)

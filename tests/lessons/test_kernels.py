@@ -459,6 +459,45 @@ def test_int4_with_x_rounded_to_8_bits(builds, k, group):
         assert torch.equal(same_bits_everywhere(builds, call, x), kernels.int4_x8_mm(x, q, *flat, 32))
 
 
+@pytest.mark.parametrize("k,group,six,has_min", [(544, 32, False, True), (576, 16, False, False),
+                                                  (512, 16, True, False), (2048, 32, True, True)])
+def test_int8_groups_with_x_rounded_to_8_bits(builds, k, group, six, has_min):
+    """int8g_x8_mm: int8 values (or six-bit ones) by x rounded as int4_x8_mm rounds it: the same bits
+    in every build (VNNI's w + 128 and its correction, the others' |w| by signed x: the same
+    integers), for 7 rows and each alone, an odd number of blocks (544) included; within fp32 error of
+    its arithmetic in float64; six-bit values give the bits of the same values in int8; a K-quant's
+    scales the bits of the same scales in fp32."""
+    torch.manual_seed(k + group + six)
+    n, x = 77, torch.randn(7, k)
+    q = torch.randint(-32, 32, (n, k), dtype=torch.int8) if six else \
+        torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    stored = safetensors_io.join_sixes(q) if six else q
+    s = torch.rand(n, k // group) * 0.01
+    lo = torch.randn(n, k // group) * 0.1 if has_min else None
+    y = same_bits_everywhere(builds, lambda lib, x: lib.int8g_x8_mm(x, stored, s, lo, group), x)
+    assert torch.equal(y, kernels.int8g_x8_mm(x, q, s, lo, group))
+    blocks = x.view(7, -1, 32)
+    d = blocks.abs().amax(-1) / 127
+    xq = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))[..., None])
+    w = (q.double().view(n, -1, group) * s.double()[..., None]).view(n, k)
+    ref = (xq * d[..., None]).double().view(7, k) @ w.t()
+    terms = x.double().abs() @ w.abs().t()
+    if lo is not None:
+        ref += x.double().view(7, -1, group).sum(-1) @ lo.double().t()
+        terms += x.double().abs().view(7, -1, group).sum(-1) @ lo.double().abs().t()
+    near(y, ref, terms, 4)
+    if k % 256 == 0:                                                   # Q6_K's or Q5_K's scales
+        sc = torch.randint(-64, 64, (n, k // group), dtype=torch.int8)
+        sd = (torch.randn(n, k // 256) * 0.01).half()
+        m, md = (torch.randint(0, 64, (n, k // group), dtype=torch.int8),
+                 (torch.randn(n, k // 256) * 0.01).half()) if has_min else (None, None)
+        call = lambda lib, x: lib.int8g_x8_mm(x, stored, sc, m, group, sd, md)
+        flat = (safetensors_io.block_scaled(sc, sd),
+                None if m is None else safetensors_io.block_scaled(m, md))
+        assert torch.equal(same_bits_everywhere(builds, call, x),
+                           kernels.int8g_x8_mm(x, stored, *flat, group))
+
+
 def test_int4_layer_with_x_rounded_runs_every_pass_on_it():
     """swap_quantized(round_x=True): an int4 layer's one-row passes and prefills (40 rows: no fp32
     copy from prepack) all run int4_x8_mm, so each row of a prefill has a step's bits; its repr
@@ -477,6 +516,29 @@ def test_int4_layer_with_x_rounded_runs_every_pass_on_it():
                                                  32) + fast.bias)
         step = torch.compile(fast, dynamic=False, fullgraph=True)
         assert torch.equal(step(x[:1]), y[:1])
+
+
+@pytest.mark.parametrize("bits", [8, 6])
+def test_int8_group_layer_with_x_rounded(bits):
+    """swap_quantized(round_x=True) on int8 in groups: one-row passes on int8g_x8_mm; a prefill of
+    int8 values too (each row a step's bits), of six-bit values on wide_mm's tiles (exact: they
+    widen faster there than the integer loop unpacks them)."""
+    native_or_skip()
+    portable = stored_pair("int8g32", True)[0]
+    if bits == 6:
+        portable.weight, portable.bits = safetensors_io.join_sixes(portable.weight), 6
+    fast = kernels.swap_quantized(torch.nn.Sequential(portable), torch.float32, round_x=True)[0]
+    assert fast.round_x and "x rounded to 8 bits" in repr(fast)
+    with torch.inference_mode():
+        x = torch.randn(40, 576)
+        one = torch.cat([fast(x[i:i + 1]) for i in range(40)])
+        assert torch.equal(one[:1], kernels.int8g_x8_mm(x[:1], fast.weight, fast.weight_scale,
+                                                        fast.weight_min, 32) + fast.bias)
+        if bits == 8:
+            assert torch.equal(fast(x), one)
+        else:
+            exact = x @ portable.dequantized().t() + portable.bias
+            torch.testing.assert_close(fast(x), exact, atol=1e-5, rtol=1e-5)
 
 
 def stored_pair(kind: str, bias: bool):

@@ -96,7 +96,7 @@ def test_activations_int8_is_asked_for_and_said(cache_home):
                            "--max-new-tokens", "8", "--activations", "int8",
                            env={"XDG_CACHE_HOME": str(cache_home)})
     assert rc == 0, err
-    assert out.strip() and "x rounded to 8 bits in int4 products" in err
+    assert out.strip() and "x rounded to 8 bits for quantized weights" in err
 
 
 @pytest.mark.parametrize("flags", [[], ["--kv", "paged"], ["--no-speculation"]])
@@ -201,7 +201,7 @@ def test_invalid_sampling_values(capsys, tiny_ckpt, flags, message):
     (["--block-size", "8"], "add --kv paged"),
     (["--adaptive-k"], "add --draft"),
     (["--group-size", "64"], "add --weights int4"),
-    (["--activations", "int8"], "--activations int8 rounds x in int4 products"),     # fp32 weights
+    (["--activations", "int8"], "--activations int8 rounds x for quantized weights"),     # fp32 ones
     (["--json", "--json-schema", "x.json"], "give one"),
     (["--json-schema", "/no/such.json"], "--json-schema: cannot read /no/such.json"),
     (["--json-schema", __file__], "is not JSON"),
