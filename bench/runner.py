@@ -78,7 +78,8 @@ class RunnerSession:
             self.err += self.read(self.proc.stderr)
             while b"\n" in self.err:
                 line, self.err = self.err.split(b"\n", 1)
-                text = line.decode(errors="replace")
+                # what a terminal shows of it: a progress bar's last state
+                text = line.decode(errors="replace").rsplit("\r", 1)[-1]
                 seen.append(text)
                 self.log.append(text)
                 if done(text):
