@@ -606,6 +606,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # and int4 (4 bytes a weight against their 1 and 0.75, held), else wide_mm's tiles (no copy). On
 # that Xeon, 128 and 512 rows through a 2048×5632 matrix: the tiles took a little longer than the
 # copy, and less than widening the whole matrix at each call (the fallback before them).
+#
+# Asked for (RunConfig.activations "int8": swap_quantized's round_x), int4 and grouped int8 layers
+# round each 32 of x to 8 bits and multiply in integers (int4_x8_mm, int8g_x8_mm): llama.cpp's
+# arithmetic. Where the fp32 loops are compute-bound (int4, six-bit values) a step gets faster,
+# and a prefill of int4 or int8 values skips the widening; the sums are no longer those of the
+# file's weights, so the plan never chooses it.
 
 def uses_native(layer: nn.Module, dtype: torch.dtype, native: bool | None) -> bool:
     """Whether a stored layer runs the C++ kernels: fp32 activations on a CPU, rows a multiple of 32

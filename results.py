@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -193,7 +194,8 @@ def save(name: str, lesson: str, tables: list[Table], command: str | None = None
          plots: list[str] = ()) -> Path:
     """Write results/<name>.json: the tables with the command, commit, date and machine."""
     assert lesson in LESSONS, lesson
-    command = command or "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
+    # quoted as a shell would need it: `--flags '--activations int8'` is one argument
+    command = command or "python " + shlex.join([Path(sys.argv[0]).name] + sys.argv[1:])
     record = {"name": name, "lesson": lesson, "command": command, "commit": commit(),
               "date": datetime.date.today().isoformat(), "machine": machine(),
               "tables": [t.__dict__ for t in tables], "plots": [Path(p).name for p in plots]}
