@@ -103,6 +103,7 @@ SLOW = {
     "python bench.py runner --rounds 2": "~8 min",
     "python bench.py gguf": "~15 min (a first run writes and quantizes its files: +3 min; needs "
                             "scripts/build_llama_server.sh)",
+    "python bench.py gguf --flags '--activations int8'": "~12 min (the F16 file refuses the flag)",
 }
 
 
