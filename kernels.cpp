@@ -951,8 +951,9 @@ static at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {
 // llama.cpp's arithmetic for int4 weights: each 32 of x rounded to int8 times its fp32 scale
 // d = max|x|/127 (its Q8_0), so that 4 weights times 4 of x sum in one integer instruction (AVX2's
 // maddubs and madd, AVX-512BW's), exactly; only the scales are floating point. The minimum's share
-// keeps x's exact sums. The rounding moves each product by up to d/2 times its weight: close to
-// the file's logits, not equal, so greedy answers may part from fp32 decoding of the file.
+// takes the rounded x's sums (rounded_sums). The rounding moves each product by up to d/2 times its
+// weight: close to the file's logits, not equal, so greedy answers may part from fp32 decoding of
+// the file.
 //
 // Layout of a row's rounded x, per 4 blocks of 32 (a quad, 128 bytes): the 4 blocks' even x (16
 // each: the low nibbles'), then their odd x; past the last block, zeros. Per block its d, 4 times
@@ -989,14 +990,33 @@ static ALWAYS_INLINE float round_block(const float* xc, int32_t* v) {
 #endif
   return d;
 }
-// A row of x for int4_x8_mm: the quads' layout above.
-static void round_x(const float* x, int64_t K, int8_t* xq, float* dq) {
+// Each group's sum of the rounded x (d times an exact integer sum; a group of several blocks adds
+// them in order), for the minimum's share: with these, a block's product is that of the file's
+// dequantized weights (lo + q·s) with the rounded x, as llama.cpp's is. With x's own sums instead,
+// the rounding error met q·s, which is not centred on zero as the weights are: twice the error.
+static void rounded_sums(const int32_t* v, float d, int64_t c, int64_t group, float* sx) {
+  if (group >= 32) {
+    int32_t a = 0;
+    for (int i = 0; i < 32; i++) a += v[i];
+    float& g = sx[c * 32 / group];
+    g = c * 32 % group == 0 ? d * float(a) : g + d * float(a);
+    return;
+  }
+  for (int64_t j = 0; j < 32 / group; j++) {
+    int32_t a = 0;
+    for (int64_t i = j * group; i < (j + 1) * group; i++) a += v[i];
+    sx[c * (32 / group) + j] = d * float(a);
+  }
+}
+// A row of x for int4_x8_mm: the quads' layout above; its groups' rounded sums.
+static void round_x(const float* x, int64_t K, int64_t group, int8_t* xq, float* dq, float* sx) {
   const int64_t nb = K / 32, nq = (nb + 3) / 4;
   std::fill(xq, xq + nq * QUAD, int8_t(0));
   std::fill(dq, dq + nq * 16, 0.f);
   for (int64_t c = 0; c < nb; c++) {
     int32_t v[32];
     const float d = round_block(x + 32 * c, v);
+    rounded_sums(v, d, c, group, sx);
     int8_t* ev = xq + (c / 4) * QUAD + (c % 4) * 16;
     for (int i = 0; i < 16; i++) ev[i] = int8_t(v[2 * i]), ev[64 + i] = int8_t(v[2 * i + 1]);
     for (int j = 0; j < 4; j++) dq[(c / 4) * 16 + (c % 4) * 4 + j] = d;
@@ -1167,8 +1187,8 @@ static at::Tensor int4_x8_mm(const at::Tensor& x, const at::Tensor& q, const at:
   const float* xf = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
-      round_x(xf + m * K, K, rounded.data() + m * nq * QUAD, scales.data() + m * nq * 16);
-      group_sums(xf + m * K, K, group, sums.data() + m * G);
+      round_x(xf + m * K, K, group, rounded.data() + m * nq * QUAD, scales.data() + m * nq * 16,
+              sums.data() + m * G);
     }
   });
   const uint8_t* qp = q.data_ptr<uint8_t>();
@@ -1205,7 +1225,8 @@ static at::Tensor int4_x8_mm(const at::Tensor& x, const at::Tensor& q, const at:
 // in: per pair of blocks, 16 int32 lanes, lane 8b + j holding block b's values 4j .. 4j + 3 times
 // their x, exact; acc += lane · (s·d), s the scale of the lane's group (16 or 32 values); lanes i
 // and i + 8 added, reduced as hsum8; the minimum's share added where there is one.
-static void round_x_pairs(const float* x, int64_t K, int8_t* xq, float* dq, int32_t* corr) {
+static void round_x_pairs(const float* x, int64_t K, int64_t group, int8_t* xq, float* dq,
+                          int32_t* corr, float* sx) {
   const int64_t nb = K / 32, np = (nb + 1) / 2;
   std::fill(xq, xq + np * 64, int8_t(0));
   std::fill(dq, dq + np * 16, 0.f);
@@ -1213,6 +1234,7 @@ static void round_x_pairs(const float* x, int64_t K, int8_t* xq, float* dq, int3
   for (int64_t c = 0; c < nb; c++) {
     int32_t v[32];
     const float d = round_block(x + 32 * c, v);
+    if (sx) rounded_sums(v, d, c, group, sx);
     for (int i = 0; i < 32; i++) xq[32 * c + i] = int8_t(v[i]);
     for (int j = 0; j < 8; j++)
       dq[8 * c + j] = d, corr[8 * c + j] = -128 * (v[4 * j] + v[4 * j + 1] + v[4 * j + 2] + v[4 * j + 3]);
@@ -1382,9 +1404,9 @@ static at::Tensor int8g_x8_mm(const at::Tensor& x, const at::Tensor& q, const at
   const float* xf = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
-      round_x_pairs(xf + m * K, K, rounded.data() + m * np * 64, scales.data() + m * np * 16,
-                    corr.data() + m * np * 16);
-      if (has_lo) group_sums(xf + m * K, K, group, sums.data() + m * G);
+      round_x_pairs(xf + m * K, K, group, rounded.data() + m * np * 64,
+                    scales.data() + m * np * 16, corr.data() + m * np * 16,
+                    has_lo ? sums.data() + m * G : nullptr);
     }
   });
   float* yp = y.data_ptr<float>();

@@ -414,18 +414,22 @@ def test_tiled_prefill_equals_the_dequantized_matrix(builds):
 
 # --- int4 with x rounded to 8 bits (asked for: --activations int8) ------------------------------
 
-def rounded_x_product(x, q, s, lo, group):
-    """int4_x8_mm's arithmetic in float64: each 32 of x rounded to int8 (d = max|x|/127, ties to
-    even), each block's integer sum exact, times its scale and d; the minimum's share on x as is."""
+def rounded_x(x):
+    """x with each 32 rounded to int8 times d = max|x|/127 (ties to even), in float64; and d."""
     m, k = x.shape
     blocks = x.view(m, k // 32, 32)
     d = blocks.abs().amax(-1) / 127
     xq = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))[..., None])
-    w = quantize.split_nibbles(q).double().view(len(q), k // 32, 32)
-    sums = torch.einsum("mck,nck->mnc", xq.double(), w)
-    per_block = s.double().repeat_interleave(group // 32, dim=1)
-    y = (sums * per_block * d.double()[:, None, :]).sum(-1)
-    return y + x.double().view(m, k // group, group).sum(-1) @ lo.double().t(), d
+    return (xq.double() * d.double()[..., None]).view(m, k), d
+
+
+def rounded_x_product(x, q, s, lo, group):
+    """int4_x8_mm's arithmetic in float64: the file's dequantized weights (lo + q·s) by the rounded
+    x, the minimum's share on the rounded x's sums too, as llama.cpp's."""
+    xr, d = rounded_x(x)
+    w = quantize.split_nibbles(q).double().view(len(q), -1, group) * s.double()[..., None] \
+        + lo.double()[..., None]
+    return xr @ w.view(len(q), -1).t(), d
 
 
 @pytest.mark.parametrize("k,group", [(544, 32), (576, 32), (2048, 64), (512, 128), (512, 32)])
@@ -440,13 +444,13 @@ def test_int4_with_x_rounded_to_8_bits(builds, k, group):
     s, lo = (torch.rand(n, k // group) * 0.01).half().float(), (torch.randn(n, k // group) * 0.1).half().float()
     y = same_bits_everywhere(builds, lambda lib, x: lib.int4_x8_mm(x, q, s, lo, group), x)
     ref, d = rounded_x_product(x, q, s, lo, group)
-    w = quantize.split_nibbles(q).double().view(n, -1, 32) * \
-        s.double().repeat_interleave(group // 32, dim=1)[..., None]
-    terms = torch.einsum("mc,nck->mn", d.double() * 127, w.abs()) + x.double().abs().view(
-        7, k // group, group).sum(-1) @ lo.double().abs().t()
+    w = (quantize.split_nibbles(q).double().view(n, -1, group) * s.double()[..., None]
+         + lo.double()[..., None]).view(n, -1, 32)
+    terms = torch.einsum("mc,nck->mn", d.double() * 127, w.abs() + lo.double().abs().repeat_interleave(
+        group // 32, dim=1)[..., None])
     near(y, ref, terms, 4)
     exact = kernels.int4_mm(x, q, s, lo, group).double()
-    rounding = torch.einsum("mc,nck->mn", d.double() / 2, w.abs())
+    rounding = torch.einsum("mc,nck->mn", d.double() / 2, w.abs())       # half a step of d each
     assert ((y.double() - exact).abs() <= rounding + terms * k * 2 ** -23).all()
     assert not torch.equal(y, exact.float())                  # it is not the exact product
     assert torch.equal(same_bits_everywhere(builds, lambda lib, x: lib.int4_x8_mm(x, q, s.half(), lo.half(),
@@ -476,16 +480,12 @@ def test_int8_groups_with_x_rounded_to_8_bits(builds, k, group, six, has_min):
     lo = torch.randn(n, k // group) * 0.1 if has_min else None
     y = same_bits_everywhere(builds, lambda lib, x: lib.int8g_x8_mm(x, stored, s, lo, group), x)
     assert torch.equal(y, kernels.int8g_x8_mm(x, q, s, lo, group))
-    blocks = x.view(7, -1, 32)
-    d = blocks.abs().amax(-1) / 127
-    xq = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))[..., None])
-    w = (q.double().view(n, -1, group) * s.double()[..., None]).view(n, k)
-    ref = (xq * d[..., None]).double().view(7, k) @ w.t()
-    terms = x.double().abs() @ w.abs().t()
+    w = q.double().view(n, -1, group) * s.double()[..., None]
+    terms = x.double().abs() @ w.abs().view(n, k).t()
     if lo is not None:
-        ref += x.double().view(7, -1, group).sum(-1) @ lo.double().t()
-        terms += x.double().abs().view(7, -1, group).sum(-1) @ lo.double().abs().t()
-    near(y, ref, terms, 4)
+        terms += x.double().abs() @ (w.abs() + lo.double().abs()[..., None]).view(n, k).t()
+        w = w + lo.double()[..., None]
+    near(y, rounded_x(x)[0] @ w.view(n, k).t(), terms, 4)
     if k % 256 == 0:                                                   # Q6_K's or Q5_K's scales
         sc = torch.randint(-64, 64, (n, k // group), dtype=torch.int8)
         sd = (torch.randn(n, k // 256) * 0.01).half()
