@@ -615,18 +615,26 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
     }                                                                             \
   });
 
+// An int4 product's arguments checked (op: its name); log2 of its groups' blocks of 32.
+static int int4_shift(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t group,
+                      const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              op, ": x (M, K) fp32");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && q.size(1) * 2 == K && s.size(1) == K / group,
+              op, ": shapes");
+  int shift = 0;
+  while ((32 << shift) < group) shift++;
+  TORCH_CHECK((32 << shift) == group, op, ": group 32, 64 or 128");
+  return shift;
+}
+
 static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                           const at::Tensor& lo, int64_t group,
                           const std::optional<at::Tensor>& sd,
                           const std::optional<at::Tensor>& lod) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int4_mm: x (M, K) fp32");
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && q.size(1) * 2 == K && s.size(1) == G,
-              "int4_mm: shapes");
-  int shift = 0;
-  while ((32 << shift) < group) shift++;
-  TORCH_CHECK((32 << shift) == group, "int4_mm: group 32, 64 or 128");
+  const int shift = int4_shift(x, q, s, group, "int4_mm");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   auto y = at::empty({M, N}, x.options());
   std::vector<float> reordered(M * K), sums(M * G);
   float *xp = reordered.data(), *sx = sums.data();
@@ -891,20 +899,28 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 }
 #endif
 
+// An int8-in-groups product's arguments checked (op: its name); whether its values are held in
+// six bits (Sixes).
+static bool int8g_six(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t group,
+                      const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              op, ": x (M, K) fp32");
+  const int64_t K = x.size(1), N = q.size(0);
+  TORCH_CHECK((group == 16 || group == 32) && K % 32 == 0,
+              op, ": group 16 or 32, K a multiple of 32");
+  const bool six = q.scalar_type() == at::kByte;
+  const bool values = six ? q.size(1) * 4 == K * 3 : q.scalar_type() == at::kChar && q.size(1) == K;
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
+              s.size(1) == K / group && values,
+              op, ": q (N, K) int8 or (N, 3K/4) uint8 (six bits a value), scale (N, K/group)");
+  return six;
+}
 static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                            const std::optional<at::Tensor>& lo_, int64_t group,
                            const std::optional<at::Tensor>& sd,
                            const std::optional<at::Tensor>& lod) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int8g_mm: x (M, K) fp32");
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
-  TORCH_CHECK((group == 16 || group == 32) && K % 32 == 0, "int8g_mm: group 16 or 32, K a multiple "
-              "of 32");
-  const bool six = q.scalar_type() == at::kByte;      // the values in six bits (Sixes)
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
-              s.size(1) == G && (six ? q.size(1) * 4 == K * 3 : q.scalar_type() == at::kChar &&
-                                 q.size(1) == K),
-              "int8g_mm: q (N, K) int8 or (N, 3K/4) uint8 (six bits a value), scale (N, K/group)");
+  const bool six = int8g_six(x, q, s, group, "int8g_mm");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const bool has_lo = lo_.has_value() && lo_->defined();
   auto y = at::empty({M, N}, x.options());
   std::vector<float> sums(has_lo ? M * G : 0);
@@ -1043,7 +1059,10 @@ template <int R, int MT, typename L>
 static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                          const int8_t* xq, const float* dq, const float* sx, float* y, int64_t N) {
   const int64_t nb = K / 32, nq = (nb + 3) / 4, G = nb >> shift;
-  const __m512i nib = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+#if !defined(__AVX512VNNI__)
+  const __m512i ones = _mm512_set1_epi16(1);
+#endif
   const __m512i sidx = _mm512_srli_epi32(
       _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), shift);
   const int64_t ahead = spans_ahead(X8_AHEAD, R * (K / 2));
@@ -1172,14 +1191,8 @@ static at::Tensor int4_x8_mm(const at::Tensor& x, const at::Tensor& q, const at:
                              const at::Tensor& lo, int64_t group,
                              const std::optional<at::Tensor>& sd,
                              const std::optional<at::Tensor>& lod) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int4_x8_mm: x (M, K) fp32");
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && q.size(1) * 2 == K && s.size(1) == G,
-              "int4_x8_mm: shapes");
-  int shift = 0;
-  while ((32 << shift) < group) shift++;
-  TORCH_CHECK((32 << shift) == group, "int4_x8_mm: group 32, 64 or 128");
+  const int shift = int4_shift(x, q, s, group, "int4_x8_mm");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const int64_t nq = (K / 32 + 3) / 4;
   auto y = at::empty({M, N}, x.options());
   std::vector<int8_t> rounded(M * nq * QUAD);
@@ -1236,8 +1249,10 @@ static void round_x_pairs(const float* x, int64_t K, int64_t group, int8_t* xq, 
     const float d = round_block(x + 32 * c, v);
     if (sx) rounded_sums(v, d, c, group, sx);
     for (int i = 0; i < 32; i++) xq[32 * c + i] = int8_t(v[i]);
-    for (int j = 0; j < 8; j++)
-      dq[8 * c + j] = d, corr[8 * c + j] = -128 * (v[4 * j] + v[4 * j + 1] + v[4 * j + 2] + v[4 * j + 3]);
+    for (int j = 0; j < 8; j++) {
+      dq[8 * c + j] = d;
+      corr[8 * c + j] = -128 * (v[4 * j] + v[4 * j + 1] + v[4 * j + 2] + v[4 * j + 3]);
+    }
   }
 }
 
@@ -1385,16 +1400,8 @@ static at::Tensor int8g_x8_mm(const at::Tensor& x, const at::Tensor& q, const at
                               const std::optional<at::Tensor>& lo_, int64_t group,
                               const std::optional<at::Tensor>& sd,
                               const std::optional<at::Tensor>& lod) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int8g_x8_mm: x (M, K) fp32");
-  int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
-  TORCH_CHECK((group == 16 || group == 32) && K % 32 == 0,
-              "int8g_x8_mm: group 16 or 32, K a multiple of 32");
-  const bool six = q.scalar_type() == at::kByte;
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
-              s.size(1) == G && (six ? q.size(1) * 4 == K * 3 : q.scalar_type() == at::kChar &&
-                                 q.size(1) == K),
-              "int8g_x8_mm: q (N, K) int8 or (N, 3K/4) uint8 (six bits a value), scale (N, K/group)");
+  const bool six = int8g_six(x, q, s, group, "int8g_x8_mm");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const bool has_lo = lo_.has_value() && lo_->defined();
   const int64_t np = (K / 32 + 1) / 2;
   auto y = at::empty({M, N}, x.options());
