@@ -1187,6 +1187,25 @@ static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int 
 }
 #endif
 
+// The rounded-x loops' passes: row_tiles over rows of x in chunks of `chunk` whose rounded x stays
+// in L2 while every weight row passes them (all 512 rows of a 500-token prompt at once were
+// re-read from L3 for every few weight rows: 1.4x slower; a chunk re-reads the weights instead,
+// once per chunk); f as row_tiles', m counted over all M. One weight row at a time at one row of
+// x: 1.3x faster from DRAM than two side by side (a step's int4 matrices, Zen 4, AVX-512), where
+// int4_mm's fp32 loop gains from two.
+template <typename S, typename F>
+static void x8_tiles(S s, S lo, int64_t G, int64_t N, int64_t M, int64_t chunk, F f) {
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    auto from_m0 = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, S ln) {
+      f(rows, tile, n, m0 + m, sn, ln);
+    };
+    if (M == 1)
+      row_tiles<1>(s, lo, G, N, 1, from_m0);
+    else
+      row_tiles<X8_TILE_ROWS>(s, lo, G, N, std::min(chunk, M - m0), from_m0);
+  }
+}
+
 static at::Tensor int4_x8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                              const at::Tensor& lo, int64_t group,
                              const std::optional<at::Tensor>& sd,
@@ -1206,28 +1225,15 @@ static at::Tensor int4_x8_mm(const at::Tensor& x, const at::Tensor& q, const at:
   });
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // A prefill's rows of x in chunks whose rounded x (1.5 B a value) stays in L2 while every
-  // weight row passes them: all 512 rows of a 500-token prompt at once are re-read from L3 for
-  // every few weight rows (1.4x slower); a chunk re-reads the weights instead, once per chunk.
+  // a rounded row of x: 1.5 B a value
   const int64_t chunk = std::max<int64_t>(4, (X8_CHUNK_BYTES / (K + K / 2)) / 4 * 4);
-  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t rows_x = std::min(chunk, M - m0);
-    auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
-      m += m0;
-      int4_x8_rows<decltype(rows)::value, decltype(tile)::value>(
-          qp + n * K / 2, sn, ln, K, shift, rounded.data() + m * nq * QUAD,
-          scales.data() + m * nq * 16, sums.data() + m * G, yp + m * N + n, N);
-    };
-    // one weight row at a time at one row of x: 1.3x faster from DRAM than two side by side (a
-    // step's int4 matrices, Zen 4, AVX-512), where int4_mm's fp32 loop gains from two
-    auto run = [&](auto s_, auto lo_) {
-      if (M == 1)
-        row_tiles<1>(s_, lo_, G, N, rows_x, kernel);
-      else
-        row_tiles<X8_TILE_ROWS>(s_, lo_, G, N, rows_x, kernel);
-    };
-    with_scales(s, lo, sd, lod, group, "int4_x8_mm", run);
-  }
+  auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
+    int4_x8_rows<decltype(rows)::value, decltype(tile)::value>(
+        qp + n * K / 2, sn, ln, K, shift, rounded.data() + m * nq * QUAD,
+        scales.data() + m * nq * 16, sums.data() + m * G, yp + m * N + n, N);
+  };
+  with_scales(s, lo, sd, lod, group, "int4_x8_mm",
+              [&](auto s_, auto lo_) { x8_tiles(s_, lo_, G, N, M, chunk, kernel); });
   return y;
 }
 
@@ -1417,25 +1423,17 @@ static at::Tensor int8g_x8_mm(const at::Tensor& x, const at::Tensor& q, const at
     }
   });
   float* yp = y.data_ptr<float>();
-  // a prefill's rows of x in chunks that stay in L2 (int4_x8_mm)
+  // a rounded row of x: its bytes, d and the corrections, 3 B a value
   const int64_t chunk = std::max<int64_t>(4, (X8_CHUNK_BYTES / (K * 3)) / 4 * 4);
   auto rows = [&](auto qp, int64_t row_len) {
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
-        m += m0;
-        int8g_x8_rows<decltype(rows)::value, decltype(tile)::value>(
-            qp + n * row_len, row_len, sn, ln, K, group, rounded.data() + m * np * 64,
-            scales.data() + m * np * 16, corr.data() + m * np * 16,
-            ln ? sums.data() + m * G : nullptr, yp + m * N + n, N);
-      };
-      auto run = [&](auto s_, auto lo_) {
-        if (M == 1)
-          row_tiles<1>(s_, lo_, G, N, 1, kernel);
-        else
-          row_tiles<X8_TILE_ROWS>(s_, lo_, G, N, std::min(chunk, M - m0), kernel);
-      };
-      with_scales(s, lo_, sd, lod, group, "int8g_x8_mm", run);
-    }
+    auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
+      int8g_x8_rows<decltype(rows)::value, decltype(tile)::value>(
+          qp + n * row_len, row_len, sn, ln, K, group, rounded.data() + m * np * 64,
+          scales.data() + m * np * 16, corr.data() + m * np * 16,
+          ln ? sums.data() + m * G : nullptr, yp + m * N + n, N);
+    };
+    with_scales(s, lo_, sd, lod, group, "int8g_x8_mm",
+                [&](auto s_, auto l_) { x8_tiles(s_, l_, G, N, M, chunk, kernel); });
   };
   if (six) rows(Sixes{q.data_ptr<uint8_t>()}, K / 4 * 3);
   else rows(q.data_ptr<int8_t>(), K);
