@@ -283,6 +283,9 @@ class Plan:
     ctx: int = DEFAULT_CTX
     attn: str = "sdpa"
     compile: bool = False
+    # False: the compiled step loads only where an earlier run built it (one answer pays for no
+    # compile); a step not on disk runs eagerly
+    build: bool = True
     draft: str | None = None         # None / "bundled" (the EAGLE head) / "medusa" / a model
     prompt_lookup: int | None = None
     lookahead: str | None = None     # only ever the user's (--lookahead)
@@ -434,15 +437,17 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
     elif machine.compiler is None:
         why.append("eager, dynamic cache: no C++ compiler ($CXX, g++ or c++) for inductor to "
                    "compile the step")
-    elif answer_tokens is not None:
-        why.append(f"eager, dynamic cache: one answer of at most {answer_tokens} tokens does not "
-                   f"repay a compile (minutes the first time, seconds to load its package later); "
-                   f"a chat compiles")
     elif "bundled" in info.drafts and scheme not in QUANTIZED:
         why.append("eager, dynamic cache: the compiled step runs one token, so with this model's "
                    "draft (below) its verify passes would run eagerly anyway; the eager step with "
                    "the draft measured as fast in bench.py runner, and starts without a compile "
                    "(--compile asks for one)")
+    elif answer_tokens is not None:
+        p.compile, p.build = True, False
+        why.append(f"the compiled one-token step on a static cache of {ctx} tokens if a chat has "
+                   f"built it (its package loads in seconds), else eager: one answer of at most "
+                   f"{answer_tokens} tokens does not repay a compile (minutes, once); a prompt "
+                   f"longer than the cache runs eagerly on a dynamic cache")
     else:
         p.compile = True
         why.append(f"compiled one-token step on a static cache of {ctx} tokens "
@@ -581,7 +586,8 @@ def summary(p: Plan) -> str:
     names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     parts = [names.get(p.dtype, p.dtype),
              f"{p.cache} cache" + (f" {p.ctx}" if p.cache == "static" else ""),
-             "compiled" if p.compile else "eager"]
+             ("compiled" if p.build else "compiled if built before, else eager") if p.compile
+             else "eager"]
     if p.attn != "sdpa":
         parts.append(f"attention {p.attn}")
     parts += [f"weights {p.weights}"] if p.weights not in (None, "auto") else []

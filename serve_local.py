@@ -416,6 +416,17 @@ def step_once(model, cache):
     list(generate_cached(model, [0], SamplingParams(max_new_tokens=2), cache=cache))
 
 
+def said_step(step: kernels.AheadOfTime):
+    """After one answer on a step that is not built here (RunConfig.build False): whether a package
+    on disk served it, or the answer ran eagerly and how to change that."""
+    for line in step.log:
+        print(line, file=sys.stderr)
+    if step.missing:
+        print("no compiled step on disk for these flags yet: the answer ran on the eager step (a chat "
+              "builds one once, in the background; then answers like this one load it)",
+              file=sys.stderr)
+
+
 def build_log() -> Path:
     return checkpoint.cache_root() / "compiled" / "background-build.log"
 
@@ -617,7 +628,7 @@ def main(argv=None) -> int:
         else:
             chat = Chat(model, tok, params, cfg.decoder, raw, args.system, cfg.cache, cfg.ctx, cfg.kv_dtype,
                         proposer=proposer, vocab=vocab)
-        if cfg.compile:     # a chat's first start answers while a child process compiles (warm_up)
+        if cfg.compile and cfg.build:   # a chat's first start answers while a child compiles (warm_up)
             warm_up(chat, (sys.argv[1:] if argv is None else list(argv)) if cfg.background_compile else None)
         if args.compile_only:
             print("compiled step ready" if cfg.compile else "nothing to compile: these flags run eagerly",
@@ -626,7 +637,15 @@ def main(argv=None) -> int:
         if args.prompt is None:
             interactive(chat)
             return 0
+        if not cfg.build and args.ctx is None and \
+                len(chat.conversation_ids(args.prompt)) + params.max_new_tokens > chat.limit():
+            # one answer too long for the plan's static cache (of a step built before): eager, on a
+            # dynamic cache
+            chat.cache_kind = "dynamic"
+            chat.cache = chat.new_cache()
         stats = chat.turn(args.prompt, out=sys.stdout)   # sys.stdout now: a follower rank's is devnull
+        if not cfg.build and chat.cache_kind == "static":
+            said_step(chat.model.compiled_step)
         report(chat, stats, interactive=False)
         return 0
     except (ValueError, OSError) as e:

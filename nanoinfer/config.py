@@ -35,6 +35,7 @@ class RunConfig:
     prepack: bool = True                # kernels.prepack's copies (half the memory without)
     compile: bool = False               # the compiled one-token step, on a static cache
     background_compile: bool = False    # a step not built yet is built by a child process (warm_up)
+    build: bool = True                  # False (compile only): a step not built yet runs eagerly
     cache: str = "dynamic"              # kvcache.CACHES
     ctx: int | None = None              # a preallocated cache's tokens (None: the model's context)
     kv: str = "contiguous"              # "paged": the engine's block pool
@@ -58,7 +59,8 @@ class RunConfig:
         the server's engine's plan), and each flag given laid over the plan's choice for its item.
         What a flag implies follows:
         * --cache other than static turns the plan's compile off; --compile or --ctx alone take a static
-          cache.
+          cache; --compile builds a step not built yet even for one answer (the plan's loads one
+          built before, or runs eagerly).
         * any speculative flag (--draft, --prompt-lookup, --lookahead) replaces the plan's method;
           --no-speculation drops the plan's.
         * --kv paged (the server's engine), --tp and --decoder naive run their own decoders: no
@@ -114,6 +116,7 @@ class RunConfig:
             # --tp: the plan's no-copy was for the quantized weights it would have chosen
             prepack=(p.prepack or bool(g.get("tp"))) and not g.get("no_prepack"), compile=compile,
             background_compile=compile and not speculates and "prompt" not in g and not g.get("compile_only"),
+            build=not compile or p.build or bool(g.get("compile")) or bool(g.get("compile_only")),
             cache=cache, ctx=flag_or_plan("ctx"), kv=g.get("kv", "contiguous"), block_size=g.get("block_size", 16),
             kv_dtype=None if kv_dtype == "auto" else kv_dtype, decoder=g.get("decoder", "cached"), draft=draft,
             spec_k=flag_or_plan("spec_k"), adaptive_k=g.get("adaptive_k", False), spec_tree=g.get("spec_tree"),
@@ -122,7 +125,7 @@ class RunConfig:
     def in_effect(self) -> Plan:
         """The plan with this configuration's choices laid over it: what the runner's summary line says."""
         return replace(self.plan, dtype=str(self.dtype).removeprefix("torch."), cache=self.cache, ctx=self.ctx,
-                       attn=self.attn, compile=self.compile, draft=self.draft, prompt_lookup=self.prompt_lookup,
+                       attn=self.attn, compile=self.compile, build=self.build, draft=self.draft, prompt_lookup=self.prompt_lookup,
                        lookahead=self.lookahead, spec_k=self.spec_k, weights=self.weights or "auto",
                        head=self.head, activations=self.activations,
                        kv_dtype=self.kv_dtype or "auto", prepack=self.prepack,

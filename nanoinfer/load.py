@@ -79,7 +79,7 @@ def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare:
                              "has none: drop it")
     kernels.prepack(model, copies=cfg.prepack)    # a no-op off the CPU
     if cfg.compile:
-        kernels.compile_decode(model, build=not cfg.background_compile)
+        kernels.compile_decode(model, build=cfg.build and not cfg.background_compile)
     return model
 
 

@@ -110,9 +110,20 @@ def test_cuda(smol):
 
 def test_no_compiler_one_answer_and_no_draft(smol, tiny):
     assert plan.choose(cpu(compiler=None), smol).compile is False
-    p = plan.choose(cpu(), smol, answer_tokens=64)
+    p = plan.choose(cpu(), smol, answer_tokens=64)      # float weights: the draft's verify passes
     assert (p.compile, p.cache, p.draft) == (False, "dynamic", "bundled")
+    assert "verify passes would run eagerly" in plan.describe(p)
+    # one answer, where a chat compiles: the step a chat built loads, none is built for it
+    p = plan.choose(cpu(int4=0.05), smol, answer_tokens=64)
+    assert (p.compile, p.build, p.cache, p.draft) == (True, False, "static", None)
     assert "does not repay a compile" in plan.describe(p)
+    assert "compiled if built before, else eager" in plan.summary(p)
+    one = nl.RunConfig.from_flags(serve_local.parse_args(["--prompt", "x"]), p)
+    assert (one.compile, one.build, one.background_compile, one.cache) == (True, False, False, "static")
+    asked = nl.RunConfig.from_flags(serve_local.parse_args(["--prompt", "x", "--compile"]), p)
+    assert (asked.compile, asked.build, asked.background_compile) == (True, True, False)
+    eager = nl.RunConfig.from_flags(serve_local.parse_args(["--prompt", "x", "--cache", "dynamic"]), p)
+    assert (eager.compile, eager.build) == (False, True)
     p = plan.choose(cpu(), tiny, ctx=8192)
     assert (p.draft, p.prompt_lookup, p.ctx) == (None, None, 2048)
     assert "no speculation" in plan.summary(p) and "trained on 2048 positions" in plan.describe(p)

@@ -84,16 +84,13 @@ def test_package_is_built_once_then_loaded(tmp_path, monkeypatch):
 
 
 def test_a_first_chat_answers_on_the_eager_step_while_a_child_compiles(tmp_path):
-    """No package on disk yet: the chat answers at once on the eager step while `serve_local.py
-    --compile-only` builds it in a child process; the turn after the build loads it (same tokens, fp32),
-    and a later start finds it on disk."""
+    """No package on disk yet: one answer (--prompt) runs eagerly and builds none; the chat answers at
+    once on the eager step while `serve_local.py --compile-only` builds it in a child process; the turn
+    after the build loads it (same tokens, fp32), and a later start, or one answer, finds it on disk."""
     ckpt = make_checkpoint(tmp_path / "m", num_hidden_layers=1)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "OMP_NUM_THREADS": "1"}
     flags = ["serve_local.py", "--model", str(ckpt), "--compile", "--raw", "--temperature", "0", "--max-new-tokens", "8"]
-    chat = subprocess.Popen([sys.executable, *flags], cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in chat.stderr], daemon=True).start()
 
     def until(text, timeout=240):
         seen, deadline = [], time.monotonic() + timeout
@@ -102,6 +99,14 @@ def test_a_first_chat_answers_on_the_eager_step_while_a_child_compiles(tmp_path)
         return seen
 
     folder = tmp_path / "xdg" / "nanoinfer" / "compiled"
+    # one answer (--prompt) pays for no compile: with no package on disk it runs eagerly and says so
+    answer = [sys.executable, *[f for f in flags if f != "--compile"], "--prompt", "The sea was"]
+    alone = subprocess.run(answer, cwd=ROOT, env=env, text=True, capture_output=True, timeout=240)
+    assert alone.returncode == 0 and "no compiled step on disk for these flags yet" in alone.stderr
+    assert "compiled if built before, else eager" in alone.stderr and not list(folder.glob("*.pt2"))
+    chat = subprocess.Popen([sys.executable, *flags], cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    threading.Thread(target=lambda: [lines.put(line) for line in chat.stderr], daemon=True).start()
     try:
         assert any("compiling the decode step in the background" in s for s in until("chat:"))
         chat.stdin.write("The sea was\n")
@@ -125,6 +130,10 @@ def test_a_first_chat_answers_on_the_eager_step_while_a_child_compiles(tmp_path)
     again = subprocess.run([sys.executable, *flags, "--compile-only"], cwd=ROOT, env=env, text=True,
                            capture_output=True, timeout=240)
     assert again.returncode == 0 and "compiled step loaded from cache" in again.stderr
+    # and one answer now loads the chat's package: the same tokens as the eager answer before it
+    loaded = subprocess.run(answer, cwd=ROOT, env=env, text=True, capture_output=True, timeout=240)
+    assert loaded.returncode == 0 and "compiled step loaded from cache" in loaded.stderr
+    assert "no compiled step" not in loaded.stderr and loaded.stdout == alone.stdout
 
 
 def test_a_failed_background_compile_is_one_line_and_the_answers_stay_eager(capsys):
