@@ -563,7 +563,7 @@ def half_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def wide_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
             lo: torch.Tensor | None = None, group: int = 0, scale_d: torch.Tensor | None = None,
             lo_d: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) fp32 · Wᵀ for many rows of x (a prefill) on BLAS's matrix-matrix kernel, W
+    """x (M, K) fp32 · Wᵀ for many rows of x (a prefill) on oneDNN's (else BLAS's) fp32 GEMM, W
     dequantized a tile of rows at a time into an fp32 scratch: no fp32 copy of W is held. W as a
     stored layer holds it: int8 (N, K) with scale (N,) (group 0) or in groups; int4 bytes (N, K/2)
     with scale and lo (scales as int4_mm's); fp16 or bf16 (N, K) alone. Needs native_kernels()."""

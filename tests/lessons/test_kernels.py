@@ -1,5 +1,7 @@
 """kernels.py: the device-specific fast paths give the plain computation's values."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -393,10 +395,11 @@ def test_six_bit_values_give_the_bits_of_the_same_values_in_int8(builds):
 
 
 def test_tiled_prefill_equals_the_dequantized_matrix(builds):
-    """wide_mm: tiles of W dequantized into a scratch, one BLAS product each, for every stored kind; the
-    tiles hold the same values in every build, so BLAS gives the same bits."""
+    """wide_mm: tiles of W dequantized into a scratch, one fp32 product each (BLAS's for 40 rows of x,
+    oneDNN's for 256: kernels.cpp's tile_product), for every stored kind; the tiles hold the same
+    values in every build, so the product gives the same bits."""
     torch.manual_seed(5)
-    n, k, x = 300, 576, torch.randn(40, 576)          # 300 rows: tiles and a partial one
+    n, k = 300, 576          # 300 rows: tiles and a partial one
     q8, s16, lo16 = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, 36), torch.randn(n, 36)
     q4, s32, lo32 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), torch.rand(n, 18), torch.randn(n, 18)
     s1, h = torch.rand(n), torch.randn(n, k)
@@ -405,7 +408,7 @@ def test_tiled_prefill_equals_the_dequantized_matrix(builds):
              ((q8, s1, None, 0), quantize.dequantize_int8(q8, s1[:, None])),
              ((q4, s32, lo32, 32), quantize.dequantize_int4(quantize.split_nibbles(q4), s32, lo32)),
              ((h.half(), None, None, 0), h.half().float()), ((h.bfloat16(), None, None, 0), h.bfloat16().float())]
-    for args, w in cases:
+    for (args, w), x in itertools.product(cases, (torch.randn(40, k), torch.randn(256, k))):
         y = kernels.wide_mm(x, *args)
         torch.testing.assert_close(y, x @ w.t(), atol=1e-5 * float((x.abs() @ w.abs().t()).max()), rtol=0)
         for lib in builds.values():
