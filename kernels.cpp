@@ -1527,10 +1527,10 @@ static void dequant_row(Sixes q, const float* s, const float* lo, int64_t K, int
 
 // out = x·tileᵀ on oneDNN's fp32 matrix product where torch has it (mkldnn::_linear_pointwise with a
 // plain weight, which it reorders for its kernel) and the product is big enough to repay its fixed
-// cost a call (ONEDNN_MACS multiply-adds), else BLAS's (at::mm). On this pool's Zen 4, 2 threads:
-// a TinyLlama layer's four matrices at 16, 128 and 530 rows of x took 20%, 16% and 9% less time in
-// oneDNN than in the BLAS torch links (MKL); SmolLM2's, at 16 rows, 20% more (tiles of 80 rows by
-// 576: a few microseconds of work a call). Both are fp32 sums, in different orders.
+// cost a call (ONEDNN_MACS multiply-adds), else BLAS's (at::mm). On this pool's Zen 4, 2 threads,
+// alternating runs: a TinyLlama layer's four matrices at 16 to 530 rows of x took 5-20% less time
+// in oneDNN than in the BLAS torch links (MKL); SmolLM2's at 16 rows 20% more (tiles of 80 rows by
+// 576: microseconds of work a call, below ONEDNN_MACS). Both are fp32 sums, in different orders.
 #ifndef ONEDNN_MACS
 #define ONEDNN_MACS (int64_t(1) << 22)
 #endif
