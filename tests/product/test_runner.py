@@ -313,3 +313,24 @@ def test_draft_with_a_small_static_cache_starts(capsys, bundled_dir, monkeypatch
     err = capsys.readouterr().err
     assert rc == 0 and "acceptance" in err, err
 
+
+
+def test_one_answer_longer_than_the_plans_static_cache_runs_on_a_dynamic_one(capsys, tmp_path, monkeypatch):
+    """One answer (--prompt) on the plan's compiled step (loaded if built before, never built for it) holds a
+    static cache of the plan's context; a prompt too long for it, where the model takes more, answers on a
+    dynamic cache instead of failing (with no --ctx given)."""
+    import nanoinfer.config
+    from dataclasses import replace
+    path = make_checkpoint(tmp_path / "long", max_position_embeddings=4096)
+    planned = nanoinfer.config.plan_for
+    monkeypatch.setattr(nanoinfer.config, "plan_for", lambda *a, **k: replace(
+        planned(*a, **k), compile=True, build=False, cache="static"))
+    argv = ["--model", str(path), "--raw", "--temperature", "0", "--max-new-tokens", "2", "--prompt"]
+    assert serve_local.main(argv + ["The quick brown fox"]) == 0
+    err = capsys.readouterr().err
+    assert "compiled if built before, else eager" in err and "/2048]" in err
+    assert serve_local.main(argv + ["The quick brown fox " * 250]) == 0
+    err = capsys.readouterr().err
+    assert "/4096]" in err and "no compiled step" not in err
+    prompt = int(err.split("[prompt ")[1].split(" tok")[0])
+    assert 2048 < prompt < 4096
