@@ -422,7 +422,8 @@ NATIVE_SOURCE = Path(__file__).with_name("kernels.cpp")     # the C++ source, re
 
 # Each instruction set's compiler flags (F16C: fp16 weights widened in registers).
 VECTOR_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
-                "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw"]}
+                "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw",
+                           "-mavx512vl"]}
 
 
 def vector_flags() -> list[str]:
