@@ -153,6 +153,34 @@ def test_native_kernels_are_batch_invariant(scheme):
     assert torch.equal(together, alone)
 
 
+def test_big_matrices_give_the_same_bits_on_any_number_of_threads():
+    """A matrix of 2 MB or more is read in runs that the threads take in turn (stream_items):
+    which thread computes a row must not change its bits, nor may a run be left out or taken
+    twice (a partial last run included)."""
+    native_or_skip()
+    torch.manual_seed(2)
+    n, k = 2304, 2048          # int4 rows of 1 KB: 9 runs of 256 KB; fp16 rows of 4 KB: 36
+    q4, s4, lo4 = (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), torch.rand(n, k // 32),
+                   torch.randn(n, k // 32))
+    q8, s8 = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32).half()
+    w16, srow = torch.randn(n, k).half(), torch.rand(n)
+    ops = torch.ops.nanoinfer
+    calls = [lambda x: ops.int4_mm(x, q4, s4, lo4, 32), lambda x: ops.int4_x8_mm(x, q4, s4, lo4, 32),
+             lambda x: ops.int8g_mm(x, q8, s8, None, 32), lambda x: ops.half_mm(x, w16),
+             lambda x: ops.int8_mm(x, q8, srow)]
+    threads = torch.get_num_threads()
+    try:
+        for x in (torch.randn(1, k), torch.randn(3, k)):
+            torch.set_num_threads(1)
+            alone = [call(x) for call in calls]
+            torch.set_num_threads(2)
+            for call, y in zip(calls, alone):
+                assert torch.equal(call(x), y)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.allclose(alone[3], x @ w16.float().T, rtol=1e-4, atol=1e-3)
+
+
 def test_bf16_kernel_in_the_compiled_step():
     """bf16 weights in a compiled one-token step: kernels.bf16_mm (fp32 sums, rounded to bf16), with the
     plain product's values; each row of a several-row call gets a one-row call's bits (on an Intel CPU a
