@@ -168,10 +168,10 @@ static void widened_rows(S s, S lo, int64_t G, int64_t r0, int64_t r1, int64_t s
 }
 
 // A pass's weight rows [0, N) (row_bytes each) against its M rows of x, split across threads
-// (stream_items): each thread widens its own rows' scales, WIDEN_ROWS rows at a time (never the whole matrix's on one thread before
-// the loop: 3.5 MB of the tied head's), and takes R weight rows at a time against x's rows in
-// tiles of 4, then one of what is left (3, 2 or 1), the weights widened once per tile and read
-// from DRAM once.
+// (stream_items): each thread widens its own rows' scales, WIDEN_ROWS rows at a time (never the
+// whole matrix's on one thread before the loop: 3.5 MB of the tied head's), and takes R weight
+// rows at a time against x's rows in tiles of 4, then one of what is left (3, 2 or 1), the weights
+// widened once per tile and read from DRAM once.
 // f(rows, tile, n, m, scales, minimums) computes y[m .. m + tile, n .. n + rows]; rows and tile
 // come as std::integral_constant, for f's kernel template.
 template <int R, typename S, typename F>
