@@ -10,12 +10,14 @@ import subprocess
 import sys
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 import drafting
 import model as M
+import nanoinfer.config
 import nanoinfer.load as nl
 import serve_local
 from conftest import INJECTION, ROOT, fails_with, make_checkpoint, run_cli
@@ -314,13 +316,10 @@ def test_draft_with_a_small_static_cache_starts(capsys, bundled_dir, monkeypatch
     assert rc == 0 and "acceptance" in err, err
 
 
-
 def test_one_answer_longer_than_the_plans_static_cache_runs_on_a_dynamic_one(capsys, tmp_path, monkeypatch):
     """One answer (--prompt) on the plan's compiled step (loaded if built before, never built for it) holds a
     static cache of the plan's context; a prompt too long for it, where the model takes more, answers on a
     dynamic cache instead of failing (with no --ctx given)."""
-    import nanoinfer.config
-    from dataclasses import replace
     path = make_checkpoint(tmp_path / "long", max_position_embeddings=4096)
     planned = nanoinfer.config.plan_for
     monkeypatch.setattr(nanoinfer.config, "plan_for", lambda *a, **k: replace(
