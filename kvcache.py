@@ -54,7 +54,8 @@ once (host-side bookkeeping: grow, copy-on-write, advance ``length``) which retu
 mask over the keys that each layer's ``update(k, v, positions)`` will return. The two smallest
 caches stop there; the kinds add ``crop(n)`` (roll back to the first n tokens: a chat turn that
 diverges, rejected speculative tokens), ``fork()`` (a branch that shares the prefix until either
-side writes) and ``nbytes`` (the memory the cache's tensors really occupy).
+side writes) and ``nbytes`` (the memory the cache's tensors take once every row is written: on a
+CPU a page of them is only backed by RAM from its first write, ``zeros`` below).
 
 Any of them can store K and V quantized (``codec``, from quantize.py: int8 or fp8 with a scale per
 token and head): rows of bytes instead of numbers, about half of bf16's, decoded one layer at a time
@@ -65,6 +66,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +164,17 @@ class _Shared:
         self.refs = 1
 
 
+def zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor for a cache, which takes memory as its rows are written. A cache is sized for
+    its most tokens and holds far fewer most of the time. On a CPU a fresh private mapping reads
+    as zeros by the OS's promise and each 4 KiB page is given RAM at its first write, so the
+    resident memory follows the tokens written; torch.zeros would write every page up front."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or not nbytes or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+
+
 class KVCache:
     """What every contiguous cache has in common: TensorCache's tensors per layer, plus crop, fork,
     move and quantized rows; subclasses say how storage grows and which row a position takes."""
@@ -181,9 +195,8 @@ class KVCache:
     def _alloc(self, capacity):
         b, h, d, dtype, device = self.spec
         if self.codec is not None:
-            return torch.zeros(b, h, capacity, self.codec.row_bytes(d), dtype=torch.uint8,
-                               device=device)
-        return torch.zeros(b, h, capacity, d, dtype=dtype, device=device)
+            return zeros((b, h, capacity, self.codec.row_bytes(d)), torch.uint8, device)
+        return zeros((b, h, capacity, d), dtype, device)
 
     @property
     def capacity(self) -> int:
@@ -543,8 +556,8 @@ class PagedKVCache:
         # in place (as a static cache's). Zeros, not empty: a masked key still meets a zero
         # probability in probs @ V, and 0 · NaN garbage is NaN.
         shape = (num_blocks * block_size, n_kv_heads, head_dim)
-        self.k, self.v = ([torch.zeros(shape, dtype=dtype or torch.float32, device=device)
-                           for _ in range(n_layers)] for _ in range(2))
+        self.k, self.v = ([zeros(shape, dtype or torch.float32, device) for _ in range(n_layers)]
+                          for _ in range(2))
         self.layers = [_PagedLayer(self, i) for i in range(n_layers)]
         self.tables: list = []         # paged.BlockTable, one per batch row
         self.width: int | None = None  # a fixed table width for in-place passes (bind)

@@ -462,7 +462,8 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
     kv = info.kv_bytes(ctx, "auto", fdt)
     if w_held + kv <= room:
         why.append(f"KV cache {fdt}: {mb(kv)} at {ctx} tokens, with the weights "
-                   f"{gb(w_held + kv)} of {gb(machine.memory)}")
+                   f"{gb(w_held + kv)} of {gb(machine.memory)}"
+                   + (" (RAM taken as the tokens fill it)" if machine.device == "cpu" else ""))
     else:
         p.kv_dtype = "int8"
         kv8 = info.kv_bytes(ctx, "int8", fdt)

@@ -201,6 +201,27 @@ def test_static_nbytes_is_the_formula_and_full_cache_is_refused(llama):
         cache.begin(torch.arange(49, 52))
 
 
+def resident_mb() -> float:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    return int(status["VmRSS"].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not hasattr(K.mmap, "MAP_PRIVATE"), reason="no private mappings here")
+def test_a_cpu_cache_takes_memory_as_its_rows_are_written():
+    """A static cache for 4096 tokens (64 MiB) holds in RAM the rows written, not its capacity;
+    its unwritten rows read as zeros (a paged pool's masked keys meet them in probs @ V)."""
+    before = resident_mb()
+    cache = K.StaticCache(n_layers=8, batch=1, n_kv_heads=4, head_dim=64, max_len=4096)
+    assert cache.nbytes == 64 << 20
+    cache.begin(torch.arange(16))
+    for layer in cache.layers:
+        layer.update(torch.ones(1, 4, 16, 64), torch.ones(1, 4, 16, 64), torch.arange(16))
+    assert resident_mb() - before < 16
+    assert cache.k[3][0, 2, 16:].abs().sum() == 0 and cache.k[3][0, 2, :16].sum() == 16 * 64
+    pool = K.PagedKVCache(n_layers=8, num_blocks=256, block_size=16, n_kv_heads=4, head_dim=64)
+    assert resident_mb() - before < 16 and not pool.v[7].any()
+
+
 def test_calculator_prints_the_lesson_numbers():
     out = K.calculator("llama2-7b", 32768, 1, "fp16", None)
     assert "16384 B/token/layer" in out and "512 KiB/token" in out and "per sequence of 32768: 16 GiB" in out
