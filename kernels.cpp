@@ -285,9 +285,9 @@ static bool intel() {
 #endif
 #define FAR_AHEAD 4096
 // 16-bit weights are asked for ahead on the Xeon only: on the EPYC (Zen 4) the hardware's own
-// prefetcher streams their rows faster alone (TinyLlama's matrices, alternating builds: 42 against
-// 35 GB/s with 512 B ahead), while the int8 and int4 loops, with more instructions a byte, still
-// gain from their AHEAD.
+// prefetcher streams their rows faster alone, where the memory has bandwidth to spare (and as fast
+// where it has not), while the int8 and int4 loops, with more instructions a byte, still gain from
+// their AHEAD.
 #define STREAM_AHEAD (intel() ? FAR_AHEAD : AHEAD)    // int8 and int4 with AVX-512
 
 // The fixed reduction of 8 lanes, pairwise; of four vectors, (a0 + a1) + (a2 + a3) first.
