@@ -167,7 +167,7 @@ class _Shared:
 def zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     """A zero tensor for a cache, which takes memory as its rows are written. A cache is sized for
     its most tokens and holds far fewer most of the time. On a CPU a fresh private mapping reads
-    as zeros by the OS's promise and each 4 KiB page is given RAM at its first write, so the
+    as zeros by the OS's promise and each page of it is given RAM at its first write, so the
     resident memory follows the tokens written; torch.zeros would write every page up front."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or not nbytes or not hasattr(mmap, "MAP_PRIVATE"):
