@@ -125,13 +125,29 @@ class NonFiniteLogits(ValueError):
     """The model computed NaN or +inf scores: any token drawn from them would be garbage."""
 
 
-def check_logits(logits: torch.Tensor):
+def check_logits(logits: torch.Tensor | float):
     """Refuse NaN or +inf logits (−inf is fine: a token ruled out, as a draft head's
     head_ids or top-k make it). One comparison over the vocabulary per token."""
-    if not bool((logits < math.inf).all()):
+    if not (logits < math.inf if isinstance(logits, float) else bool((logits < math.inf).all())):
         raise NonFiniteLogits("the model computed NaN or infinite scores, so no token can be "
                               "trusted: its weights hold NaN/inf, or this dtype overflows "
                               "(try --dtype float32)")
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The first index of the largest score. argmax takes NaN for the largest, so the chosen
+    score is NaN or +inf exactly when some score is: one value checked, not the vocabulary. On a
+    CPU the row is read through numpy, one vectorised pass with no torch operator to dispatch: a
+    share of a small model's decode step, which has just streamed the weights through the caches
+    and finds the interpreter's and torch's working set there no more."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        row = logits.detach().numpy()
+        token = int(row.argmax())
+        check_logits(float(row[token]))
+    else:
+        token = int(logits.argmax())
+        check_logits(float(logits[token]))
+    return token
 
 
 def sample(logits: torch.Tensor, p: SamplingParams,
@@ -143,12 +159,7 @@ def sample(logits: torch.Tensor, p: SamplingParams,
         grammar.advance(token)
         return token
     if p.temperature == 0:
-        # argmax takes NaN for the largest score, so the chosen one is NaN or +inf exactly when
-        # some score is: one value checked, not the vocabulary (49,152 comparisons a token, a
-        # share of a small model's decode step worth saving)
-        token = int(logits.argmax())
-        check_logits(logits[token])
-        return token
+        return greedy(logits)
     check_logits(logits)
     return int(torch.multinomial(sampling_probs(logits, p), 1, generator=generator))
 

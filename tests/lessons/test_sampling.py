@@ -97,6 +97,24 @@ def test_visible_is_the_one_stop_token_rule():
     assert finish_reason(2, 1, 10, GREEDY(ignore_eos=True), [2], 100) is None
 
 
+def test_greedy_is_torch_argmax_first_index_and_refuses_nan_anywhere():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        row = torch.randn(4099, generator=gen)
+        assert sampling.greedy(row) == int(row.argmax())
+        assert sampling.greedy(row.bfloat16()) == int(row.bfloat16().argmax())
+    row = torch.zeros(300)
+    row[[7, 200]] = 1.0
+    assert sampling.greedy(row) == 7 == int(row.argmax())     # a tie: the first
+    assert sampling.greedy(torch.full((5,), float("-inf"))) == 0
+    for where in (0, 150, 299):
+        for bad in (float("nan"), float("inf")):
+            row = torch.zeros(300)
+            row[where] = bad
+            with pytest.raises(sampling.NonFiniteLogits):
+                sampling.greedy(row)
+
+
 def test_non_finite_logits_end_the_answer_with_an_error():
     logits = torch.zeros(10)
     logits[4] = float("nan")
