@@ -129,10 +129,9 @@ static inline const float* as_f32(KScales s, int64_t n, std::vector<float>& buf)
 // the threads take in turn, as llama.cpp's matrix-vector products do: each thread starts on its
 // own run and then takes the next free one from an atomic counter. The threads then read
 // neighbouring memory, and one that the host slows does fewer runs instead of holding the other at
-// the join. On this EPYC (Zen 4, 2 threads, alternating in one process) a 1 GB fp16 matrix read at
-// 32-33 GB/s in 256 KB runs against 27-30 in two halves; TinyLlama's 88 matrices 2-7% faster
-// (fp16, int4, int8 in groups); SmolLM2's stay split (too small), its head takes runs. Which thread
-// computes an item does not change its bits: each item's sums are one thread's, in a fixed order.
+// the join. A small matrix keeps the plain split: there a shared counter costs more than it
+// recovers (SmolLM2's matrices but its head). Which thread computes an item does not change its
+// bits: each item's sums are one thread's, in a fixed order.
 #ifndef RUN_BYTES
 #define RUN_BYTES (256 << 10)
 #endif
@@ -346,10 +345,9 @@ static inline __m256 lo8(KScales lo, int64_t g) {
 // SmolLM2's 18) take one more vector FMA, their lanes loaded as they are and the others 0, which
 // adds 0·0 to those lanes: the bits of adding them one lane at a time (the scalar build). Loading
 // the tail without a round trip through memory matters: scalar stores read back by one vector
-// load stalled each row on the load (on SmolLM2's int4 matrices, one thread, from L2, the share
-// took 15% of the product's time that way, ~7% this way on Zen 4 with AVX-512, 3-4% less than
-// before with AVX2). AVX-512 (VL) loads a masked vector; AVX2 has no 16-bit masked load and
-// inserts the fp16 values one by one.
+// load stalled each row on the load, a share of a small matrix's product (SmolLM2's). AVX-512
+// (VL) loads a masked vector; AVX2 has no 16-bit masked load and inserts the fp16 values one by
+// one.
 static inline __m256i first_lanes(int64_t n) {     // lanes j < n all ones, the others 0
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
