@@ -14,6 +14,8 @@ renders to. Compare numbers only inside one table: ratios between rows of one
 run survive a change of machine, absolute speeds do not.
 
     save(name, lesson, tables, plots)    ->  results/<name>.json
+    cpu_kind()                           ->  "amd-epyc", "intel-xeon": a name's suffix where a
+                                             result is kept for each kind of CPU
     plot_path("x.png"), pyplot()         ->  plots/x.png, drawn if matplotlib is installed
     render(load())                       ->  RESULTS.md
     alternate({"a": f, "b": g}, rounds)  ->  seconds per call, the sides timed in turns
@@ -141,6 +143,14 @@ def machine() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def cpu_kind(cpu: str | None = None) -> str:
+    """The CPU's vendor and family as a file name's part ("Intel(R) Xeon(R) Processor" ->
+    "intel-xeon"): the runner's acceptance holds on each kind of CPU of the pool, so its results
+    keep one record per kind instead of the last machine's."""
+    words = re.sub(r"\((R|TM|tm)\)", "", cpu or machine()["cpu"]).lower().split()
+    return "-".join(re.sub(r"[^a-z0-9]", "", w) for w in words[:2]) or platform.machine()
 
 
 def commit() -> str:

@@ -465,7 +465,8 @@ def bench_gguf(args):
         tables = gguf_tables(runs, setup_line(args, shapes, vocab_size), method + failed + partial,
                              args.flags.strip())
         # a run with flags of ours beside the defaults' run, not over it
-        name = "-".join(["gguf", *re.findall(r"[a-z0-9]+", args.flags.lower())])
+        name = "-".join(["gguf", results.cpu_kind(),
+                         *re.findall(r"[a-z0-9]+", args.flags.lower())])
         return results.save(name, "runner", tables), tables
 
     for path in files:

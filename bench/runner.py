@@ -215,7 +215,7 @@ def bench_runner(args):
         ["configuration", "ready s", "load s", "compile s", "TTFT ms (median)", "decode tok/s (spread)",
          "decode tok/s (median)", "× llama.cpp", "tokens (median)", "text = fp32 plain eager"], rows, notes)
     print(f"\n{table.markdown()}")
-    print(f"saved {results.save('runner', 'runner', [table])}")
+    print(f"saved {results.save(f'runner-{results.cpu_kind()}', 'runner', [table])}")
 
 
 def runner_args(p):

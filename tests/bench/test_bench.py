@@ -273,7 +273,7 @@ def test_gguf_bench_saves_after_every_file(tmp_path, monkeypatch):
     mb, seen = 10**6, []
 
     def measure(p, prompt, args, peer):
-        seen.append(record("gguf")["tables"][0]["notes"][-1] if seen else None)
+        seen.append(record(f"gguf-{results.cpu_kind()}")["tables"][0]["notes"][-1] if seen else None)
         if len(seen) == 2:
             raise OSError("serve_local.py exited: out of memory")
         side = fake_side(3.0, 2 * mb, 5 * mb, [50.0], [10.0, 12.0])
@@ -284,8 +284,8 @@ def test_gguf_bench_saves_after_every_file(tmp_path, monkeypatch):
     bench.gguf.bench_gguf(ap.parse_args([str(path)] * 3 + ["--no-peer"]))
     assert seen == [None, "partial: the run stopped after 1 of 3 files",
                     "partial: the run stopped after 1 of 3 files"]
-    r = record("gguf")
-    assert (r["name"], r["lesson"]) == ("gguf", "runner")
+    r = record(f"gguf-{results.cpu_kind()}")
+    assert (r["name"], r["lesson"]) == (f"gguf-{results.cpu_kind()}", "runner")
     ratio_table = r["tables"][0]
     assert [row[0] for row in ratio_table["rows"]] == ["random.gguf", "random.gguf"]
     assert ratio_table["notes"][-1] == ("random.gguf: not measured: serve_local.py exited: "

@@ -22,3 +22,12 @@ def test_save_stamps_and_render_places(tmp_path, monkeypatch):
     text = results.render(results.load(tmp_path))
     assert "## speculative.py" in text and "### `python bench.py demo`" in text
     assert "| method | tok/s | speedup |\n|---|---:|---:|\n| plain | 20.0 | 1.00× |\n| fast | 41.2 | 2.06× |" in text
+
+
+def test_cpu_kind_names_the_vendor_and_family():
+    """The runner's results keep a record per kind of CPU: the name's suffix is the vendor and
+    family, whatever the model number and marks."""
+    assert results.cpu_kind("Intel(R) Xeon(R) Processor") == "intel-xeon"
+    assert results.cpu_kind("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz") == "intel-xeon"
+    assert results.cpu_kind("AMD EPYC 7B13 64-Core Processor") == "amd-epyc"
+    assert results.cpu_kind() == results.cpu_kind(results.machine()["cpu"])
