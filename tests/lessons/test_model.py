@@ -78,9 +78,12 @@ def simple_matches_general(model, prompts, n):
         whole, cache = M.forward_simple(w, cfg, ids), []
         parts = torch.cat([M.forward_simple(w, cfg, ids[a:b], cache)
                            for a, b in [(0, 10), (10, 20), (20, 21), (21, len(ids))]])
+    # The same sums in other orders: the Llama class multiplies fused Q/K/V and gate/up matrices,
+    # and BLAS blocks each shape its own way; through the bundled model's 30 layers that moves
+    # fp32 logits by up to ~2e-5 of their scale on an AVX-512 Xeon.
     scale = want.abs().max()
-    assert scale > 0.1 and (whole - want).abs().max() < 1e-5 * scale
-    assert (parts - want).abs().max() < 1e-5 * scale
+    assert scale > 0.1 and (whole - want).abs().max() < 1e-4 * scale
+    assert (parts - want).abs().max() < 1e-4 * scale
     assert len(cache) == cfg.n_layers
     assert cache[0][0].shape == (cfg.n_kv_heads, len(ids), cfg.head_dim)
     seen = set()
