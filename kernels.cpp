@@ -34,6 +34,10 @@
 #include <vector>
 #if defined(__F16C__)
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 // A helper the loops below must not call: GCC's heuristics leave a helper with several callers
@@ -1635,13 +1639,186 @@ static void wide_tiles(const at::Tensor& x, W w, int64_t row_len, S s, S lo,
   });
 }
 
+// ---- A prefill on AMX (Intel's tile unit, Sapphire Rapids and later): int4 in groups of 32
+// AMX multiplies 16×32 bf16 tiles into 16×16 fp32 ones, ~16x the multiply-adds a cycle of
+// AVX-512's fp32 FMAs, but in bf16 (8-bit significands). The file's bits survive it: q (0..15) is
+// exact in bf16, and x is cut into three bf16 pieces that sum back to it exactly (x's 24-bit
+// significand, 8 bits a piece, each piece what the earlier ones leave, truncated). Each product
+// q·piece is then exact in fp32, so Σ_k q·x over a group is a sum of exact terms in AMX's order:
+// 3x the multiply-adds, still ~5x AVX-512's fp32 rate. A tile's sums are those of one group of
+// 32 (one scale), so each group's 16×16 block leaves the tiles for s·Σqx + lo·Σx in fp32 (the
+// decode loops' grouping). Weights are the tiles' A operand (16 rows of W × one group, bf16 in
+// row order), x's pieces the B operand (AMX's pair layout: row r holds k = 2r, 2r+1 of 16
+// tokens). Sums in another order than wide_tiles': a prefill's outputs are not compared with a
+// step's, and both are fp32 sums of the same products (the tests hold them within fp32's noise).
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__linux__)
+#define AMX_TILES 1
+#ifndef AMX_ROWS     // fewer rows of x than this: wide_tiles (a token tile pair's padding)
+#define AMX_ROWS 32
+#endif
+// The kernel lets a process use AMX's 8 KB of tile registers once it asks (arch_prctl).
+static bool amx_ready() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;    // AMX-BF16, AMX-TILE
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+struct TileConfig {   // LDTILECFG's 64 bytes: palette 1, each tile's rows and bytes a row
+  uint8_t palette = 1, start = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x's rows t·16 .. t·16+15 (zeros past M), group g: three pieces, each 16 pairs × 16 tokens
+// (1 KB, AMX's B layout) at xb + ((t·G + g)·3 + p)·512, and each token's Σx over the group at
+// sx + (t·G + g)·16.
+static void split_x(const float* x, int64_t M, int64_t K, int64_t T, uint16_t* xb, float* sx) {
+  const int64_t G = K / 32;
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m256i pairs = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);   // dwords apart
+  at::parallel_for(0, T * G, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      int64_t t = b / G, g = b % G;
+      int* out = reinterpret_cast<int*>(xb + b * 3 * 512);
+      for (int m = 0; m < 16; m++) {
+        int64_t row = t * 16 + m;
+        float sum = 0.f;
+        for (int h = 0; h < 2; h++) {
+          __m512 v = row < M ? _mm512_loadu_ps(x + row * K + g * 32 + h * 16) : _mm512_setzero_ps();
+          if (h == 0) sum = _mm512_reduce_add_ps(v);
+          else sum += _mm512_reduce_add_ps(v);
+          __m512i p1 = _mm512_and_si512(_mm512_castps_si512(v), top);
+          __m512 r1 = _mm512_sub_ps(v, _mm512_castsi512_ps(p1));
+          __m512i p2 = _mm512_and_si512(_mm512_castps_si512(r1), top);
+          __m512i p3 = _mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(p2)));
+          const __m512i piece[3] = {p1, p2, p3};
+          for (int p = 0; p < 3; p++) {      // the top halves: 16 bf16, 8 pairs -> rows 8h..8h+7
+            __m256i w = _mm512_cvtepi32_epi16(_mm512_srli_epi32(piece[p], 16));
+            _mm256_i32scatter_epi32(out + p * 256 + h * 128 + m, pairs, w, 4);
+          }
+        }
+        sx[b * 16 + m] = sum;
+      }
+    }
+  });
+}
+
+// W's rows n0 .. n0+rows-1 (int4, two a byte, even k in the low nibble) as bf16 A tiles: 16 rows
+// × one group, 1 KB each, at wb + ((r/16)·G + g)·512; rows past the block zero.
+static void widen_int4(const uint8_t* q, int64_t K, int64_t rows, int64_t nb, uint16_t* wb) {
+  const int64_t G = K / 32;
+  const __m512i bf16_of = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+      0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);          // 15.0 ... 1.0, 0
+  const __m128i nib = _mm_set1_epi8(15);
+  for (int64_t r = 0; r < nb; r++) {
+    uint16_t* o = wb + (r / 16) * G * 512 + (r % 16) * 32;
+    for (int64_t g = 0; g < G; g++) {
+      if (r >= rows) {
+        _mm512_storeu_si512(o + g * 512, _mm512_setzero_si512());
+        continue;
+      }
+      __m128i b = _mm_loadu_si128((const __m128i*)(q + r * (K / 2) + g * 16));
+      __m128i e = _mm_and_si128(b, nib), od = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+      __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(e, od), _mm_unpacklo_epi8(e, od));
+      _mm512_storeu_si512(o + g * 512, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(w), bf16_of));
+    }
+  }
+}
+
+// Blocks of nb rows of W (their bf16 tiles ~1 MB, in L2) in turn per thread; for each pair of
+// token tiles (32 rows of x) and each group, 2×2 tiles of 16 rows × 16 tokens: 12 tile products
+// (3 pieces), then s·C + lo·Σx into the fp32 sums.
+template <typename S>
+static void amx_tiles(const at::Tensor& x, const uint8_t* w, S s, S lo, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), G = K / 32, T = (M + 31) / 32 * 2;
+  auto xbt = at::empty({T * G * 3 * 512}, x.options().dtype(at::kShort));
+  auto sxt = at::empty({T * G * 16}, x.options());
+  uint16_t* xb = reinterpret_cast<uint16_t*>(xbt.data_ptr<int16_t>());
+  float *sx = sxt.data_ptr<float>(), *yp = y.data_ptr<float>();
+  split_x(x.data_ptr<float>(), M, K, T, xb, sx);
+  const int64_t nb = std::max<int64_t>(32, std::min<int64_t>(128, (1 << 20) / (2 * K) / 32 * 32));
+  at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
+    TileConfig cfg;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    // by hand, as GCC's tile intrinsics are (asm): the file needs no AMX flag
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+    std::vector<uint16_t> wb(nb * K);
+    std::vector<float> sb, lb, sc(nb * G), lc(nb * G), accv(nb * 32 + 16);
+    float* acc = reinterpret_cast<float*>((uintptr_t(accv.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float c[4][16][16];
+    for (int64_t blk = b0; blk < b1; blk++) {
+      const int64_t n0 = blk * nb, rows = std::min(nb, N - n0);
+      widen_int4(w + n0 * (K / 2), K, rows, nb, wb.data());
+      const float *sp = as_f32(s + n0 * G, rows * G, sb), *lp = as_f32(lo + n0 * G, rows * G, lb);
+      for (int64_t r = 0; r < nb; r++)      // [g][r]: a group's scales in one run
+        for (int64_t g = 0; g < G; g++) {
+          sc[g * nb + r] = r < rows ? sp[r * G + g] : 0.f;
+          lc[g * nb + r] = r < rows ? lp[r * G + g] : 0.f;
+        }
+      for (int64_t t = 0; t < T; t += 2) {
+        std::fill(acc, acc + nb * 32, 0.f);
+        for (int64_t g = 0; g < G; g++) {
+          const uint16_t *x0 = xb + (t * G + g) * 1536, *x1 = xb + ((t + 1) * G + g) * 1536;
+          const __m512 sx0 = _mm512_loadu_ps(sx + (t * G + g) * 16),
+                       sx1 = _mm512_loadu_ps(sx + ((t + 1) * G + g) * 16);
+          for (int64_t sub = 0; sub < rows; sub += 32) {
+            _tile_loadd(4, wb.data() + ((sub / 16) * G + g) * 512, 64);
+            _tile_loadd(5, wb.data() + ((sub / 16 + 1) * G + g) * 512, 64);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int p = 0; p < 3; p++) {
+              _tile_loadd(6, x0 + p * 512, 64);
+              _tile_loadd(7, x1 + p * 512, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+            const float *sg = sc.data() + g * nb + sub, *lg = lc.data() + g * nb + sub;
+            for (int h = 0; h < 2; h++)
+              for (int n = 0; n < 16; n++) {
+                const __m512 sv = _mm512_set1_ps(sg[h * 16 + n]),
+                             lv = _mm512_set1_ps(lg[h * 16 + n]);
+                float* a = acc + (sub + h * 16 + n) * 32;
+                __m512 a0 = _mm512_fmadd_ps(_mm512_load_ps(c[2 * h][n]), sv, _mm512_load_ps(a));
+                __m512 a1 = _mm512_fmadd_ps(_mm512_load_ps(c[2 * h + 1][n]), sv,
+                                            _mm512_load_ps(a + 16));
+                _mm512_store_ps(a, _mm512_fmadd_ps(sx0, lv, a0));
+                _mm512_store_ps(a + 16, _mm512_fmadd_ps(sx1, lv, a1));
+              }
+          }
+        }
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t u = 0; u < 32 && t * 16 + u < M; u++)
+            yp[(t * 16 + u) * N + n0 + r] = acc[r * 32 + u];
+      }
+    }
+    __asm__ volatile("tilerelease");
+  });
+}
+#else
+static bool amx_ready() { return false; }
+#endif
+
 // w: int8 (N, K) with scale (N,) or (N, K/group) and lo None or as scale (or those values in six
 // bits: uint8 (N, 3K/4), Sixes); int4 bytes (N, K/2) with scale and lo (N, K/group); fp16 or bf16
-// (N, K) alone.
+// (N, K) alone. amx: int4 in groups of 32 on the tile unit where this CPU has one and x has
+// AMX_ROWS rows (amx_tiles: the same products, summed in another order), else the tiles above.
 static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
                           int64_t group, const std::optional<at::Tensor>& sd,
-                          const std::optional<at::Tensor>& lod) {
+                          const std::optional<at::Tensor>& lod, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && w.dim() == 2 &&
               w.is_contiguous() && x.size(1) % 32 == 0,
               "wide_mm: x (M, K) fp32, K a multiple of 32, w (N, ·) contiguous");
@@ -1673,6 +1850,10 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
   auto run = [&](auto sp, auto lp) {
     if (type == at::kChar) wide_tiles(x, w.data_ptr<int8_t>(), K, sp, lp, group, y);
     else if (six) wide_tiles(x, Sixes{w.data_ptr<uint8_t>()}, K / 4 * 3, sp, lp, group, y);
+#ifdef AMX_TILES
+    else if (amx && group == 32 && M >= AMX_ROWS && amx_ready())
+      amx_tiles(x, w.data_ptr<uint8_t>(), sp, lp, y);
+#endif
     else wide_tiles(x, w.data_ptr<uint8_t>(), K / 2, sp, lp, group, y);
   };
   with_scales(s, lo_, sd, lod, group, "wide_mm", run);
@@ -1973,7 +2154,7 @@ DEFINE(LIBRARY, m) {
         "Tensor? scale_d=None, Tensor? lo_d=None) -> Tensor");
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
   m.def("wide_mm(Tensor x, Tensor w, Tensor? scale, Tensor? lo, int group, Tensor? scale_d=None, "
-        "Tensor? lo_d=None) -> Tensor");
+        "Tensor? lo_d=None, bool amx=False) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor positions, "

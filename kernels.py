@@ -458,7 +458,8 @@ def native_kernels(quiet: bool = False) -> bool:
     torch.library.register_fake("nanoinfer::half_mm")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("nanoinfer::wide_mm")(
-        lambda x, w, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], w.shape[0]))
+        lambda x, w, s, lo, group, sd=None, lod=None, amx=False: x.new_empty(x.shape[0],
+                                                                              w.shape[0]))
     torch.library.register_fake("nanoinfer::decode_attention")(
         lambda q, k, v, mask: q.new_empty(q.shape))
     torch.library.register_fake("nanoinfer::paged_attention")(
@@ -563,12 +564,15 @@ def half_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def wide_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
             lo: torch.Tensor | None = None, group: int = 0, scale_d: torch.Tensor | None = None,
-            lo_d: torch.Tensor | None = None) -> torch.Tensor:
+            lo_d: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ for many rows of x (a prefill) on oneDNN's (else BLAS's) fp32 GEMM, W
     dequantized a tile of rows at a time into an fp32 scratch: no fp32 copy of W is held. W as a
     stored layer holds it: int8 (N, K) with scale (N,) (group 0) or in groups; int4 bytes (N, K/2)
-    with scale and lo (scales as int4_mm's); fp16 or bf16 (N, K) alone. Needs native_kernels()."""
-    return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group, scale_d, lo_d)
+    with scale and lo (scales as int4_mm's); fp16 or bf16 (N, K) alone. ``amx``: int4 in groups
+    of 32 on Intel's tile unit where the CPU has one (x cut into three bf16 pieces that sum back
+    to it exactly, so every product is exact: the same sums in another order, several times
+    faster). Needs native_kernels()."""
+    return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group, scale_d, lo_d, amx)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -648,7 +652,7 @@ def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
             y = wide_mm(rows, layer.weight)
         else:
             y = wide_mm(rows, layer.weight, layer.weight_scale, layer.weight_min, layer.group or 0,
-                        layer.weight_scale_d, layer.weight_min_d)
+                        layer.weight_scale_d, layer.weight_min_d, amx=True)
         return y.reshape(*x.shape[:-1], -1)
     return F.linear(x, layer.dequantized().to(x.dtype))
 

@@ -443,6 +443,31 @@ def test_tiled_prefill_equals_the_dequantized_matrix(builds):
             assert torch.equal(lib.wide_mm(x, *args), y)
 
 
+
+@pytest.mark.parametrize("m,k,n", [(32, 512, 300), (45, 2048, 77), (530, 2048, 600)])
+def test_amx_prefill_sums_the_products_of_the_file_weights(m, k, n):
+    """wide_mm(amx=True): int4 in groups of 32 on AMX where this CPU has it (x in three bf16 pieces
+    that sum back to it, each product exact): within fp32's own rounding of the float64 product
+    of the dequantized matrix, as close as wide_mm's fp32 tiles (a piece left out is ~30x further
+    off); fp16 and K-quant scales give the bits of the same scales in fp32. Without AMX, or under
+    its rows (AMX_ROWS), it is the tiles' product, bit for bit."""
+    native_or_skip()
+    torch.manual_seed(m)
+    x, q = torch.randn(m, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    sc, mn = (torch.randint(0, 64, (n, k // 32), dtype=torch.int8) for _ in range(2))
+    sd, md = ((torch.rand(n, k // 256) * 0.01).half() for _ in range(2))
+    s, lo = safetensors_io.block_scaled(sc, sd), safetensors_io.block_scaled(mn, md)
+    w = quantize.dequantize_int4(quantize.split_nibbles(q), s, lo).double()
+    y = kernels.wide_mm(x, q, s, lo, 32, amx=True)
+    bound = float((x.abs() @ w.abs().t().float()).max())
+    assert (y.double() - x.double() @ w.t()).abs().max() < 5e-7 * bound
+    assert torch.equal(kernels.wide_mm(x, q, sc, mn, 32, sd, md, amx=True), y)
+    assert torch.equal(kernels.wide_mm(x, q, s.half(), lo.half(), 32, amx=True),
+                       kernels.wide_mm(x, q, s.half().float(), lo.half().float(), 32, amx=True))
+    has = torch.cpu.get_capabilities()
+    if not (has.get("amx_bf16") and torch.backends.cpu.get_cpu_capability() == "AVX512"):
+        assert torch.equal(y, kernels.wide_mm(x, q, s, lo, 32))
+
 # --- int4 with x rounded to 8 bits (asked for: --activations int8) ------------------------------
 
 def rounded_x(x):
