@@ -610,7 +610,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # A prefill is compute-bound: its rows go to BLAS on fp32 weights, prepack's fp32 copy for int8 rows
 # and int4 (4 bytes a weight against their 1 and 0.75, held), else wide_mm's tiles (no copy). On
 # that Xeon, 128 and 512 rows through a 2048×5632 matrix: the tiles took a little longer than the
-# copy, and less than widening the whole matrix at each call (the fallback before them).
+# copy, and less than widening the whole matrix at each call (the fallback before them). Where the
+# CPU has AMX, int4 in groups of 32 skips both: its exact products run on the tile unit
+# (wide_mm(amx=True)), whose bf16 multiply-adds outrun fp32's FMAs even at three per product.
 #
 # Asked for (RunConfig.activations "int8": swap_quantized's round_x), int4 and grouped int8 layers
 # round each 32 of x to 8 bits and multiply in integers (int4_x8_mm, int8g_x8_mm): llama.cpp's
@@ -642,7 +644,8 @@ def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A many-row pass of a stored layer, bias aside: compute-bound, so oneDNN's matrix-matrix
     kernel on prepack's fp32 copy of the dequantized weights where the model keeps one (a prefill
     as fast as fp32's, several times faster than widening every matrix at every call),
-    else wide_mm's tiles (a layer on the C++ kernels), else the weights widened for this call."""
+    else wide_mm's tiles or AMX (a layer on the C++ kernels), else the weights widened for this
+    call."""
     packed = packed_weight(layer)
     if packed is not None and not torch.is_grad_enabled():
         return prepacked_linear(x, packed)
