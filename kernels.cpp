@@ -1807,8 +1807,6 @@ static void amx_tiles(const at::Tensor& x, const uint8_t* w, S s, S lo, at::Tens
     __asm__ volatile("tilerelease");
   });
 }
-#else
-static bool amx_ready() { return false; }
 #endif
 
 // w: int8 (N, K) with scale (N,) or (N, K/group) and lo None or as scale (or those values in six

@@ -443,14 +443,13 @@ def test_tiled_prefill_equals_the_dequantized_matrix(builds):
             assert torch.equal(lib.wide_mm(x, *args), y)
 
 
-
 @pytest.mark.parametrize("m,k,n", [(32, 512, 300), (45, 2048, 77), (530, 2048, 600)])
 def test_amx_prefill_sums_the_products_of_the_file_weights(m, k, n):
     """wide_mm(amx=True): int4 in groups of 32 on AMX where this CPU has it (x in three bf16 pieces
     that sum back to it, each product exact): within fp32's own rounding of the float64 product
-    of the dequantized matrix, as close as wide_mm's fp32 tiles (a piece left out is ~30x further
-    off); fp16 and K-quant scales give the bits of the same scales in fp32. Without AMX, or under
-    its rows (AMX_ROWS), it is the tiles' product, bit for bit."""
+    of the dequantized matrix, as the fp32 tiles are (with a piece left out it is not); fp16 and
+    K-quant scales give the bits of the same scales in fp32. Without AMX it is the tiles' product,
+    bit for bit."""
     native_or_skip()
     torch.manual_seed(m)
     x, q = torch.randn(m, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
@@ -467,6 +466,7 @@ def test_amx_prefill_sums_the_products_of_the_file_weights(m, k, n):
     has = torch.cpu.get_capabilities()
     if not (has.get("amx_bf16") and torch.backends.cpu.get_cpu_capability() == "AVX512"):
         assert torch.equal(y, kernels.wide_mm(x, q, s, lo, 32))
+
 
 # --- int4 with x rounded to 8 bits (asked for: --activations int8) ------------------------------
 
