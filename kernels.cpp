@@ -1639,10 +1639,10 @@ static void wide_tiles(const at::Tensor& x, W w, int64_t row_len, S s, S lo,
   });
 }
 
-// ---- A prefill on AMX (Intel's tile unit, Sapphire Rapids and later): int4 in groups of 32
+// ---- A prefill on AMX (Intel's tile unit, Sapphire Rapids and later): groups of 32
 // AMX multiplies 16×32 bf16 tiles into 16×16 fp32 ones, ~16x the multiply-adds a cycle of
-// AVX-512's fp32 FMAs, but in bf16 (8-bit significands). The file's bits survive it: q (0..15) is
-// exact in bf16, and x is cut into three bf16 pieces that sum back to it exactly (x's 24-bit
+// AVX-512's fp32 FMAs, but in bf16 (8-bit significands). The file's bits survive it: q (int4's
+// 0..15, int8's -128..127, at most 8 significant bits) is exact in bf16, and x is cut into three bf16 pieces that sum back to it exactly (x's 24-bit
 // significand, 8 bits a piece, each piece what the earlier ones leave, truncated). Each product
 // q·piece is then exact in fp32, so Σ_k q·x over a group is a sum of exact terms in AMX's order:
 // 3x the multiply-adds, still ~5x AVX-512's fp32 rate. A tile's sums are those of one group of
@@ -1730,11 +1730,46 @@ static void widen_int4(const uint8_t* q, int64_t K, int64_t rows, int64_t nb, ui
   }
 }
 
+// The same tiles of int8 values (a byte each, or Sixes; row_len bytes a row): each value exact in
+// bf16 (at most 8 significant bits), its fp32's top half.
+template <typename Q>
+static void widen_values(Q q, int64_t row_len, int64_t K, int64_t rows, int64_t nb, uint16_t* wb) {
+  const int64_t G = K / 32;
+  for (int64_t r = 0; r < nb; r++) {
+    uint16_t* o = wb + (r / 16) * G * 512 + (r % 16) * 32;
+    for (int64_t g = 0; g < G; g++) {
+      if (r >= rows) {
+        _mm512_storeu_si512(o + g * 512, _mm512_setzero_si512());
+        continue;
+      }
+      __m512 w0, w1;
+      widen32(q + r * row_len, g, w0, w1);
+      auto top = [](__m512 v) {
+        return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+      };
+      _mm256_storeu_si256((__m256i*)(o + g * 512), top(w0));
+      _mm256_storeu_si256((__m256i*)(o + g * 512 + 16), top(w1));
+    }
+  }
+}
+static void widen_tiles(const uint8_t* q, int64_t K, int64_t n0, int64_t rows, int64_t nb,
+                        uint16_t* wb) {
+  widen_int4(q + n0 * (K / 2), K, rows, nb, wb);
+}
+static void widen_tiles(const int8_t* q, int64_t K, int64_t n0, int64_t rows, int64_t nb,
+                        uint16_t* wb) {
+  widen_values(q + n0 * K, K, K, rows, nb, wb);
+}
+static void widen_tiles(Sixes q, int64_t K, int64_t n0, int64_t rows, int64_t nb, uint16_t* wb) {
+  widen_values(q + n0 * (K / 4 * 3), K / 4 * 3, K, rows, nb, wb);
+}
+
 // Blocks of nb rows of W (their bf16 tiles ~1 MB, in L2) in turn per thread; for each pair of
 // token tiles (32 rows of x) and each group, 2×2 tiles of 16 rows × 16 tokens: 12 tile products
-// (3 pieces), then s·C + lo·Σx into the fp32 sums.
-template <typename S>
-static void amx_tiles(const at::Tensor& x, const uint8_t* w, S s, S lo, at::Tensor& y) {
+// (3 pieces), then s·C (+ lo·Σx) into the fp32 sums. Groups of 32 only: groups of 16 (Q6_K)
+// would leave the tiles twice as often, and tiles half as deep took as long as wide_tiles.
+template <typename W, typename S>
+static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), G = K / 32, T = (M + 31) / 32 * 2;
   auto xbt = at::empty({T * G * 3 * 512}, x.options().dtype(at::kShort));
   auto sxt = at::empty({T * G * 16}, x.options());
@@ -1748,17 +1783,18 @@ static void amx_tiles(const at::Tensor& x, const uint8_t* w, S s, S lo, at::Tens
     // by hand, as GCC's tile intrinsics are (asm): the file needs no AMX flag
     __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
     std::vector<uint16_t> wb(nb * K);
-    std::vector<float> sb, lb, sc(nb * G), lc(nb * G), accv(nb * 32 + 16);
+    std::vector<float> sb, lb, sc(nb * G), lc(lo ? nb * G : 0), accv(nb * 32 + 16);
     float* acc = reinterpret_cast<float*>((uintptr_t(accv.data()) + 63) & ~uintptr_t(63));
     alignas(64) float c[4][16][16];
     for (int64_t blk = b0; blk < b1; blk++) {
       const int64_t n0 = blk * nb, rows = std::min(nb, N - n0);
-      widen_int4(w + n0 * (K / 2), K, rows, nb, wb.data());
-      const float *sp = as_f32(s + n0 * G, rows * G, sb), *lp = as_f32(lo + n0 * G, rows * G, lb);
+      widen_tiles(w, K, n0, rows, nb, wb.data());
+      const float *sp = as_f32(s + n0 * G, rows * G, sb),
+                  *lp = lo ? as_f32(lo + n0 * G, rows * G, lb) : nullptr;
       for (int64_t r = 0; r < nb; r++)      // [g][r]: a group's scales in one run
         for (int64_t g = 0; g < G; g++) {
           sc[g * nb + r] = r < rows ? sp[r * G + g] : 0.f;
-          lc[g * nb + r] = r < rows ? lp[r * G + g] : 0.f;
+          if (lp) lc[g * nb + r] = r < rows ? lp[r * G + g] : 0.f;
         }
       for (int64_t t = 0; t < T; t += 2) {
         std::fill(acc, acc + nb * 32, 0.f);
@@ -1785,17 +1821,20 @@ static void amx_tiles(const at::Tensor& x, const uint8_t* w, S s, S lo, at::Tens
             _tile_stored(1, c[1], 64);
             _tile_stored(2, c[2], 64);
             _tile_stored(3, c[3], 64);
-            const float *sg = sc.data() + g * nb + sub, *lg = lc.data() + g * nb + sub;
+            const float* sg = sc.data() + g * nb + sub;
             for (int h = 0; h < 2; h++)
               for (int n = 0; n < 16; n++) {
-                const __m512 sv = _mm512_set1_ps(sg[h * 16 + n]),
-                             lv = _mm512_set1_ps(lg[h * 16 + n]);
+                const __m512 sv = _mm512_set1_ps(sg[h * 16 + n]);
                 float* a = acc + (sub + h * 16 + n) * 32;
                 __m512 a0 = _mm512_fmadd_ps(_mm512_load_ps(c[2 * h][n]), sv, _mm512_load_ps(a));
                 __m512 a1 = _mm512_fmadd_ps(_mm512_load_ps(c[2 * h + 1][n]), sv,
                                             _mm512_load_ps(a + 16));
-                _mm512_store_ps(a, _mm512_fmadd_ps(sx0, lv, a0));
-                _mm512_store_ps(a + 16, _mm512_fmadd_ps(sx1, lv, a1));
+                if (lp) {
+                  const __m512 lv = _mm512_set1_ps(lc[g * nb + sub + h * 16 + n]);
+                  a0 = _mm512_fmadd_ps(sx0, lv, a0), a1 = _mm512_fmadd_ps(sx1, lv, a1);
+                }
+                _mm512_store_ps(a, a0);
+                _mm512_store_ps(a + 16, a1);
               }
           }
         }
@@ -1811,8 +1850,8 @@ static void amx_tiles(const at::Tensor& x, const uint8_t* w, S s, S lo, at::Tens
 
 // w: int8 (N, K) with scale (N,) or (N, K/group) and lo None or as scale (or those values in six
 // bits: uint8 (N, 3K/4), Sixes); int4 bytes (N, K/2) with scale and lo (N, K/group); fp16 or bf16
-// (N, K) alone. amx: int4 in groups of 32 on the tile unit where this CPU has one and x has
-// AMX_ROWS rows (amx_tiles: the same products, summed in another order), else the tiles above.
+// (N, K) alone. amx: int4 or int8 values in groups of 32 on the tile unit where this CPU has one
+// and x has AMX_ROWS rows (amx_tiles: the same products, summed in another order), else the tiles above.
 static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
                           int64_t group, const std::optional<at::Tensor>& sd,
@@ -1846,12 +1885,16 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
   }
   TORCH_CHECK(!six || s.dim() == 2, "wide_mm: six-bit values come in groups");
   auto run = [&](auto sp, auto lp) {
+#ifdef AMX_TILES
+    if (amx && M >= AMX_ROWS && group == 32 && amx_ready()) {
+      if (type == at::kChar) amx_tiles(x, w.data_ptr<int8_t>(), sp, lp, y);
+      else if (six) amx_tiles(x, Sixes{w.data_ptr<uint8_t>()}, sp, lp, y);
+      else amx_tiles(x, w.data_ptr<uint8_t>(), sp, lp, y);
+      return;
+    }
+#endif
     if (type == at::kChar) wide_tiles(x, w.data_ptr<int8_t>(), K, sp, lp, group, y);
     else if (six) wide_tiles(x, Sixes{w.data_ptr<uint8_t>()}, K / 4 * 3, sp, lp, group, y);
-#ifdef AMX_TILES
-    else if (amx && group == 32 && M >= AMX_ROWS && amx_ready())
-      amx_tiles(x, w.data_ptr<uint8_t>(), sp, lp, y);
-#endif
     else wide_tiles(x, w.data_ptr<uint8_t>(), K / 2, sp, lp, group, y);
   };
   with_scales(s, lo_, sd, lod, group, "wide_mm", run);

@@ -568,10 +568,10 @@ def wide_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     """x (M, K) fp32 · Wᵀ for many rows of x (a prefill) on oneDNN's (else BLAS's) fp32 GEMM, W
     dequantized a tile of rows at a time into an fp32 scratch: no fp32 copy of W is held. W as a
     stored layer holds it: int8 (N, K) with scale (N,) (group 0) or in groups; int4 bytes (N, K/2)
-    with scale and lo (scales as int4_mm's); fp16 or bf16 (N, K) alone. ``amx``: int4 in groups
-    of 32 on Intel's tile unit where the CPU has one (x cut into three bf16 pieces that sum back
-    to it exactly, so every product is exact: the same sums in another order, several times
-    faster). Needs native_kernels()."""
+    with scale and lo (scales as int4_mm's); fp16 or bf16 (N, K) alone. ``amx``: int4 or int8
+    values in groups of 32 on Intel's tile unit where the CPU has one (x cut into three bf16
+    pieces that sum back to it exactly, so every product is exact: the same sums in another
+    order, several times faster). Needs native_kernels()."""
     return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group, scale_d, lo_d, amx)
 
 
@@ -611,8 +611,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # and int4 (4 bytes a weight against their 1 and 0.75, held), else wide_mm's tiles (no copy). On
 # that Xeon, 128 and 512 rows through a 2048×5632 matrix: the tiles took a little longer than the
 # copy, and less than widening the whole matrix at each call (the fallback before them). Where the
-# CPU has AMX, int4 in groups of 32 skips both: its exact products run on the tile unit
-# (wide_mm(amx=True)), whose bf16 multiply-adds outrun fp32's FMAs even at three per product.
+# CPU has AMX, int4 and int8 values in groups of 32 skip both: their exact products run on the
+# tile unit (wide_mm(amx=True)), whose bf16 multiply-adds outrun fp32's FMAs even at three per
+# product.
 #
 # Asked for (RunConfig.activations "int8": swap_quantized's round_x), int4 and grouped int8 layers
 # round each 32 of x to 8 bits and multiply in integers (int4_x8_mm, int8g_x8_mm): llama.cpp's

@@ -445,27 +445,38 @@ def test_tiled_prefill_equals_the_dequantized_matrix(builds):
 
 @pytest.mark.parametrize("m,k,n", [(32, 512, 300), (45, 2048, 77), (530, 2048, 600)])
 def test_amx_prefill_sums_the_products_of_the_file_weights(m, k, n):
-    """wide_mm(amx=True): int4 in groups of 32 on AMX where this CPU has it (x in three bf16 pieces
-    that sum back to it, each product exact): within fp32's own rounding of the float64 product
-    of the dequantized matrix, as the fp32 tiles are (with a piece left out it is not); fp16 and
-    K-quant scales give the bits of the same scales in fp32. Without AMX it is the tiles' product,
-    bit for bit."""
+    """wide_mm(amx=True): int4 and int8 values (a byte or six bits each) in groups of 32 on AMX
+    where this CPU has it (x in three bf16 pieces that sum back to it, each product exact):
+    within fp32's own rounding of the float64 product of the dequantized matrix, as the fp32
+    tiles are (with a piece left out it is not); fp16 and K-quant scales give the bits of the
+    same scales in fp32. Groups of 16 (Q6_K) stay on the tiles. Without AMX every kind is the
+    tiles' product, bit for bit."""
     native_or_skip()
     torch.manual_seed(m)
-    x, q = torch.randn(m, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    sc, mn = (torch.randint(0, 64, (n, k // 32), dtype=torch.int8) for _ in range(2))
-    sd, md = ((torch.rand(n, k // 256) * 0.01).half() for _ in range(2))
-    s, lo = safetensors_io.block_scaled(sc, sd), safetensors_io.block_scaled(mn, md)
-    w = quantize.dequantize_int4(quantize.split_nibbles(q), s, lo).double()
-    y = kernels.wide_mm(x, q, s, lo, 32, amx=True)
-    bound = float((x.abs() @ w.abs().t().float()).max())
-    assert (y.double() - x.double() @ w.t()).abs().max() < 5e-7 * bound
-    assert torch.equal(kernels.wide_mm(x, q, sc, mn, 32, sd, md, amx=True), y)
-    assert torch.equal(kernels.wide_mm(x, q, s.half(), lo.half(), 32, amx=True),
-                       kernels.wide_mm(x, q, s.half().float(), lo.half().float(), 32, amx=True))
+    x, q4 = torch.randn(m, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    q8, q6 = (torch.randint(-lim, lim, (n, k), dtype=torch.int8) for lim in (128, 32))
+    sub = lambda group: torch.randint(0, 64, (n, k // group), dtype=torch.int8)
+    d = lambda: (torch.rand(n, k // 256) * 0.01).half()
+    half = lambda group: (torch.rand(n, k // group) * 0.01).half()
+    kinds = [(q4, quantize.split_nibbles(q4), 32, sub(32), sub(32), d(), d()),       # Q4_K
+             (q8, q8, 32, half(32), None, None, None),                              # Q8_0
+             (safetensors_io.join_sixes(q6), q6, 32, sub(32), sub(32), d(), d()),   # Q5_K
+             (safetensors_io.join_sixes(q6), q6, 16, sub(16), None, d(), None)]     # Q6_K
     has = torch.cpu.get_capabilities()
-    if not (has.get("amx_bf16") and torch.backends.cpu.get_cpu_capability() == "AVX512"):
-        assert torch.equal(y, kernels.wide_mm(x, q, s, lo, 32))
+    amx = has.get("amx_bf16") and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    for q, values, group, sc, mn, sd, md in kinds:
+        if sd is None:
+            s, lo = sc.float(), None
+        else:
+            s = safetensors_io.block_scaled(sc, sd)
+            lo = None if mn is None else safetensors_io.block_scaled(mn, md)
+        w = quantize.dequantize_grouped(values, s, lo).double()
+        y = kernels.wide_mm(x, q, s, lo, group, amx=True)
+        bound = float((x.abs() @ w.abs().t().float()).max())
+        assert (y.double() - x.double() @ w.t()).abs().max() < 5e-7 * bound
+        assert torch.equal(kernels.wide_mm(x, q, sc, mn, group, sd, md, amx=True), y)
+        if not amx or group == 16:
+            assert torch.equal(y, kernels.wide_mm(x, q, s, lo, group))
 
 
 # --- int4 with x rounded to 8 bits (asked for: --activations int8) ------------------------------
