@@ -1707,54 +1707,47 @@ static void split_x(const float* x, int64_t M, int64_t K, int64_t T, uint16_t* x
   });
 }
 
-// W's rows n0 .. n0+rows-1 (int4, two a byte, even k in the low nibble) as bf16 A tiles: 16 rows
-// × one group, 1 KB each, at wb + ((r/16)·G + g)·512; rows past the block zero.
-static void widen_int4(const uint8_t* q, int64_t K, int64_t rows, int64_t nb, uint16_t* wb) {
+// nb rows of W as bf16 A tiles: 16 rows × one group, 1 KB each, at wb + ((r/16)·G + g)·512;
+// put(r, g, out) writes row r's group g (32 bf16), rows from `rows` on are zero.
+template <typename F>
+static void widen_rows(int64_t K, int64_t rows, int64_t nb, uint16_t* wb, F put) {
   const int64_t G = K / 32;
+  for (int64_t r = 0; r < nb; r++) {
+    uint16_t* o = wb + (r / 16) * G * 512 + (r % 16) * 32;
+    for (int64_t g = 0; g < G; g++) {
+      if (r < rows) put(r, g, o + g * 512);
+      else _mm512_storeu_si512(o + g * 512, _mm512_setzero_si512());
+    }
+  }
+}
+// int4 (two a byte, even k in the low nibble): 0..15 by a table of their bf16 numbers.
+static void widen_tiles(const uint8_t* q, int64_t K, int64_t n0, int64_t rows, int64_t nb,
+                        uint16_t* wb) {
   const __m512i bf16_of = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
       0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);          // 15.0 ... 1.0, 0
   const __m128i nib = _mm_set1_epi8(15);
-  for (int64_t r = 0; r < nb; r++) {
-    uint16_t* o = wb + (r / 16) * G * 512 + (r % 16) * 32;
-    for (int64_t g = 0; g < G; g++) {
-      if (r >= rows) {
-        _mm512_storeu_si512(o + g * 512, _mm512_setzero_si512());
-        continue;
-      }
-      __m128i b = _mm_loadu_si128((const __m128i*)(q + r * (K / 2) + g * 16));
-      __m128i e = _mm_and_si128(b, nib), od = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-      __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(e, od), _mm_unpacklo_epi8(e, od));
-      _mm512_storeu_si512(o + g * 512, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(w), bf16_of));
-    }
-  }
+  const uint8_t* w = q + n0 * (K / 2);
+  widen_rows(K, rows, nb, wb, [&](int64_t r, int64_t g, uint16_t* o) {
+    __m128i b = _mm_loadu_si128((const __m128i*)(w + r * (K / 2) + g * 16));
+    __m128i e = _mm_and_si128(b, nib), od = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(e, od), _mm_unpacklo_epi8(e, od));
+    _mm512_storeu_si512(o, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(v), bf16_of));
+  });
 }
-
-// The same tiles of int8 values (a byte each, or Sixes; row_len bytes a row): each value exact in
-// bf16 (at most 8 significant bits), its fp32's top half.
+// int8 values (a byte each, or Sixes; row_len bytes a row): each exact in bf16 (at most 8
+// significant bits), its fp32's top half.
 template <typename Q>
 static void widen_values(Q q, int64_t row_len, int64_t K, int64_t rows, int64_t nb, uint16_t* wb) {
-  const int64_t G = K / 32;
-  for (int64_t r = 0; r < nb; r++) {
-    uint16_t* o = wb + (r / 16) * G * 512 + (r % 16) * 32;
-    for (int64_t g = 0; g < G; g++) {
-      if (r >= rows) {
-        _mm512_storeu_si512(o + g * 512, _mm512_setzero_si512());
-        continue;
-      }
-      __m512 w0, w1;
-      widen32(q + r * row_len, g, w0, w1);
-      auto top = [](__m512 v) {
-        return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
-      };
-      _mm256_storeu_si256((__m256i*)(o + g * 512), top(w0));
-      _mm256_storeu_si256((__m256i*)(o + g * 512 + 16), top(w1));
-    }
-  }
-}
-static void widen_tiles(const uint8_t* q, int64_t K, int64_t n0, int64_t rows, int64_t nb,
-                        uint16_t* wb) {
-  widen_int4(q + n0 * (K / 2), K, rows, nb, wb);
+  auto top = [](__m512 v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+  };
+  widen_rows(K, rows, nb, wb, [&](int64_t r, int64_t g, uint16_t* o) {
+    __m512 w0, w1;
+    widen32(q + r * row_len, g, w0, w1);
+    _mm256_storeu_si256((__m256i*)o, top(w0));
+    _mm256_storeu_si256((__m256i*)(o + 16), top(w1));
+  });
 }
 static void widen_tiles(const int8_t* q, int64_t K, int64_t n0, int64_t rows, int64_t nb,
                         uint16_t* wb) {
