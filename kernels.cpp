@@ -1642,15 +1642,16 @@ static void wide_tiles(const at::Tensor& x, W w, int64_t row_len, S s, S lo,
 // ---- A prefill on AMX (Intel's tile unit, Sapphire Rapids and later): groups of 32
 // AMX multiplies 16×32 bf16 tiles into 16×16 fp32 ones, ~16x the multiply-adds a cycle of
 // AVX-512's fp32 FMAs, but in bf16 (8-bit significands). The file's bits survive it: q (int4's
-// 0..15, int8's -128..127, at most 8 significant bits) is exact in bf16, and x is cut into three bf16 pieces that sum back to it exactly (x's 24-bit
-// significand, 8 bits a piece, each piece what the earlier ones leave, truncated). Each product
-// q·piece is then exact in fp32, so Σ_k q·x over a group is a sum of exact terms in AMX's order:
-// 3x the multiply-adds, still ~5x AVX-512's fp32 rate. A tile's sums are those of one group of
-// 32 (one scale), so each group's 16×16 block leaves the tiles for s·Σqx + lo·Σx in fp32 (the
-// decode loops' grouping). Weights are the tiles' A operand (16 rows of W × one group, bf16 in
-// row order), x's pieces the B operand (AMX's pair layout: row r holds k = 2r, 2r+1 of 16
-// tokens). Sums in another order than wide_tiles': a prefill's outputs are not compared with a
-// step's, and both are fp32 sums of the same products (the tests hold them within fp32's noise).
+// 0..15, int8's -128..127, at most 8 significant bits) is exact in bf16, and x is cut into three
+// bf16 pieces that sum back to it exactly (x's 24-bit significand, 8 bits a piece, each piece
+// what the earlier ones leave, truncated). Each product q·piece is then exact in fp32, so Σ_k q·x
+// over a group is a sum of exact terms in AMX's order: 3x the multiply-adds, still ~5x AVX-512's
+// fp32 rate. A tile's sums are those of one group of 32 (one scale), so each group's 16×16 block
+// leaves the tiles for s·Σqx + lo·Σx in fp32 (the decode loops' grouping). Weights are the tiles'
+// A operand (16 rows of W × one group, bf16 in row order), x's pieces the B operand (AMX's pair
+// layout: row r holds k = 2r, 2r+1 of 16 tokens). Sums in another order than wide_tiles': a
+// prefill's outputs are not compared with a step's, and both are fp32 sums of the same products
+// (the tests hold them within fp32's noise).
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__linux__)
 #define AMX_TILES 1
 #ifndef AMX_ROWS     // fewer rows of x than this: wide_tiles (a token tile pair's padding)
@@ -1844,7 +1845,8 @@ static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
 // w: int8 (N, K) with scale (N,) or (N, K/group) and lo None or as scale (or those values in six
 // bits: uint8 (N, 3K/4), Sixes); int4 bytes (N, K/2) with scale and lo (N, K/group); fp16 or bf16
 // (N, K) alone. amx: int4 or int8 values in groups of 32 on the tile unit where this CPU has one
-// and x has AMX_ROWS rows (amx_tiles: the same products, summed in another order), else the tiles above.
+// and x has AMX_ROWS rows (amx_tiles: the same products, summed in another order), else the
+// tiles above.
 static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
                           int64_t group, const std::optional<at::Tensor>& sd,

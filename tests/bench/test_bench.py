@@ -273,7 +273,8 @@ def test_gguf_bench_saves_after_every_file(tmp_path, monkeypatch):
     mb, seen = 10**6, []
 
     def measure(p, prompt, args, peer):
-        seen.append(record(f"gguf-{results.cpu_kind()}")["tables"][0]["notes"][-1] if seen else None)
+        seen.append(record(f"gguf-{results.cpu_kind()}")["tables"][0]["notes"][-1]
+                    if seen else None)
         if len(seen) == 2:
             raise OSError("serve_local.py exited: out of memory")
         side = fake_side(3.0, 2 * mb, 5 * mb, [50.0], [10.0, 12.0])
