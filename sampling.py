@@ -140,13 +140,10 @@ def greedy(logits: torch.Tensor) -> int:
     CPU the row is read through numpy, one vectorised pass with no torch operator to dispatch: a
     share of a small model's decode step, which has just streamed the weights through the caches
     and finds the interpreter's and torch's working set there no more."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        row = logits.detach().numpy()
-        token = int(row.argmax())
-        check_logits(float(row[token]))
-    else:
-        token = int(logits.argmax())
-        check_logits(float(logits[token]))
+    cpu_fp32 = logits.device.type == "cpu" and logits.dtype == torch.float32
+    row = logits.detach().numpy() if cpu_fp32 else logits
+    token = int(row.argmax())
+    check_logits(float(row[token]))
     return token
 
 
