@@ -29,6 +29,7 @@ the very same weights we do.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -41,11 +42,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 import tokenizer
-from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, join_nibbles, join_sixes,
-                            read_weights, stack, widened)
+from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, TensorWriter, join_nibbles,
+                            join_sixes, read_weights, stack_layer, widened)
 
 
 # ----------------------------------------------------------------------------
@@ -291,21 +291,57 @@ def unpack_blocks(blocks: np.ndarray, kind: str):
                           f"F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K")
 
 
-def packed(tensor) -> Packed:
-    """A gguf.ReaderTensor (a matrix) -> its Packed layout, the file's bits kept (table above)."""
+# A conversion's work on a big matrix goes some rows at a time, about this many bytes of them.
+CHUNK_BYTES = 8 << 20
+
+
+def read_tensor(file, tensor) -> np.ndarray:
+    """A gguf.ReaderTensor's data read from ``file`` (the GGUF, open), as its ``data`` view
+    holds it. Read, not touched through the reader's memory map: mapped pages count in the
+    process's resident memory until unmapped, so a conversion would hold the whole file."""
+    out = np.empty(tensor.n_bytes, np.uint8)
+    file.seek(tensor.data_offset)
+    if file.readinto(out) != tensor.n_bytes:
+        raise CheckpointError(f"GGUF tensor {tensor.name} is cut short; is the file complete?")
+    return out.view(tensor.data.dtype).reshape(tensor.data.shape)
+
+
+def unpack_rows(data: np.ndarray, kind: str, rows: int):
+    """unpack_blocks over a matrix's blocks some rows at a time into arrays of the whole: its
+    temporaries (several bytes a weight) stay those of a chunk, not of a vocabulary's head."""
+    blocks = data.reshape(-1, data.shape[-1])
+    per_row = len(blocks) // rows
+    step = max(1, CHUNK_BYTES // 2 // (per_row * blocks.shape[1])) * per_row
+    out = None
+    for b0 in range(0, len(blocks), step):
+        part = unpack_blocks(blocks[b0:b0 + step], kind)
+        if out is None:
+            out = [a if not isinstance(a, np.ndarray) else
+                   np.empty((len(blocks), *a.shape[1:]), a.dtype) for a in part]
+        for whole, a in zip(out, part):
+            if isinstance(a, np.ndarray):
+                whole[b0:b0 + len(a)] = a
+    return out
+
+
+def packed(tensor, data: np.ndarray | None = None) -> Packed:
+    """A gguf.ReaderTensor (a matrix) -> its Packed layout, the file's bits kept (table above);
+    ``data``: its bytes as read_tensor gives them (None: the reader's view)."""
     kind = tensor.tensor_type.name
     rows, k = (int(n) for n in reversed(tensor.shape.tolist()))
-    data = np.asarray(tensor.data)
+    own = data is not None          # read_tensor's array, not a view of the reader's map
+    data = np.asarray(tensor.data if data is None else data)
+    kept = lambda a: a if own else a.copy()
     if kind == "F32":
         return Packed(Kind.FLOAT, torch.from_numpy(data.reshape(rows, k).astype(np.float32)))
     if kind == "F16":
-        return Packed(Kind.HALF, torch.from_numpy(data.reshape(rows, k).copy()))
+        return Packed(Kind.HALF, torch.from_numpy(kept(data.reshape(rows, k))))
     if kind == "BF16":      # numpy has no bfloat16: the raw 16 bits, viewed as torch's
-        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(rows, k).copy())
+        raw = torch.from_numpy(kept(np.ascontiguousarray(data).view(np.int16).reshape(rows, k)))
         return Packed(Kind.HALF, raw.view(torch.bfloat16))
     import gguf
     block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    q, s, lo, group, s_d, lo_d = unpack_blocks(data.reshape(-1, size), kind)
+    q, s, lo, group, s_d, lo_d = unpack_rows(data.reshape(-1, size), kind, rows)
     blocks = s_d is not None
     per_row = lambda a, n, dtype: None if a is None else torch.from_numpy(
         np.ascontiguousarray(a.reshape(rows, n), dtype))
@@ -343,13 +379,26 @@ def half_scales(parts: list[Packed]) -> list[Packed]:
     return [replace(p, scale=half(p.scale), lo=half(p.lo)) for p in parts]
 
 
+def in_rows(join, q: torch.Tensor) -> torch.Tensor:
+    """join(q) some of q's rows at a time, into one tensor: join_sixes' int16 temporaries over
+    a whole vocabulary's head would take several times its bytes."""
+    step = max(1, CHUNK_BYTES // 2 // max(1, q.shape[1]))
+    first = join(q[:step])
+    out = first.new_empty((len(q), *first.shape[1:]))
+    out[:len(first)] = first
+    for r in range(step, len(q), step):
+        out[r:r + step] = join(q[r:r + step])
+    return out
+
+
 def stored(name: str, p: Packed) -> dict[str, torch.Tensor]:
     """A Packed matrix as a checkpoint stores it (quantize.py's portable layout): ``weight``
     (int4: two weights a byte, the even column in the low nibble), ``weight_scale``,
     ``weight_min``."""
     if p.kind in (Kind.HALF, Kind.FLOAT):
         return {f"{name}.weight": p.q}
-    q = join_nibbles(p.q) if p.kind == Kind.INT4 else join_sixes(p.q) if p.bits == 6 else p.q
+    q = in_rows(join_nibbles, p.q) if p.kind == Kind.INT4 else \
+        in_rows(join_sixes, p.q) if p.bits == 6 else p.q
     out = {f"{name}.weight": q, f"{name}.weight_scale": p.scale}
     if p.lo is not None:
         out[f"{name}.weight_min"] = p.lo
@@ -403,8 +452,6 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
     if (out / "model.safetensors").is_file():
         return out
     import gguf     # here, not above: a start that finds the cache does not import its 38 modules
-    from gguf.quants import dequantize
-    from tqdm import tqdm
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf raises bare ValueError/struct errors on bad files
@@ -414,53 +461,17 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
     # Write into a temporary sibling and rename: an interrupted conversion never looks finished.
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
-        state, matrices = {}, {}
-        for t in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor", leave=False):
-            name = hf_name(t.name).removeprefix("model.")
-            if len(t.shape) == 1:       # norms, biases
-                w = dequantize(t.data, t.tensor_type).astype(np.float32)
-                state[name] = torch.from_numpy(np.ascontiguousarray(w))
-                continue
-            if name == "embed_tokens.weight":
-                p = packed(t)
-                if p.kind == Kind.FLOAT:    # an fp32 table (tied: the head as it is)
-                    state[name] = p.q
-                else:   # at its bits: read a row at a time (quantize.StoredEmbedding); tied, once
-                    matrices["lm_head" if cfg["tie_word_embeddings"] else "embed_tokens"] = p
-                continue
-            p = packed(t)
-            product = t.name.split(".")[-2]       # blk.3.attn_q.weight -> attn_q
-            if cfg["model_type"] in PERMUTED and product in ("attn_q", "attn_k"):
-                rows = unpermute_rows(np.arange(len(p.q)), cfg["num_attention_heads" if
-                                      product == "attn_q" else "num_key_value_heads"])
-                p = p.rows(torch.from_numpy(rows))
-            matrices[name.removesuffix(".weight")] = p
-        for i in range(cfg["num_hidden_layers"]):
-            for parts in FUSED.values():
-                names = [f"layers.{i}.{part}" for part in parts]
-                matrices.update(zip(names, grouped([matrices[n] for n in names])))
-        fused = {f"layers.{i}.{part}" for i in range(cfg["num_hidden_layers"])
-                 for parts in FUSED.values() for part in parts}
-        matrices.update((n, half_scales([p])[0]) for n, p in matrices.items() if n not in fused)
-        layers = {}
-        for name, p in matrices.items():
-            state.update(stored(name, p))
-            if p.kind != Kind.FLOAT:
-                layers[name] = layout_of(p)
-        # Checked once here, so that loading need not read every weight (check_finite): the
-        # largest |w| the file dequantizes to; a non-finite weight records nothing (NaN stays NaN
-        # through max), and the load names it.
-        largest = torch.stack([t.abs().max() for t in state.values() if t.is_floating_point()]
-                              + [p.dequantized().abs().max() for p in matrices.values()])
-        largest = largest.max().item()
+        # One tensor (a group: one layer's parts) at a time into the file: memory holds a layer,
+        # not the model (all of its tensors re-laid, held for one write, took several times the
+        # file's bytes: a 7B file would not have fit a machine that runs it).
+        writer = TensorWriter(tmp / "model.safetensors", header_room(len(reader.tensors)))
+        meta = {"format": "pt", "source": path.name}
+        layers, largest = converted(reader, cfg, writer, meta)
         if layers:
             cfg[QUANTIZATION_KEY] = {"weights": "gguf", "layers": layers}
-        state = {f"model.{k}" if not k.startswith("lm_head") else k: v for k, v in state.items()}
-        state, stacked = stack(state, cfg["num_hidden_layers"])
-        meta = {"format": "pt", "source": path.name, "stacked": stacked}
         if math.isfinite(largest):
             meta["max_abs"] = repr(largest)
-        save_file(state, tmp / "model.safetensors", metadata=meta)
+        writer.close(meta)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tokenizer.write_tokenizer_from_gguf(reader, tmp)
         if out.exists():
@@ -479,6 +490,114 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
 
 # ----------------------------------------------------------------------------
 # HF directory -> GGUF: the way back, so llama.cpp can run our weights.
+
+
+def header_room(tensors: int) -> int:
+    """Bytes to leave for the converted file's header: a GGUF tensor becomes at most five
+    (weight, scales, minimums and their super-block numbers), each entry ~150 bytes, plus the
+    stacked groups' names (TensorWriter moves the data once if this is short)."""
+    return 4096 + tensors * 5 * 400
+
+
+def give_back_freed() -> None:
+    """Hands the C heap's freed pages back to the OS (glibc's malloc_trim; elsewhere nothing).
+    A conversion frees temporaries of every size, tensor after tensor; glibc keeps those under
+    its mapping threshold in its heap, where, fragmented, they were not reused: the resident
+    memory grew with every layer, as if the model were held after all."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def abs_max(t: torch.Tensor) -> torch.Tensor:
+    """max |t| some rows at a time: ``t.abs()`` of a 16-bit head would be a copy of it."""
+    step = max(1, CHUNK_BYTES // (4 * max(1, t[0].numel()))) if t.dim() > 1 else len(t)
+    return torch.stack([t[r:r + step].abs().max() for r in range(0, len(t), step)]).max()
+
+
+def largest_weight(p: Packed) -> torch.Tensor:
+    """max |w| of a matrix, widened to fp32 some rows at a time (a Llama 3 head in fp32 at once
+    would be 128256 · 4096 · 4 B ≈ 2.1 GB)."""
+    step, found = max(1, CHUNK_BYTES // (4 * p.q.shape[1])), []
+    for r in range(0, len(p.q), step):
+        found.append(p.rows(slice(r, r + step)).dequantized().abs().max())
+        give_back_freed()
+    return torch.stack(found).max()
+
+
+def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict, float]:
+    """The GGUF's tensors written as convert_gguf stores them, in the file's order, each layer's
+    FUSED groups once all their parts are read; meta["stacked"] names the stacked groups.
+    Returns the layouts by layer name and the largest |w| written (NaN if one is not finite)."""
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+    layers, largest, groups, waiting = {}, [], {}, {}
+    part_of = {part: fused for fused, parts in FUSED.items() for part in parts}
+
+    def write(state: dict[str, torch.Tensor]):
+        for name, t in state.items():
+            if t.is_floating_point() and t.numel():
+                largest.append(abs_max(t))
+            writer.add(name if name.startswith("lm_head") else f"model.{name}", t)
+
+    def write_layer_group(i: int, parts: list[Packed], names: list[str]):
+        state = {}
+        for name, p in zip(names, grouped(parts)):
+            state.update({f"model.{k}": v for k, v in stored(name, p).items()})
+            layers[name] = layout_of(p)
+            largest.append(largest_weight(p))
+        groups.update(stack_layer(state, i))
+        write({k.removeprefix("model."): v for k, v in state.items()})
+
+    def write_matrix(name: str, p: Packed):
+        p = half_scales([p])[0]
+        write(stored(name, p))
+        if p.kind != Kind.FLOAT:
+            layers[name] = layout_of(p)
+        largest.append(largest_weight(p))
+
+    with open(reader.data.filename, "rb") as file:
+        for t in tqdm(reader.tensors, desc=f"converting {meta['source']}", unit="tensor",
+                      leave=False):
+            name = hf_name(t.name).removeprefix("model.")
+            give_back_freed()
+            data = read_tensor(file, t)
+            if len(t.shape) == 1:       # norms, biases
+                w = dequantize(data, t.tensor_type).astype(np.float32)
+                write({name: torch.from_numpy(np.ascontiguousarray(w))})
+                continue
+            p = packed(t, data)
+            if name == "embed_tokens.weight":
+                if p.kind == Kind.FLOAT:    # an fp32 table (tied: the head as it is)
+                    write({name: p.q})
+                else:   # at its bits: read a row at a time (quantize.StoredEmbedding); tied, once
+                    write_matrix("lm_head" if cfg["tie_word_embeddings"] else "embed_tokens", p)
+                continue
+            product = t.name.split(".")[-2]       # blk.3.attn_q.weight -> attn_q
+            if cfg["model_type"] in PERMUTED and product in ("attn_q", "attn_k"):
+                rows = unpermute_rows(np.arange(len(p.q)), cfg["num_attention_heads" if
+                                      product == "attn_q" else "num_key_value_heads"])
+                p = p.rows(torch.from_numpy(rows))
+            name = name.removesuffix(".weight")
+            layer, _, part = name.removeprefix("layers.").partition(".")
+            if name.startswith("layers.") and part in part_of:
+                fused = part_of[part]
+                have = waiting.setdefault((int(layer), fused), {})
+                have[part] = p
+                if len(have) == len(FUSED[fused]):
+                    names = [f"layers.{layer}.{q}" for q in FUSED[fused]]
+                    write_layer_group(int(layer), [have[q] for q in FUSED[fused]], names)
+                    del waiting[int(layer), fused]
+                continue
+            write_matrix(name, p)
+    if waiting:
+        (i, fused), have = next(iter(waiting.items()))
+        raise CheckpointError(f"the GGUF lacks part of layer {i}'s {fused} "
+                              f"(has {', '.join(sorted(have))}); is it complete?")
+    meta["stacked"] = json.dumps(groups)
+    return layers, torch.stack(largest).max().item() if largest else float("nan")
+
 
 def gguf_arch(c) -> str:
     """The GGUF architecture of a model.LlamaConfig: qwen3 where q and k are normalised, qwen2

@@ -13,7 +13,8 @@ the parts out as row views of the stack, and fuse (or cast, for another dtype) j
 back without a copy. A header may also record the largest |w| of its weights, checked when
 the file was written, so a load need not read every weight again to know they are finite
 (check_finite). save writes a directory back, the weights to a temporary file renamed into
-place.
+place; TensorWriter writes a file one tensor at a time, for a conversion that must not hold
+the whole model.
 
 Everything that can go wrong on disk (a missing file, a truncated or corrupt weight, a config
 this project cannot run, a tensor of the wrong shape) ends in a one-line
@@ -263,23 +264,23 @@ def cast(state: dict, device, dtype_of) -> dict:
     return {name: out[name] for name in state}
 
 
-def stack(state: dict, n_layers: int) -> tuple[dict, str]:
-    """How convert_gguf stores an HF state dict ("model." names): each FUSED group stacked
-    into one tensor per suffix (its weights, a quantized layer's scales and minimums, and its
-    biases where it has them: Qwen2's q/k/v), and the header entry that names its parts and rows
-    for read_weights."""
+def stack_layer(state: dict, i: int) -> dict:
+    """How convert_gguf stores layer i's FUSED groups (``state``: that layer's tensors, "model."
+    names): each group stacked into one tensor per suffix (its weights, a quantized layer's
+    scales and minimums, and its biases where it has them: Qwen2's q/k/v), in place; returns the
+    header entries that name each stack's parts and rows for read_weights."""
     def own(part):
         return {s: state[f"{part}.{s}"] for s in SUFFIXES if f"{part}.{s}" in state}
     groups = {f"model.layers.{i}.{fused}.{suffix}":
               [[f"model.layers.{i}.{p}.{suffix}", 0] for p in parts]
-              for i in range(n_layers) for fused, parts in FUSED.items()
+              for fused, parts in FUSED.items()
               if not apart([own(f"model.layers.{i}.{p}") for p in parts])
               for suffix in SUFFIXES if f"model.layers.{i}.{parts[0]}.{suffix}" in state}
     for name, parts in groups.items():
         for part in parts:
             part[1] = len(state[part[0]])
         state[name] = torch.cat([state.pop(p) for p, _ in parts])
-    return state, json.dumps(groups)
+    return groups
 
 
 def split_fused(state: dict, layout: dict[str, tuple[str, ...]],
@@ -413,3 +414,55 @@ def save(out_dir, tensors: dict[str, torch.Tensor], config: dict, copy_files_fro
                 shutil.copy2(f, out / f.name)
     os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
     return out
+
+
+# safetensors' element types by torch dtype (the format's names).
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.float64: "F64", torch.int8: "I8", torch.uint8: "U8",
+                      torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+                      torch.bool: "BOOL"}
+
+
+class TensorWriter:
+    """A safetensors file written one tensor at a time, for a conversion that must not hold a
+    whole model (the safetensors package writes a dict given at once: a 7B GGUF's tensors,
+    re-laid, would all sit in memory beside the file's). The header comes first in the format
+    and names every tensor's offsets, so ``room`` bytes are left for it, the data written after
+    them as it comes, and the header written last, padded with spaces (JSON allows them; the
+    format pads its header so too). A header larger than its room moves the data once."""
+
+    def __init__(self, path: Path, room: int):
+        self.path, self.room = Path(path), (room + 7) // 8 * 8
+        self.file = open(self.path, "wb")
+        self.file.seek(8 + self.room)
+        self.entries, self.end = {}, 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.entries:
+            raise ValueError(f"tensor {name} written twice")
+        t = t.detach().cpu().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        self.file.write(data)
+        size = t.numel() * t.element_size()
+        self.entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self.end, self.end + size]}
+        self.end += size
+
+    def close(self, metadata: dict[str, str]) -> None:
+        header = json.dumps({"__metadata__": metadata, **self.entries},
+                            separators=(",", ":")).encode()
+        if len(header) <= self.room:
+            self.file.seek(0)
+            self.file.write(len(header.ljust(self.room)).to_bytes(8, "little"))
+            self.file.write(header.ljust(self.room))
+            self.file.close()
+            return
+        self.file.close()
+        header = header.ljust((len(header) + 7) // 8 * 8)
+        moved = self.path.with_name(self.path.name + ".moving")
+        with open(self.path, "rb") as src, open(moved, "wb") as dst:
+            dst.write(len(header).to_bytes(8, "little"))
+            dst.write(header)
+            src.seek(8 + self.room)
+            shutil.copyfileobj(src, dst, 16 << 20)
+        os.replace(moved, self.path)
