@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -837,10 +838,24 @@ static inline __m512 widen16(const c10::BFloat16* p) { return bf16x16(p); }
 static ALWAYS_INLINE void widen32(const int8_t* q, int64_t c, __m512& w0, __m512& w1) {
   w0 = widen16(q + c * 32), w1 = widen16(q + c * 32 + 16);
 }
+// Six-bit values by two table lookups, added: the low 4 bits index 0..15 as int4's table does;
+// the top 2 bits (lanes 0-7 from bits 0-1 of bytes 16..23, lanes 8-15 from bits 2-3, 4 more for
+// values 16..31) a table of 16·t - 32, repeated (vpermps reads an index's low 4 bits; the two
+// above the pair are the next value's). Each sum is a small integer, exact: the fp32 values the
+// widened bytes give, in 11 instructions per 32 values against 16.
 static ALWAYS_INLINE void widen32(Sixes q, int64_t c, __m512& w0, __m512& w1) {
-  __m256i v = values32(q, c);
-  w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-  w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+  const uint8_t* b = q.p + c * 24;
+  const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 top = _mm512_setr_ps(-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16,
+                                    0, 16);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
+  int64_t tops;
+  std::memcpy(&tops, b + 16, 8);
+  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i t = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(tops)), pair);
+  w0 = _mm512_add_ps(_mm512_permutexvar_ps(v, low), _mm512_permutexvar_ps(t, top));
+  w1 = _mm512_add_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), low),
+                     _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), top));
 }
 
 // One int8 row in groups against MT rows of x: lanes 0-15 take the scale s[c·step], lanes 16-31
