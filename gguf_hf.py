@@ -464,14 +464,15 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
         # One tensor (a group: one layer's parts) at a time into the file: memory holds a layer,
         # not the model (all of its tensors re-laid, held for one write, took several times the
         # file's bytes: a 7B file would not have fit a machine that runs it).
-        writer = TensorWriter(tmp / "model.safetensors", header_room(len(reader.tensors)))
-        meta = {"format": "pt", "source": path.name}
-        layers, largest = converted(reader, cfg, writer, meta)
+        room = header_room(len(reader.tensors))
+        with TensorWriter(tmp / "model.safetensors", room) as writer:
+            meta = {"format": "pt", "source": path.name}
+            layers, largest = converted(reader, cfg, writer, meta)
+            if math.isfinite(largest):
+                meta["max_abs"] = repr(largest)
+            writer.close(meta)
         if layers:
             cfg[QUANTIZATION_KEY] = {"weights": "gguf", "layers": layers}
-        if math.isfinite(largest):
-            meta["max_abs"] = repr(largest)
-        writer.close(meta)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tokenizer.write_tokenizer_from_gguf(reader, tmp)
         if out.exists():
@@ -535,24 +536,27 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
     layers, largest, groups, waiting = {}, [], {}, {}
     part_of = {part: fused for fused, parts in FUSED.items() for part in parts}
 
+    def named(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:   # as the file has it
+        return {n if n.startswith("lm_head") else f"model.{n}": t for n, t in state.items()}
+
     def write(state: dict[str, torch.Tensor]):
         for name, t in state.items():
             if t.is_floating_point() and t.numel():
                 largest.append(abs_max(t))
-            writer.add(name if name.startswith("lm_head") else f"model.{name}", t)
+            writer.add(name, t)
 
     def write_layer_group(i: int, parts: list[Packed], names: list[str]):
         state = {}
         for name, p in zip(names, grouped(parts)):
-            state.update({f"model.{k}": v for k, v in stored(name, p).items()})
+            state.update(named(stored(name, p)))
             layers[name] = layout_of(p)
             largest.append(largest_weight(p))
         groups.update(stack_layer(state, i))
-        write({k.removeprefix("model."): v for k, v in state.items()})
+        write(state)
 
     def write_matrix(name: str, p: Packed):
         p = half_scales([p])[0]
-        write(stored(name, p))
+        write(named(stored(name, p)))
         if p.kind != Kind.FLOAT:
             layers[name] = layout_of(p)
         largest.append(largest_weight(p))
@@ -565,12 +569,12 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
             data = read_tensor(file, t)
             if len(t.shape) == 1:       # norms, biases
                 w = dequantize(data, t.tensor_type).astype(np.float32)
-                write({name: torch.from_numpy(np.ascontiguousarray(w))})
+                write(named({name: torch.from_numpy(np.ascontiguousarray(w))}))
                 continue
             p = packed(t, data)
             if name == "embed_tokens.weight":
                 if p.kind == Kind.FLOAT:    # an fp32 table (tied: the head as it is)
-                    write({name: p.q})
+                    write(named({name: p.q}))
                 else:   # at its bits: read a row at a time (quantize.StoredEmbedding); tied, once
                     write_matrix("lm_head" if cfg["tie_word_embeddings"] else "embed_tokens", p)
                 continue

@@ -437,6 +437,12 @@ class TensorWriter:
         self.file.seek(8 + self.room)
         self.entries, self.end = {}, 0
 
+    def __enter__(self) -> "TensorWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()       # a conversion that failed: its folder is removed, unfinished
+
     def add(self, name: str, t: torch.Tensor) -> None:
         if name in self.entries:
             raise ValueError(f"tensor {name} written twice")
@@ -453,7 +459,7 @@ class TensorWriter:
                             separators=(",", ":")).encode()
         if len(header) <= self.room:
             self.file.seek(0)
-            self.file.write(len(header.ljust(self.room)).to_bytes(8, "little"))
+            self.file.write(self.room.to_bytes(8, "little"))
             self.file.write(header.ljust(self.room))
             self.file.close()
             return
