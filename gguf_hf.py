@@ -169,6 +169,8 @@ def gguf_config(reader) -> dict:
 #     Q5_0               s = d, q -16..15               int8 in 6 bits, groups of 32
 #     Q5_1, Q5_K         s as Q4_1 / Q4_K, q 0..31      int8 in 6 bits with a minimum, groups of 32
 #     Q6_K               s = d·sc, q -32..31            int8 in 6 bits, groups of 16
+#     Q3_K               s = d·sc, q -4..3              int8 in 6 bits, groups of 16
+#     Q2_K               s = d·sc, lo = -dmin·m, q 0..3 int8 in 6 bits with a minimum, groups of 16
 #     F16, BF16          -                              16-bit weights, fp32 arithmetic
 #     F32                -                              fp32
 #
@@ -181,7 +183,9 @@ def gguf_config(reader) -> dict:
 # kernels multiply as they read them. The 5- and 6-bit values are held six bits each
 # (safetensors_io.join_sixes: three bytes per four), which the kernels widen to the same int8
 # values. Q4_K then takes 148 bytes per 256 weights (the file 144), Q6_K 210 (the file's 210),
-# Q5_K 212 (176), Q8_0 and Q4_1 as many as the file.
+# Q5_K 212 (176), Q8_0 and Q4_1 as many as the file. Q3_K and Q2_K run exactly at more than their
+# bytes: 210 and 226 per 256 weights against the file's 110 and 84, no kernel reading 2 or 3
+# bits a value (a Q3_K_M file keeps its larger tensors in Q4_K, Q5_K and Q6_K).
 
 
 class Kind(Enum):
@@ -192,7 +196,7 @@ class Kind(Enum):
 
 
 # The GGUF types whose values fit in six bits (-32..31): held six bits each (join_sixes).
-SIX_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+SIX_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 
 
 @dataclass
@@ -287,8 +291,28 @@ def unpack_blocks(blocks: np.ndarray, kind: str):
         q = ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).astype(np.int8) - 32
         sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
         return q, sc, None, 16, fp16(blocks[:, 208:210]), None
+    if kind in ("Q2_K", "Q3_K"):
+        # 2-bit values, 128 a 32-byte run: bits 2j, 2j + 1 of byte b are value 32·j + b of it
+        shift = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        at = 16 if kind == "Q2_K" else 32       # after Q2_K's scales, Q3_K's high bits
+        low = ((blocks[:, at:at + 64].reshape(-1, 2, 1, 32) >> shift) & 3).reshape(-1, 256)
+    if kind == "Q2_K":      # per 16: a byte of 4-bit sc (low) and m (high); then d, dmin
+        scales = blocks[:, :16]
+        d, dmin = fp16(blocks[:, 80:82]), fp16(blocks[:, 82:84])
+        return (low.astype(np.int8), (scales & 15).astype(np.int8), (scales >> 4).astype(np.int8),
+                16, d, -dmin)
+    if kind == "Q3_K":      # bit i of hmask byte b clear: value 32·i + b less 4; 6-bit sc - 32
+        bit = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        high = ((blocks[:, :32].reshape(-1, 1, 32) >> bit) & 1).reshape(-1, 256)
+        q = low.astype(np.int8) - 4 * (1 - high.astype(np.int8))
+        packed_sc = blocks[:, 96:108]
+        lo4 = (packed_sc[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1))
+        hi2 = (packed_sc[:, 8:].reshape(-1, 1, 4) >> shift.reshape(1, 4, 1))
+        sc = (lo4.reshape(-1, 16) & 15) | ((hi2.reshape(-1, 16) & 3) << 4)
+        return q, sc.astype(np.int8) - 32, None, 16, fp16(blocks[:, 108:110]), None
     raise CheckpointError(f"GGUF tensor type {kind} is not supported: use a file quantized to "
-                          f"F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K")
+                          f"F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
+                          f"or Q6_K")
 
 
 # A conversion's work on a big matrix goes some rows at a time, about this many bytes of them.

@@ -23,9 +23,10 @@ a step, s/2, so small groups (one row, one token of one head) keep s small.
     int4, asymmetric, grouped  0.5 + 4/group (s and a zero)  weights, groups of 32-128 along a row
     int8, grouped              1 + 2/group (an fp16 s),      a GGUF's 8-bit weights (Q8_0):
                                + 2/group with a minimum      groups of 32
-    int8 in 6 bits, grouped    0.75 + as int8, grouped       its 5- and 6-bit ones (Q5_0/1,
-                                                             Q5_K, Q6_K): groups of 16, 32
-    int4/int8, K-quant scales  + 1/group (an int8 s) + 2/256 a GGUF's Q4_K, Q5_K, Q6_K: a
+    int8 in 6 bits, grouped    0.75 + as int8, grouped       its 2- to 6-bit ones (Q5_0/1,
+                                                             Q5_K, Q6_K, Q3_K, Q2_K): groups
+                                                             of 16, 32
+    int4/int8, K-quant scales  + 1/group (an int8 s) + 2/256 a GGUF's Q2_K to Q6_K: a
                                (an fp16 per block), twice    super-block's fp16 times the group's
                                with a minimum                int8, multiplied as it is read
     fp16, bf16 (storage only)  2                             a GGUF's F16/BF16 weights, widened

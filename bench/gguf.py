@@ -58,7 +58,7 @@ SHAPES = {
     "3b": {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
            "num_key_value_heads": 8, "intermediate_size": 8192, "max_position_embeddings": 4096},
 }
-TYPES = ["Q4_K_M", "Q8_0", "F16"]
+TYPES = ["Q4_K_M", "Q8_0", "F16", "Q3_K_M", "Q2_K"]
 # The files the acceptance reads, when neither files nor --shapes/--types are given
 DEFAULT_FILES = [("tinyllama", "Q4_K_M"), ("tinyllama", "Q8_0"), ("tinyllama", "F16"),
                  ("3b", "Q4_K_M")]
@@ -158,7 +158,7 @@ def bench_files(pairs: list[tuple[str, str]], folder: Path, seed: int = 0) -> li
         return folder / f"random-{shape}-{qtype}.gguf"
     tool = llama_cpp_tool("llama-quantize")
     if tool is None and any(t != "F16" and not path(s, t).is_file() for s, t in pairs):
-        raise OSError("no llama-quantize beside llama-server to make the Q4_K_M and Q8_0 test "
+        raise OSError("no llama-quantize beside llama-server to make the quantized test "
                       "files: run scripts/build_llama_server.sh (it builds both), or give GGUF "
                       "files")
     files, vocab = [], None

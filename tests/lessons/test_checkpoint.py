@@ -136,8 +136,9 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 # Every GGUF type the conversion reads, as a stand-in for gguf.ReaderTensor: K-quants (which gguf-py
 # cannot quantize) as random blocks with finite fp16 scales at their offsets.
-K_SCALES = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+K_SCALES = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16",
+              "BF16", "F32"]
 
 
 class FakeTensor:
@@ -181,15 +182,16 @@ def test_every_gguf_type_keeps_its_bits(kind):
     [narrow] = gguf_hf.half_scales([p])
     assert np.array_equal(narrow.dequantized().numpy(), want)
     if p.scale is not None:
-        assert p.group == (16 if kind == "Q6_K" else 32)
+        assert p.group == (16 if kind in ("Q6_K", "Q3_K", "Q2_K") else 32)
         assert p.q.dtype == (torch.uint8 if p.kind.value == "int4" else torch.int8)
         assert p.q.min() >= 0 and p.q.max() <= 15 if p.kind.value == "int4" else True
         half = kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
         # a K-quant's: int8 sc (and m) per group, its fp16 d (and -dmin) per 256 weights
-        blocks = kind in ("Q4_K", "Q5_K", "Q6_K")
+        blocks = kind in K_SCALES
         assert narrow.scale.dtype == (torch.float16 if half else torch.int8 if blocks else torch.float32)
-        assert (p.scale_d is not None) == blocks and (p.lo_d is not None) == (kind in ("Q4_K", "Q5_K"))
-        # the 5- and 6-bit values stored six bits each: 0.75 byte a value, the same values back
+        assert (p.scale_d is not None) == blocks
+        assert (p.lo_d is not None) == (kind in ("Q4_K", "Q5_K", "Q2_K"))
+        # the 2- to 6-bit values stored six bits each: 0.75 byte a value, the same values back
         weight = gguf_hf.stored("w", p)["w.weight"]
         if kind in gguf_hf.SIX_BITS:
             assert p.bits == 6 and gguf_hf.layout_of(p)["bits"] == 6
@@ -200,13 +202,13 @@ def test_every_gguf_type_keeps_its_bits(kind):
 
 
 def test_an_unsupported_gguf_type_is_refused_in_one_line():
-    """A type the layouts do not hold exactly (Q2_K, Q3_K, the IQ grids) is refused by name, with
-    the types that are read, rather than re-rounded."""
+    """A type the layouts do not hold exactly (the IQ grids: values from a codebook) is refused by
+    name, with the types that are read, rather than re-rounded."""
     import gguf
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q2_K]
-    t = FakeTensor(np.zeros((2, 512 // block * size), np.uint8), "Q2_K", 2, 512)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+    t = FakeTensor(np.zeros((2, 512 // block * size), np.uint8), "IQ4_NL", 2, 512)
     with pytest.raises(safetensors_io.CheckpointError,
-                       match="GGUF tensor type Q2_K is not supported: use a file quantized to F32, F16"):
+                       match="GGUF tensor type IQ4_NL is not supported: use a file quantized to F32"):
         gguf_hf.packed(t)
 
 

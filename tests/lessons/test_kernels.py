@@ -375,7 +375,8 @@ def test_k_quant_block_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k
     """A K-quant's scales as the file holds them (an int8 per group times an fp16 per 256
     weights: KScales) give int4_mm, int8g_mm and wide_mm the bits of their products stored in
     fp32, in every build: each product is exact in fp32. Q4_K (int4, groups of 32, a minimum),
-    Q6_K (int8, groups of 16, none), Q5_K (int8, groups of 32, a minimum)."""
+    Q6_K (int8, groups of 16, none), Q5_K (int8, groups of 32, a minimum), Q2_K (int8, groups of
+    16, a minimum)."""
     torch.manual_seed(k)
     n, x, rows = 77, torch.randn(5, k), torch.randn(40, k)
     d = lambda: (torch.randn(n, k // 256) * 0.01).half()
@@ -384,7 +385,8 @@ def test_k_quant_block_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k
     q8 = torch.randint(-32, 32, (n, k), dtype=torch.int8)
     cases = [("int4_mm", q4, sub(32), sub(32), 32, d(), d()),          # Q4_K
              ("int8g_mm", q8, sub(16, -64), None, 16, d(), None),      # Q6_K
-             ("int8g_mm", q8, sub(32), sub(32), 32, d(), d())]         # Q5_K
+             ("int8g_mm", q8, sub(32), sub(32), 32, d(), d()),         # Q5_K
+             ("int8g_mm", q8 & 3, sub(16), sub(16), 16, d(), d())]     # Q2_K
     for op, q, sc, m, group, sd, md in cases:
         flat = (safetensors_io.block_scaled(sc, sd), safetensors_io.block_scaled(m, md))
         call = lambda lib, x: getattr(lib, op)(x, q, sc, m, group, sd, md)
