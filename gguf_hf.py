@@ -554,7 +554,9 @@ def largest_weight(p: Packed) -> torch.Tensor:
 def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict, float]:
     """The GGUF's tensors written as convert_gguf stores them, in the file's order, each layer's
     FUSED groups once all their parts are read; meta["stacked"] names the stacked groups.
-    Returns the layouts by layer name and the largest |w| written (NaN if one is not finite)."""
+    Returns the layouts by layer name and the largest |w| the file dequantizes to, checked once
+    here so that a load need not read every weight (check_finite): a non-finite weight leaves it
+    non-finite (NaN stays NaN through max), convert_gguf records nothing, the load names it."""
     from gguf.quants import dequantize
     from tqdm import tqdm
     layers, largest, groups, waiting = {}, [], {}, {}
