@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 import tokenizer
-from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, TensorWriter, join_nibbles,
-                            join_sixes, read_weights, stack_layer, widened)
+from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, TensorWriter, block_scaled,
+                            join_nibbles, join_sixes, read_weights, stack_layer, widened)
 
 
 # ----------------------------------------------------------------------------
@@ -542,13 +542,20 @@ def abs_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def largest_weight(p: Packed) -> torch.Tensor:
-    """max |w| of a matrix, widened to fp32 some rows at a time (a Llama 3 head in fp32 at once
-    would be 128256 · 4096 · 4 B ≈ 2.1 GB)."""
-    step, found = max(1, CHUNK_BYTES // (4 * p.q.shape[1])), []
-    for r in range(0, len(p.q), step):
-        found.append(p.rows(slice(r, r + step)).dequantized().abs().max())
-        give_back_freed()
-    return torch.stack(found).max()
+    """max |w| of a matrix without widening it: w = q·s + lo rises (or falls) with q within a
+    group, in fp32 as in exact arithmetic (each rounding keeps order), so the group's extremes
+    are those of its smallest and largest q, computed as Packed.dequantized computes them."""
+    if p.kind in (Kind.HALF, Kind.FLOAT):
+        return abs_max(p.q).float()
+    def part(c: Packed) -> torch.Tensor:
+        groups = c.q.reshape(len(c.q), -1, c.group)
+        s, lo = block_scaled(c.scale, c.scale_d).float(), block_scaled(c.lo, c.lo_d)
+        ends = [q.float() * s + (0 if lo is None else lo.float())
+                for q in (groups.amin(-1), groups.amax(-1))]
+        return torch.maximum(ends[0].abs().max(), ends[1].abs().max())
+    step = max(1, CHUNK_BYTES // (4 * (p.q.shape[1] // p.group)))    # rows of fp32 group ends
+    return torch.stack([part(p.rows(slice(r, r + step)))
+                        for r in range(0, len(p.q), step)]).max()
 
 
 def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict, float]:
