@@ -560,14 +560,16 @@ def largest_weight(p: Packed) -> torch.Tensor:
 
 def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict, float]:
     """The GGUF's tensors written as convert_gguf stores them, in the file's order, each layer's
-    FUSED groups once all their parts are read; meta["stacked"] names the stacked groups.
-    Returns the layouts by layer name and the largest |w| the file dequantizes to, checked once
-    here so that a load need not read every weight (check_finite): a non-finite weight leaves it
-    non-finite (NaN stays NaN through max), convert_gguf records nothing, the load names it."""
+    FUSED groups (their weights and any biases: Qwen2's q/k/v) once all their members are read;
+    meta["stacked"] names the stacked groups. Returns the layouts by layer name and the largest
+    |w| the file dequantizes to, checked once here so that a load need not read every weight
+    (check_finite): a non-finite weight leaves it non-finite (NaN stays NaN through max),
+    convert_gguf records nothing, the load names it."""
     from gguf.quants import dequantize
     from tqdm import tqdm
     layers, largest, groups, waiting = {}, [], {}, {}
     part_of = {part: fused for fused, parts in FUSED.items() for part in parts}
+    in_file = {hf_name(t.name).removeprefix("model.") for t in reader.tensors}
 
     def named(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:   # as the file has it
         return {n if n.startswith("lm_head") else f"model.{n}": t for n, t in state.items()}
@@ -578,14 +580,27 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
                 largest.append(abs_max(t))
             writer.add(name, t)
 
-    def write_layer_group(i: int, parts: list[Packed], names: list[str]):
+    def write_layer_group(i: int, fused: str, have: dict):
         state = {}
-        for name, p in zip(names, grouped(parts)):
+        for part, p in zip(FUSED[fused], grouped([have[f"{q}.weight"] for q in FUSED[fused]])):
+            name = f"layers.{i}.{part}"
             state.update(named(stored(name, p)))
+            if f"{part}.bias" in have:
+                state.update(named({f"{name}.bias": have[f"{part}.bias"]}))
             layers[name] = layout_of(p)
             largest.append(largest_weight(p))
         groups.update(stack_layer(state, i))
         write(state)
+
+    def wait(i: int, part: str, member: str, value):
+        """A member of layer i's group (``member``: "weight" or "bias"); the group written once
+        the file's members of it are all here."""
+        fused = part_of[part]
+        have = waiting.setdefault((i, fused), {})
+        have[f"{part}.{member}"] = value
+        if all(f"{q}.{m}" in have for q in FUSED[fused] for m in ("weight", "bias")
+               if f"layers.{i}.{q}.{m}" in in_file):
+            write_layer_group(i, fused, waiting.pop((i, fused)))
 
     def write_matrix(name: str, p: Packed):
         p = half_scales([p])[0]
@@ -600,9 +615,16 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
             name = hf_name(t.name).removeprefix("model.")
             give_back_freed()
             data = read_tensor(file, t)
+            layer, _, rest = name.removeprefix("layers.").partition(".")
+            part, _, member = rest.rpartition(".")
+            in_group = name.startswith("layers.") and part in part_of
             if len(t.shape) == 1:       # norms, biases
                 w = dequantize(data, t.tensor_type).astype(np.float32)
-                write(named({name: torch.from_numpy(np.ascontiguousarray(w))}))
+                w = torch.from_numpy(np.ascontiguousarray(w))
+                if in_group:
+                    wait(int(layer), part, member, w)
+                else:
+                    write(named({name: w}))
                 continue
             p = packed(t, data)
             if name == "embed_tokens.weight":
@@ -616,18 +638,10 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
                 rows = unpermute_rows(np.arange(len(p.q)), cfg["num_attention_heads" if
                                       product == "attn_q" else "num_key_value_heads"])
                 p = p.rows(torch.from_numpy(rows))
-            name = name.removesuffix(".weight")
-            layer, _, part = name.removeprefix("layers.").partition(".")
-            if name.startswith("layers.") and part in part_of:
-                fused = part_of[part]
-                have = waiting.setdefault((int(layer), fused), {})
-                have[part] = p
-                if len(have) == len(FUSED[fused]):
-                    names = [f"layers.{layer}.{q}" for q in FUSED[fused]]
-                    write_layer_group(int(layer), [have[q] for q in FUSED[fused]], names)
-                    del waiting[int(layer), fused]
-                continue
-            write_matrix(name, p)
+            if in_group:
+                wait(int(layer), part, member, p)
+            else:
+                write_matrix(name.removesuffix(".weight"), p)
     if waiting:
         (i, fused), have = next(iter(waiting.items()))
         raise CheckpointError(f"the GGUF lacks part of layer {i}'s {fused} "

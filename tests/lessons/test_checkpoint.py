@@ -570,6 +570,10 @@ def test_qwen_gguf_round_trip_matches_transformers(tmp_path, family):
 
     back = gguf_hf.convert_gguf(path, tmp_path / "cache")
     want, got = safetensors_io.read_weights(src), safetensors_io.read_weights(back)
+    from safetensors import safe_open
+    with safe_open(back / "model.safetensors", framework="pt") as f:     # stacked as the weights
+        stacked = json.loads(f.metadata()["stacked"])
+    assert ("model.layers.1.self_attn.qkv_proj.bias" in stacked) == (family == "qwen2")
     if QWEN[family].get("tie_word_embeddings"):
         want.pop("lm_head.weight", None)
     assert sorted(got) == sorted(want)
