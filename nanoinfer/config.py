@@ -85,6 +85,13 @@ class RunConfig:
         weights = flag_or_plan("weights")
         if g.get("tp") and "weights" not in g:
             weights = "auto"
+        # --activations int8 multiplies quantized weights: where the plan widened a GGUF's bits
+        # to fp32 (their kernels calibrated slower here), they stay as the file holds them, and
+        # the plan's speculation, chosen for fp32 steps, goes with the widening
+        kept = (g.get("activations") == "int8" and "weights" not in g and p.stored == "gguf"
+                and weights == "float")
+        if kept:
+            weights = "auto"
         if "cache" in g:
             cache, compile = g["cache"], g.get("compile", p.compile and g["cache"] == "static")
         else:
@@ -100,7 +107,7 @@ class RunConfig:
             draft = prompt_lookup = lookahead = None
         elif any(v is not None for v in methods.values()):
             draft, prompt_lookup, lookahead = methods.values()
-        elif own or weights in QUANTIZED:     # the plan's speculation assumed float weights (choose)
+        elif own or weights in QUANTIZED or kept:   # the plan's speculation assumed float weights
             draft, prompt_lookup, lookahead = None, None, p.lookahead
         else:
             draft, prompt_lookup, lookahead = p.draft, p.prompt_lookup, p.lookahead

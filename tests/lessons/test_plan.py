@@ -70,6 +70,10 @@ def test_cpu_without_bf16(smol):
     assert "no native bf16" in text and "verify passes would run eagerly" in text and "exact: in fp32" in text
     q = overlay(p, "--compile")                            # asked for: compiled, still speculating
     assert (q.cache, q.compile, q.draft) == ("static", True, "bundled")
+    # --activations int8 multiplies the file's bits: not widened after all, nor speculating
+    q = overlay(p, "--activations", "int8")
+    assert (q.weights, q.activations, q.draft, q.prompt_lookup) == ("auto", "int8", None, None)
+    assert overlay(p, "--activations", "int8", "--weights", "float").weights == "float"
     assert "the GGUF's own bits (matrices int4 groups of 32" in text and "compute slower here (calibrated int4 1.200" in text
     tok = smol.token_bytes("float", "float32")
     assert f"{20e9 / tok:,.0f} tok/s empty" in text            # ceiling = bandwidth / bytes per token
