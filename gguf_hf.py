@@ -519,8 +519,8 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
 
 def header_room(tensors: int) -> int:
     """Bytes to leave for the converted file's header: a GGUF tensor becomes at most five
-    (weight, scales, minimums and their super-block numbers), each entry ~150 bytes, plus the
-    stacked groups' names (TensorWriter moves the data once if this is short)."""
+    (weight, scales, minimums and their super-block numbers), each entry under 400 bytes, plus
+    the stacked groups' names (TensorWriter moves the data once if this is short)."""
     return 4096 + tensors * 5 * 400
 
 
@@ -542,11 +542,9 @@ def abs_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def largest_weight(p: Packed) -> torch.Tensor:
-    """max |w| of a matrix without widening it: w = q·s + lo rises (or falls) with q within a
-    group, in fp32 as in exact arithmetic (each rounding keeps order), so the group's extremes
-    are those of its smallest and largest q, computed as Packed.dequantized computes them."""
-    if p.kind in (Kind.HALF, Kind.FLOAT):
-        return abs_max(p.q).float()
+    """max |w| of a quantized matrix without widening it: w = q·s + lo rises (or falls) with q
+    within a group, in fp32 as in exact arithmetic (each rounding keeps order), so the group's
+    extremes are those of its smallest and largest q, computed as Packed.dequantized does."""
     def part(c: Packed) -> torch.Tensor:
         groups = c.q.reshape(len(c.q), -1, c.group)
         s, lo = block_scaled(c.scale, c.scale_d).float(), block_scaled(c.lo, c.lo_d)
@@ -580,15 +578,22 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
                 largest.append(abs_max(t))
             writer.add(name, t)
 
+    def laid(name: str, p: Packed) -> dict[str, torch.Tensor]:
+        """A matrix's tensors as the file names them, its layout noted (fp32 has none), and a
+        quantized one's max |w| (write takes the max of 16- and 32-bit weights as it writes)."""
+        if p.kind != Kind.FLOAT:
+            layers[name] = layout_of(p)
+        if p.kind in (Kind.INT4, Kind.INT8):
+            largest.append(largest_weight(p))
+        return named(stored(name, p))
+
     def write_layer_group(i: int, fused: str, have: dict):
         state = {}
         for part, p in zip(FUSED[fused], grouped([have[f"{q}.weight"] for q in FUSED[fused]])):
             name = f"layers.{i}.{part}"
-            state.update(named(stored(name, p)))
+            state.update(laid(name, p))
             if f"{part}.bias" in have:
                 state.update(named({f"{name}.bias": have[f"{part}.bias"]}))
-            layers[name] = layout_of(p)
-            largest.append(largest_weight(p))
         groups.update(stack_layer(state, i))
         write(state)
 
@@ -601,13 +606,6 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
         if all(f"{q}.{m}" in have for q in FUSED[fused] for m in ("weight", "bias")
                if f"layers.{i}.{q}.{m}" in in_file):
             write_layer_group(i, fused, waiting.pop((i, fused)))
-
-    def write_matrix(name: str, p: Packed):
-        p = half_scales([p])[0]
-        write(named(stored(name, p)))
-        if p.kind != Kind.FLOAT:
-            layers[name] = layout_of(p)
-        largest.append(largest_weight(p))
 
     with open(reader.data.filename, "rb") as file:
         for t in tqdm(reader.tensors, desc=f"converting {meta['source']}", unit="tensor",
@@ -631,7 +629,8 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
                 if p.kind == Kind.FLOAT:    # an fp32 table (tied: the head as it is)
                     write(named({name: p.q}))
                 else:   # at its bits: read a row at a time (quantize.StoredEmbedding); tied, once
-                    write_matrix("lm_head" if cfg["tie_word_embeddings"] else "embed_tokens", p)
+                    write(laid("lm_head" if cfg["tie_word_embeddings"] else "embed_tokens",
+                                half_scales([p])[0]))
                 continue
             product = t.name.split(".")[-2]       # blk.3.attn_q.weight -> attn_q
             if cfg["model_type"] in PERMUTED and product in ("attn_q", "attn_k"):
@@ -641,7 +640,7 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
             if in_group:
                 wait(int(layer), part, member, p)
             else:
-                write_matrix(name.removesuffix(".weight"), p)
+                write(laid(name.removesuffix(".weight"), half_scales([p])[0]))
     if waiting:
         (i, fused), have = next(iter(waiting.items()))
         raise CheckpointError(f"the GGUF lacks part of layer {i}'s {fused} "

@@ -414,6 +414,10 @@ static inline float lo_share(L lo, const float* sx, int64_t G) {
 static inline __m256 upper8(__m512 a) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
 }
+// The table a 4-bit index reads its value from (vpermps): 0..15 as fp32.
+static inline __m512 nibble_values() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 // lo_share for a K-quant's minimums: 16 widened at a time (kscales16), fed to the same 8-lane
 // chain in the same order (groups g, then g + 8): the bits of the 8-at-a-time loop.
 static inline float lo_share(KScales lo, const float* sx, int64_t G) {
@@ -458,7 +462,7 @@ template <int R, int MT, typename L>
 static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = (K / 32) >> shift;
-  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = nibble_values();
   __m512 acc[R][MT];
   UNROLL
   for (int r = 0; r < R; r++)
@@ -873,7 +877,7 @@ static ALWAYS_INLINE void widen32(const int8_t* q, int64_t c, __m512& w0, __m512
 // widened bytes give, in 11 instructions per 32 values against 16.
 static ALWAYS_INLINE void widen32(Sixes q, int64_t c, __m512& w0, __m512& w1) {
   const uint8_t* b = q.p + c * 24;
-  const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 low = nibble_values();
   const __m512 top = _mm512_setr_ps(-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16,
                                     0, 16);
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
