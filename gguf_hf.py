@@ -599,12 +599,13 @@ def converted(reader, cfg: dict, writer: TensorWriter, meta: dict) -> tuple[dict
 
     def wait(i: int, part: str, member: str, value):
         """A member of layer i's group (``member``: "weight" or "bias"); the group written once
-        the file's members of it are all here."""
+        every part's weight and the biases the file holds are here."""
         fused = part_of[part]
         have = waiting.setdefault((i, fused), {})
         have[f"{part}.{member}"] = value
-        if all(f"{q}.{m}" in have for q in FUSED[fused] for m in ("weight", "bias")
-               if f"layers.{i}.{q}.{m}" in in_file):
+        need = [f"{q}.weight" for q in FUSED[fused]] + [
+            f"{q}.bias" for q in FUSED[fused] if f"layers.{i}.{q}.bias" in in_file]
+        if all(n in have for n in need):
             write_layer_group(i, fused, waiting.pop((i, fused)))
 
     with open(reader.data.filename, "rb") as file:

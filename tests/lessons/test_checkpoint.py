@@ -393,6 +393,36 @@ def test_truncated_gguf_is_refused(tmp_path):
         gguf_hf.convert_gguf(path, tmp_path / "cache")
 
 
+def test_a_tensor_cut_short_is_refused_in_one_line(tmp_path):
+    """A tensor whose bytes end before its size (a file cut inside its data) is named, not
+    read as zeros or garbage."""
+    from types import SimpleNamespace
+    path = tmp_path / "cut.bin"
+    path.write_bytes(bytes(50))
+    t = SimpleNamespace(name="blk.0.ffn_up.weight", n_bytes=100, data_offset=0,
+                        data=np.zeros(100, np.uint8))
+    with open(path, "rb") as f, pytest.raises(safetensors_io.CheckpointError,
+                                              match="blk.0.ffn_up.weight is cut short; is the "
+                                                    "file complete"):
+        gguf_hf.read_tensor(f, t)
+
+
+def test_a_group_missing_a_part_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A GGUF without one of a layer's q/k/v (here its K renamed away) is refused by layer and
+    group, with the parts it has, and leaves no half-written cache."""
+    src = make_checkpoint(tmp_path / "hf")
+    path = gguf_hf.export_gguf(src, tmp_path / "tiny.gguf", config(src), "q8_0")
+    hf_name = gguf_hf.hf_name
+    monkeypatch.setattr(gguf_hf, "hf_name", lambda n: "model.layers.0.self_attn.k_lost.weight"
+                        if n == "blk.0.attn_k.weight" else hf_name(n))
+    with pytest.raises(safetensors_io.CheckpointError,
+                       match=r"lacks part of layer 0's self_attn.qkv_proj \(has self_attn.q_proj"
+                             r".weight, self_attn.v_proj.weight\); is it complete\?"):
+        gguf_hf.convert_gguf(path, tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*/model.safetensors"))
+    assert not list((tmp_path / "cache").glob(".converting-*"))
+
+
 def test_a_second_start_converts_copies_and_rereads_nothing(cache_home):
     """Start fast (issue 21): with the conversion cached, loading the bundled model imports neither
     gguf (no conversion) nor torch._dynamo (nothing built on the meta device calls into it) nor
