@@ -55,9 +55,10 @@ Decisions, and what they cost:
   rows of T = 256 beside rows of T = 1). A long prompt prefilled whole would
   stall them one long step, as long as many decode steps
   (`python bench.py batching --long-prompts-only` measures the stall), so a
-  step computes at most ``chunk_tokens`` prompt tokens (256; None: whole prompts): a longer prompt's
-  steps each pay one chunk, and it holds a batch slot but no decode row until
-  its last chunk samples its first token. Its table holds only the tokens
+  step computes at most ``chunk_tokens`` prompt tokens (model.PREFILL_CHUNK; None:
+  whole prompts): a longer prompt's steps each pay one chunk, and it holds a
+  batch slot but no decode row until its last chunk samples its first token.
+  Its table holds only the tokens
   computed so far plus this step's chunk: the allocator enters a full block in
   the prefix cache when a table gets it, so a later request never hits a block
   not yet computed, and a sequence preempted or cancelled part-way leaves only
@@ -109,7 +110,7 @@ from typing import Iterator
 import torch
 
 from kvcache import PagedKVCache, kv_bytes_per_token
-from model import Llama, LlamaConfig, count_parameters, load
+from model import PREFILL_CHUNK, Llama, LlamaConfig, count_parameters, load
 from paged import BLOCK_SIZE, BlockAllocator, BlockTable
 from sampling import (SEEDS, Finish, SamplingParams, constraint, finish_reason, grammar_text,
                       grammar_vocab, sample, seeded_generator, visible)
@@ -540,7 +541,7 @@ class Engine:
                  max_batch: int = 32, kv_bytes: int = DEFAULT_KV_BYTES,
                  prefix_caching: bool = True, max_len: int | None = None,
                  kv_dtype: torch.dtype | None = None, watermark: float = 0.01,
-                 chunk_tokens: int | None = 256, codec=None, in_place=None, vocab=None,
+                 chunk_tokens: int | None = PREFILL_CHUNK, codec=None, in_place=None, vocab=None,
                  fixed_shapes: bool = False):
         c = model.config
         kv_dtype = kv_dtype or model.dtype

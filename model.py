@@ -419,6 +419,13 @@ def checkpoint_shapes(model: "Llama") -> dict[str, tuple]:
     return shapes
 
 
+# The prompt tokens a pass computes at most where memory should stay near the weights' (the
+# runner's prefill, Llama.prefill_chunk; the engine's chunked prefill, engine.py). Each chunk reads
+# every weight once more, a few percent of a short prompt's prefill; a long prompt's chunks are no
+# slower than one pass, their activations nearer the cores.
+PREFILL_CHUNK = 256
+
+
 class Llama(nn.Module):
     # Submodule names follow Hugging Face's (minus the "model." prefix) so a
     # checkpoint's tensors load by name.
@@ -449,6 +456,9 @@ class Llama(nn.Module):
         # A faster one-token step with step's signature (a compiled one: the product sets it),
         # run in its place for one token on a cache of fixed shapes; None: step itself.
         self.compiled_step = None
+        # A cached pass of more new tokens than this runs as chunks of it, in order (None: at
+        # once; the product sets PREFILL_CHUNK): see forward.
+        self.prefill_chunk: int | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -475,6 +485,9 @@ class Llama(nn.Module):
         ``hidden`` also returns the features (B, T, hidden_size), the final
         normalised states the LM head reads, at every position; ``features`` is
         that input, for a head that reads another model's (``embed``)."""
+        chunk, T = self.prefill_chunk, tokens.shape[1]
+        if cache is not None and mask is None and last_only and chunk and T > chunk:
+            return self.chunked(tokens, positions, cache, features, hidden)
         if cache is not None:
             own = cache.begin(positions)      # host-side bookkeeping, then pure tensor work below
             mask = own if mask is None else mask
@@ -486,6 +499,21 @@ class Llama(nn.Module):
                  and getattr(cache, "fixed_shape", False))
         step = self.compiled_step if fixed else self.step
         return step(tokens, positions, mask, cache, last_only, features, hidden)
+
+    def chunked(self, tokens, positions, cache, features=None, hidden=False):
+        """A long prompt's cached pass as chunks of at most ``prefill_chunk`` tokens, each
+        attending to the cache (the chunks before it) and causally within: the same K/V and last
+        logits as one pass, up to summation order, while memory holds one chunk's activations, not
+        the prompt's (its MLP's alone are T · intermediate_size floats, twice over). The fewest
+        chunks, of equal length: each reads every weight once, and a short last one would pay
+        that read for a few tokens."""
+        T = tokens.shape[1]
+        c, out = -(-T // -(-T // self.prefill_chunk)), []
+        for a in range(0, T, c):
+            part = None if features is None else features[:, a:a + c]
+            out.append(self(tokens[:, a:a + c], positions[..., a:a + c], cache, True, None,
+                            part, hidden))
+        return (out[-1][0], torch.cat([h for _, h in out], 1)) if hidden else out[-1]
 
     def step(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):
         """The tensor work of a forward pass; with a StaticCache and one token it

@@ -16,7 +16,7 @@ import torch
 import checkpoint
 import kernels
 import quantize
-from model import DTYPES
+from model import DTYPES, PREFILL_CHUNK
 from nanoinfer.machine import plan_for
 from plan import QUANTIZED, Plan, Serving
 
@@ -42,6 +42,7 @@ class RunConfig:
     block_size: int = 16                # tokens per block of the paged pool
     kv_dtype: str | None = None         # int8 / fp8 / fp8-plain KV storage; None: the model's dtype
     decoder: str = "cached"             # model.DECODERS
+    prefill_chunk: int | None = PREFILL_CHUNK   # a prompt's tokens a cached pass computes at most
     draft: str | None = None            # speculative decoding: a draft model, "bundled" or "medusa"
     spec_k: int = 4                     # tokens proposed per step
     adaptive_k: bool = False

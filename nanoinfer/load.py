@@ -51,7 +51,8 @@ def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare:
     """A checkpoint directory -> a model ready to run as ``cfg`` says: read it, quantize every
     Linear if cfg.weights (int8/int4) asks (the LM head per cfg.head: quantize.scheme_of), build
     the CPU's C++ kernels, give eager passes their prepacked weights (cfg.prepack False: half the
-    memory, slower several-position passes), compile the one-token step (cfg.compile).
+    memory, slower several-position passes), compile the one-token step (cfg.compile), run a
+    long prompt in chunks of cfg.prefill_chunk tokens.
     ``prepare=False``: quantized layers stay portable (to save)."""
     config = config or LlamaConfig.from_hf(safetensors_io.read_config(model_dir))
     # a GGUF's own bits load as the file holds them; --weights float widens them (the same
@@ -78,6 +79,7 @@ def build(model_dir, cfg: RunConfig, config: LlamaConfig | None = None, prepare:
                              "kernels (int4, or int8 in groups, fp32 on a CPU), and this model "
                              "has none: drop it")
     kernels.prepack(model, copies=cfg.prepack)    # a no-op off the CPU
+    model.prefill_chunk = cfg.prefill_chunk
     if cfg.compile:
         kernels.compile_decode(model, build=cfg.build and not cfg.background_compile)
     return model
@@ -108,6 +110,7 @@ def load_tp(cfg: RunConfig, device: torch.device, group=None) -> tuple[Llama, To
     """This rank's part of the model on ``device`` (tp.load: read on the CPU, checked against the
     other ranks, split), then the swaps `build` makes: the CPU's C++ kernels, prepacked weights."""
     model, tok = tp.load(cfg.model, device, cfg.dtype, attention(cfg.attn), group)
+    model.prefill_chunk = cfg.prefill_chunk
     if device.type == "cpu":
         kernels.native_kernels()
     return kernels.prepack(model, copies=cfg.prepack), tok

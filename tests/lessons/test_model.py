@@ -130,6 +130,33 @@ def test_cached_logits_match_full_forward(tiny_ckpt):
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 
+def test_prefill_chunk_gives_one_pass_results(tiny_ckpt):
+    """A prompt longer than prefill_chunk runs as chunks, in order: the last logits, the cached
+    K/V, the features (hidden) and the greedy answer are one pass's; a mask, or every position's
+    logits, still take one pass."""
+    model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
+    ids = torch.randint(0, 320, (1, 23), generator=torch.Generator().manual_seed(3))
+    whole, whole_cache = model(ids, torch.arange(23), kvcache.new_cache(model), last_only=True,
+                               hidden=True), kvcache.new_cache(model)
+    model(ids, torch.arange(23), whole_cache, last_only=True)
+    calls = []
+    model.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[1]))
+    model.prefill_chunk = 10            # the fewest chunks (3), of equal length
+    cache = kvcache.new_cache(model)
+    logits, h = model(ids, torch.arange(23), cache, last_only=True, hidden=True)
+    assert calls == [23, 8, 8, 7] and cache.length == 23
+    assert torch.allclose(logits, whole[0], atol=1e-5) and torch.allclose(h, whole[1], atol=1e-5)
+    for a, b in zip(cache.k + cache.v, whole_cache.k + whole_cache.v):
+        assert torch.allclose(a[..., :23, :], b[..., :23, :], atol=1e-5)
+    calls.clear()
+    model(ids, torch.arange(23), kvcache.new_cache(model))
+    assert calls == [23]
+    p = M.SamplingParams(temperature=0, max_new_tokens=12)
+    chunked = list(M.generate_cached(model, ids[0].tolist(), p))
+    model.prefill_chunk = None
+    assert chunked == list(M.generate_cached(model, ids[0].tolist(), p))
+
+
 def test_attention_work_counts_5050_vs_100(tiny_ckpt):
     model = M.Llama.from_pretrained(tiny_ckpt, "cpu", "float32")
     model.config.eos_ids = []

@@ -70,6 +70,22 @@ def test_streamed_text_equals_decoded_answer(tiny_ckpt):
     assert out.getvalue().rstrip("\n") == chat.messages[-1]["content"]
 
 
+def test_runner_prefills_in_chunks(tiny_ckpt):
+    """The runner's model runs a long prompt in model.PREFILL_CHUNK chunks (memory for one chunk's
+    activations); the answer is the one a whole-prompt pass gives."""
+    m, tok = nl.load(nl.RunConfig(str(tiny_ckpt)))
+    assert m.prefill_chunk == M.PREFILL_CHUNK
+    assert nl.load(nl.RunConfig(str(tiny_ckpt), prefill_chunk=None))[0].prefill_chunk is None
+    text = "the cat sat on the mat and " * 12
+    answers = []
+    for chunk in (5, None):
+        m.prefill_chunk = chunk
+        chat = serve_local.Chat(m, tok, M.SamplingParams(temperature=0, max_new_tokens=16))
+        chat.turn(text, out=io.StringIO())
+        answers.append(chat.messages[-1]["content"])
+    assert answers[0] == answers[1]
+
+
 def test_stats_line_reports_rates():
     s = M.GenerationStats(prompt_tokens=40, new_tokens=11, prefill_s=0.5, decode_s=1.0)
     line = serve_local.stats_line(s, 51, 2048)
