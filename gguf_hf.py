@@ -169,8 +169,8 @@ def gguf_config(reader) -> dict:
 #     Q5_0               s = d, q -16..15               int8 in 6 bits, groups of 32
 #     Q5_1, Q5_K         s as Q4_1 / Q4_K, q 0..31      int8 in 6 bits with a minimum, groups of 32
 #     Q6_K               s = d·sc, q -32..31            int8 in 6 bits, groups of 16
-#     Q3_K               s = d·sc, q -4..3              int8 in 6 bits, groups of 16
-#     Q2_K               s = d·sc, lo = -dmin·m, q 0..3 int8 in 6 bits with a minimum, groups of 16
+#     Q3_K               s = d·sc, lo = -4s, q 0..7     int4, groups of 16
+#     Q2_K               s = d·sc, lo = -dmin·m, q 0..3 int4, groups of 16
 #     F16, BF16          -                              16-bit weights, fp32 arithmetic
 #     F32                -                              fp32
 #
@@ -183,8 +183,9 @@ def gguf_config(reader) -> dict:
 # kernels multiply as they read them. The 5- and 6-bit values are held six bits each
 # (safetensors_io.join_sixes: three bytes per four), which the kernels widen to the same int8
 # values. Q4_K then takes 148 bytes per 256 weights (the file 144), Q6_K 210 (the file's 210),
-# Q5_K 212 (176), Q8_0 and Q4_1 as many as the file. Q3_K and Q2_K run exactly at more than their
-# bytes: 210 and 226 per 256 weights against the file's 110 and 84, no kernel reading 2 or 3
+# Q5_K 212 (176), Q8_0 and Q4_1 as many as the file. Q3_K's values (-4..3) are held as q + 4 with
+# the minimum -4s, its sc - 32 serving both (twice stored) beside d and -4d; Q2_K's with its own
+# sc and m: 164 bytes per 256 weights against the file's 110 and 84, no kernel reading 2 or 3
 # bits a value (a Q3_K_M file keeps its larger tensors in Q4_K, Q5_K and Q6_K).
 
 
@@ -196,7 +197,7 @@ class Kind(Enum):
 
 
 # The GGUF types whose values fit in six bits (-32..31): held six bits each (join_sixes).
-SIX_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
+SIX_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
 @dataclass
@@ -299,17 +300,22 @@ def unpack_blocks(blocks: np.ndarray, kind: str):
     if kind == "Q2_K":      # per 16: a byte of 4-bit sc (low) and m (high); then d, dmin
         scales = blocks[:, :16]
         d, dmin = fp16(blocks[:, 80:82]), fp16(blocks[:, 82:84])
-        return (low.astype(np.int8), (scales & 15).astype(np.int8), (scales >> 4).astype(np.int8),
-                16, d, -dmin)
+        return (low.astype(np.uint8), (scales & 15).astype(np.int8),
+                (scales >> 4).astype(np.int8), 16, d, -dmin)
     if kind == "Q3_K":      # bit i of hmask byte b clear: value 32·i + b less 4; 6-bit sc - 32
         bit = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         high = ((blocks[:, :32].reshape(-1, 1, 32) >> bit) & 1).reshape(-1, 256)
-        q = low.astype(np.int8) - 4 * (1 - high.astype(np.int8))
         packed_sc = blocks[:, 96:108]
         lo4 = (packed_sc[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1))
         hi2 = (packed_sc[:, 8:].reshape(-1, 1, 4) >> shift.reshape(1, 4, 1))
-        sc = (lo4.reshape(-1, 16) & 15) | ((hi2.reshape(-1, 16) & 3) << 4)
-        return q, sc.astype(np.int8) - 32, None, 16, fp16(blocks[:, 108:110]), None
+        sc = ((lo4.reshape(-1, 16) & 15) | ((hi2.reshape(-1, 16) & 3) << 4)).astype(np.int8) - 32
+        # q + 4 (0..7) with lo = -4·s: the minimum's d is -4d, exact in fp16 below 2^14
+        d = fp16(blocks[:, 108:110])
+        if np.abs(d).max(initial=0) >= 2 ** 14:
+            raise CheckpointError("a Q3_K block's scale d is 16384 or more, beyond what this "
+                                  "runner holds exactly: requantize the file")
+        return (low.astype(np.uint8) | (high.astype(np.uint8) << 2), sc, sc.copy(), 16, d,
+                -4 * d)
     raise CheckpointError(f"GGUF tensor type {kind} is not supported: use a file quantized to "
                           f"F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
                           f"or Q6_K")
@@ -453,8 +459,9 @@ def layout_of(p: Packed) -> dict:
 # at the file's own bits (Packed), not widened to fp32. 4: fp16 scales where the file's are.
 # 5: the embedding table at its bits (tied: stored once, as the head). 6: K-quants' scales as
 # int8 per group times fp16 per 256 weights. 7: a group's parts at different bits kept apart.
-# 8: 5- and 6-bit values in six bits (join_sixes), not a byte.
-CONVERTED_FORMAT = 8
+# 8: 5- and 6-bit values in six bits (join_sixes), not a byte. 9: Q3_K and Q2_K as int4 in
+# groups of 16, not six-bit int8.
+CONVERTED_FORMAT = 9
 
 
 def gguf_fingerprint(path: Path, version: int = CONVERTED_FORMAT) -> str:

@@ -402,10 +402,13 @@ static inline float lo_share(L lo, const float* sx, int64_t G) {
   return hsum8(a);
 }
 
-// int4_rows<R, MT>: R weight rows (each K / 2 bytes on from the last) against MT rows of reordered
-// x (xp, K apart; their group sums sx, G apart) into y[t·N + r]. Each (row, row of x) gets the
-// sums of one row against one row, whatever R and MT: R weight rows share x's loads (a decode
-// step), MT rows of x share a weight block's widening (a pass over several rows).
+// int4_rows<R, MT, H16>: R weight rows (each K / 2 bytes on from the last) against MT rows of
+// reordered x (xp, K apart; their group sums sx, G apart) into y[t·N + r]. Each (row, row of x)
+// gets the sums of one row against one row, whatever R and MT: R weight rows share x's loads (a
+// decode step), MT rows of x share a weight block's widening (a pass over several rows). H16:
+// groups of 16 (a GGUF's Q3_K and Q2_K), two scales a block: its first 8 lanes (bytes 0-7, weights
+// 0..15) take the first, the other 8 the second; else one group's scale a block (shift: log2 of
+// the blocks a group spans).
 #if defined(__AVX512F__)
 // A block's 16 lanes in one register: the widened bytes index a 16-entry table of 0..15 (vpermps
 // reads an index's low 4 bits: no mask for the low nibble, no conversions). 8 instructions per 32
@@ -438,7 +441,14 @@ static inline float hsum(__m512 a0, __m512 a1) {
   return hsum(h);
 }
 
-template <int R, int MT>
+// A block's scales in its 16 lanes: one group's in all, or (H16: groups of 16) s[0] in lanes
+// 0-7, whose bytes hold its weights 0..15, and s[1] in lanes 8-15.
+template <bool H16>
+static inline __m512 block_scales(const float* s) {
+  return H16 ? _mm512_mask_mov_ps(_mm512_set1_ps(s[0]), 0xFF00, _mm512_set1_ps(s[1]))
+             : _mm512_set1_ps(s[0]);
+}
+template <int R, int MT, bool H16>
 static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G,
                                    const float* xc, int64_t K, __m512 table, int64_t fetch,
                                    __m512 (*acc)[MT]) {
@@ -451,17 +461,18 @@ static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const fl
     if (fetch) _mm_prefetch((const char*)(q + r * row_bytes + fetch), _MM_HINT_T0);
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes)));
     __m512 e = _mm512_permutexvar_ps(b, table),
-           o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), vs = _mm512_set1_ps(s[r * G]);
+           o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table),
+           vs = block_scales<H16>(s + r * G);
     UNROLL
     for (int t = 0; t < MT; t++)
       acc[r][t] =
           _mm512_fmadd_ps(_mm512_fmadd_ps(o, xo[t], _mm512_mul_ps(e, xe[t])), vs, acc[r][t]);
   }
 }
-template <int R, int MT, typename L>
+template <int R, int MT, bool H16, typename L>
 static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
-  int64_t G = (K / 32) >> shift;
+  int64_t G = H16 ? K / 16 : (K / 32) >> shift;
   const __m512 table = nibble_values();
   __m512 acc[R][MT];
   UNROLL
@@ -469,8 +480,8 @@ static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shi
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
   const int64_t ahead = spans_ahead(STREAM_AHEAD, R * (K / 2));
   for (int64_t c = 0; c < K / 32; c++)
-    int4_block_rows<R, MT>(q + c * 16, K / 2, s + (c >> shift), G, xp + c * 32, K, table,
-                           (c & 3) == 0 ? ahead : 0, acc);
+    int4_block_rows<R, MT, H16>(q + c * 16, K / 2, s + (H16 ? 2 * c : c >> shift), G,
+                                xp + c * 32, K, table, (c & 3) == 0 ? ahead : 0, acc);
   UNROLL
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++)
@@ -488,10 +499,10 @@ static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shi
 // The 16 lanes in two 8-lane halves, two chains: one FMA's latency does not gate the next. Two
 // weight rows at a time (R = 2: 9% faster than one, W from DRAM) share x's four loads per 32
 // weights.
-template <int R, int MT, typename L>
+template <int R, int MT, bool H16, typename L>
 static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
-  int64_t G = (K / 32) >> shift;
+  int64_t G = H16 ? K / 16 : (K / 32) >> shift;
   const int64_t ahead = spans_ahead(AHEAD, R * (K / 2));
   __m256 acc[R][MT][2];
   UNROLL
@@ -500,7 +511,9 @@ static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shi
   for (int64_t c = 0; c < K / 32; c++) {
     UNROLL
     for (int r = 0; r < R; r++) {
-      __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (c >> shift)]);
+      // the first half's weights are 0..15 of the block (H16: a group of their own)
+      __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (H16 ? 2 * c : c >> shift)]),
+                             vs1 = H16 ? _mm256_set1_ps(s[r * G + 2 * c + 1]) : vs;
       widen(q + r * (K / 2) + c * 16, ahead, e0, o0, e1, o1);
       UNROLL
       for (int t = 0; t < MT; t++) {
@@ -510,7 +523,7 @@ static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shi
                                        vs, acc[r][t][0]);
         acc[r][t][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(o1, _mm256_loadu_ps(xc + 24),
                                                        _mm256_mul_ps(e1, _mm256_loadu_ps(xc + 8))),
-                                       vs, acc[r][t][1]);
+                                       vs1, acc[r][t][1]);
       }
     }
   }
@@ -646,10 +659,10 @@ static inline float hsum(const float* a) {
   for (int i = 0; i < 8; i++) l[i] = (a[i] + a[8 + i]) + (a[16 + i] + a[24 + i]);
   return hsum8(l);
 }
-template <int R, int MT, typename L>
+template <int R, int MT, bool H16, typename L>
 static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
-  int64_t G = (K / 32) >> shift;
+  int64_t G = H16 ? K / 16 : (K / 32) >> shift;
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) {
       const uint8_t* qr = q + r * (K / 2);
@@ -661,7 +674,7 @@ static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shi
         const float* xc = xp + t * K + c * 32;
         for (int i = 0; i < 16; i++)
           acc[i] = std::fma(std::fma(float(b[i] >> 4), xc[16 + i], float(b[i] & 15) * xc[i]),
-                            sr[c >> shift], acc[i]);
+                            sr[H16 ? 2 * c + i / 8 : c >> shift], acc[i]);
       }
       for (int i = 0; i < 8; i++) l[i] = 0.f;
       for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lr[g]), sx[t * G + g], l[g % 8]);
@@ -707,18 +720,26 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
     }                                                                             \
   });
 
-// An int4 product's arguments checked (op: its name); log2 of its groups' blocks of 32.
+// An int4 product's arguments checked (op: its name); log2 of its groups' blocks of 32, -1 for
+// groups of 16 (two a block).
 static int int4_shift(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t group,
                       const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               op, ": x (M, K) fp32");
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && q.size(1) * 2 == K && s.size(1) == K / group,
+  TORCH_CHECK(K % 32 == 0 && group % 16 == 0 && q.size(1) * 2 == K && s.size(1) == K / group,
               op, ": shapes");
+  if (group == 16) return -1;
   int shift = 0;
   while ((32 << shift) < group) shift++;
-  TORCH_CHECK((32 << shift) == group, op, ": group 32, 64 or 128");
+  TORCH_CHECK((32 << shift) == group, op, ": group 16, 32, 64 or 128");
   return shift;
+}
+// f(std::true_type) for groups of 16 (shift -1), else f(std::false_type): a kernel's H16.
+template <typename F>
+static void by_halves(int shift, F f) {
+  if (shift < 0) f(std::true_type());
+  else f(std::false_type());
 }
 
 static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
@@ -735,8 +756,10 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
-    int4_rows<decltype(rows)::value, decltype(tile)::value>(
-        qp + n * K / 2, sn, ln, K, shift, xp + m * K, sx + m * G, yp + m * N + n, N);
+    by_halves(shift, [&](auto h16) {
+      int4_rows<decltype(rows)::value, decltype(tile)::value, decltype(h16)::value>(
+          qp + n * K / 2, sn, ln, K, shift, xp + m * K, sx + m * G, yp + m * N + n, N);
+    });
   };
   auto run = [&](auto s_, auto lo_) {
     if (M == 1)
@@ -1084,7 +1107,8 @@ static at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {
 // (the 4 lanes of a block's partial sums), 16 floats a quad.
 // The order every build sums in: per quad, 16 int32 lanes, lane 4b + j holding block b's bytes
 // 4j .. 4j + 3 (low nibbles by even x plus high by odd), exact; then one fused multiply-add per
-// lane, acc += lane · (s_b·d_b); lanes i and i + 8 added, reduced as hsum8; the minimum's share
+// lane, acc += lane · (s·d_b), s the scale of the lane's group (block b's, or with groups of 16
+// the first of its two for j < 2); lanes i and i + 8 added, reduced as hsum8; the minimum's share
 // (lo_share) added.
 static constexpr int64_t QUAD = 128;
 #ifndef X8_CHUNK_BYTES
@@ -1163,27 +1187,33 @@ static void round_x(const float* x, int64_t K, int64_t group, int8_t* xq, float*
 // row of x two VNNI dot products (4 weights by 4 of x into an int32 lane), or without VNNI two
 // maddubs (into 2 int16 each, |sum| ≤ 2·15·127), an add (≤ 7620) and a madd by ones: the same
 // integers; then a conversion and a multiply-add.
-template <int R, int MT, typename L>
+template <int R, int MT, bool H16, typename L>
 static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                          const int8_t* xq, const float* dq, const float* sx, float* y, int64_t N) {
-  const int64_t nb = K / 32, nq = (nb + 3) / 4, G = nb >> shift;
+  const int64_t nb = K / 32, nq = (nb + 3) / 4, G = H16 ? 2 * nb : nb >> shift;
   const __m512i nib = _mm512_set1_epi8(0x0F);
 #if !defined(__AVX512VNNI__)
   const __m512i ones = _mm512_set1_epi16(1);
 #endif
-  const __m512i sidx = _mm512_srli_epi32(
-      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), shift);
+  // lane 4b + j's group: block b's (j's bytes 4j..4j+3 hold weights 8j..8j+7: H16, the block's
+  // first group for j < 2)
+  const __m512i sidx =
+      H16 ? _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
+          : _mm512_srli_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                              shift);
   const int64_t ahead = spans_ahead(X8_AHEAD, R * (K / 2));
   __m512 acc[R][MT];
   UNROLL
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
-  const __mmask16 full = __mmask16((1u << std::max(1, 4 >> shift)) - 1);
+  const __mmask16 full = H16 ? 0xFF : __mmask16((1u << std::max(1, 4 >> shift)) - 1);
   for (int64_t u = 0; u < nq; u++) {
-    const int64_t c = 4 * u, n = std::min<int64_t>(4, nb - c), g0 = c >> shift;
+    const int64_t c = 4 * u, n = std::min<int64_t>(4, nb - c), g0 = H16 ? 2 * c : c >> shift;
     const bool whole = n == 4;
     const __mmask64 qm = whole ? ~__mmask64(0) : (__mmask64(1) << (16 * n)) - 1;
-    const __mmask16 sm = whole ? full : __mmask16((1u << (((c + n - 1) >> shift) - g0 + 1)) - 1);
+    const __mmask16 sm = whole ? full
+                         : H16 ? __mmask16((1u << (2 * n)) - 1)
+                               : __mmask16((1u << (((c + n - 1) >> shift) - g0 + 1)) - 1);
     __m512i l4[R], h4[R];
     __m512 sv[R];
     UNROLL
@@ -1222,10 +1252,10 @@ static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define X8_TILE_ROWS 1
 // A quad as two halves of 2 blocks (32 bytes, 8 lanes each), into two accumulators.
-template <int R, int MT, typename L>
+template <int R, int MT, bool H16, typename L>
 static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                          const int8_t* xq, const float* dq, const float* sx, float* y, int64_t N) {
-  const int64_t nb = K / 32, nq = (nb + 3) / 4, G = nb >> shift;
+  const int64_t nb = K / 32, nq = (nb + 3) / 4, G = H16 ? 2 * nb : nb >> shift;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t ahead = spans_ahead(X8_AHEAD, R * (K / 2));
   __m256 acc[R][MT][2];
@@ -1243,8 +1273,12 @@ static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int 
                       : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)qr));
       __m256i l4 = _mm256_and_si256(v, nib), h4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
       const float* sr = s + r * G;
-      __m256 sv = _mm256_setr_m128(_mm_set1_ps(sr[c >> shift]),
-                                   _mm_set1_ps(two ? sr[(c + 1) >> shift] : 0.f));
+      // lanes 0-3 block c's, 4-7 block c + 1's; H16: lanes 4b, 4b + 1 its first group
+      __m256 sv = H16 ? _mm256_setr_ps(sr[2 * c], sr[2 * c], sr[2 * c + 1], sr[2 * c + 1],
+                                       two ? sr[2 * c + 2] : 0.f, two ? sr[2 * c + 2] : 0.f,
+                                       two ? sr[2 * c + 3] : 0.f, two ? sr[2 * c + 3] : 0.f)
+                      : _mm256_setr_m128(_mm_set1_ps(sr[c >> shift]),
+                                         _mm_set1_ps(two ? sr[(c + 1) >> shift] : 0.f));
       UNROLL
       for (int t = 0; t < MT; t++) {
         const int8_t* xt = xq + t * (nq * QUAD) + u * QUAD + h * 32;
@@ -1266,10 +1300,10 @@ static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int 
 }
 #else
 #define X8_TILE_ROWS 1
-template <int R, int MT, typename L>
+template <int R, int MT, bool H16, typename L>
 static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
                          const int8_t* xq, const float* dq, const float* sx, float* y, int64_t N) {
-  const int64_t nb = K / 32, nq = (nb + 3) / 4, G = nb >> shift;
+  const int64_t nb = K / 32, nq = (nb + 3) / 4, G = H16 ? 2 * nb : nb >> shift;
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) {
       const uint8_t* qr = q + r * (K / 2);
@@ -1284,7 +1318,7 @@ static void int4_x8_rows(const uint8_t* q, const float* s, L lo, int64_t K, int 
           if (b < nb)
             for (int k = 4 * i; k < 4 * i + 4; k++)
               p += int32_t(qr[c * 16 + k] & 15) * xt[k] + int32_t(qr[c * 16 + k] >> 4) * xt[64 + k];
-          const float sb = b < nb ? sr[b >> shift] : 0.f;
+          const float sb = b < nb ? sr[H16 ? 2 * b + (i % 4) / 2 : b >> shift] : 0.f;
           acc[8 * h + i] = std::fma(float(p), sb * dq[t * (nq * 16) + u * 16 + h * 8 + i],
                                     acc[8 * h + i]);
         }
@@ -1337,9 +1371,11 @@ static at::Tensor int4_x8_mm(const at::Tensor& x, const at::Tensor& q, const at:
   // a rounded row of x: 1.5 B a value
   const int64_t chunk = std::max<int64_t>(4, (X8_CHUNK_BYTES / (K + K / 2)) / 4 * 4);
   auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
-    int4_x8_rows<decltype(rows)::value, decltype(tile)::value>(
-        qp + n * K / 2, sn, ln, K, shift, rounded.data() + m * nq * QUAD,
-        scales.data() + m * nq * 16, sums.data() + m * G, yp + m * N + n, N);
+    by_halves(shift, [&](auto h16) {
+      int4_x8_rows<decltype(rows)::value, decltype(tile)::value, decltype(h16)::value>(
+          qp + n * K / 2, sn, ln, K, shift, rounded.data() + m * nq * QUAD,
+          scales.data() + m * nq * 16, sums.data() + m * G, yp + m * N + n, N);
+    });
   };
   with_scales(s, lo, sd, lod, group, "int4_x8_mm",
               [&](auto s_, auto lo_) { x8_tiles(s_, lo_, G, N, M, chunk, K / 2, kernel); });
@@ -1591,14 +1627,15 @@ static void dequant_values(Q q, const float* s, const float* lo, int64_t K, int6
 static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
   const __m128i nib = _mm_set1_epi8(15);
-  for (int64_t j = 0; j < K / group; j++) {
-    __m256 vs = _mm256_set1_ps(s[j]), vl = _mm256_set1_ps(lo[j]);
-    for (int64_t k = j * group; k < (j + 1) * group; k += 32) {
-      __m128i b = _mm_loadu_si128((const __m128i*)(q + k / 2));
-      __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-      __m128i w0 = _mm_unpacklo_epi8(e, o), w1 = _mm_unpackhi_epi8(e, o);
-      __m128i part[4] = {w0, _mm_srli_si128(w0, 8), w1, _mm_srli_si128(w1, 8)};
-      for (int i = 0; i < 4; i++)
+  for (int64_t k = 0; k < K; k += 32) {
+    __m128i b = _mm_loadu_si128((const __m128i*)(q + k / 2));
+    __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    __m128i w0 = _mm_unpacklo_epi8(e, o), w1 = _mm_unpackhi_epi8(e, o);
+    __m128i part[4] = {w0, _mm_srli_si128(w0, 8), w1, _mm_srli_si128(w1, 8)};
+    for (int h = 0; h < 2; h++) {         // weights 0..15 and 16..31: a group of 16 each, or one
+      const int64_t g = (k + 16 * h) / group;
+      __m256 vs = _mm256_set1_ps(s[g]), vl = _mm256_set1_ps(lo[g]);
+      for (int i = 2 * h; i < 2 * h + 2; i++)
         put8(out + k + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i])), vs, &vl);
     }
   }
@@ -1922,7 +1959,7 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
   if (type == at::kChar) {
     TORCH_CHECK(w.size(1) == K, "wide_mm: int8 w (N, K)");
   } else if (!six) {
-    TORCH_CHECK(type == at::kByte && w.size(1) * 2 == K && has_lo && group % 32 == 0,
+    TORCH_CHECK(type == at::kByte && w.size(1) * 2 == K && has_lo,
                 "wide_mm: int4 w (N, K/2) with scale and lo, or six-bit int8 (N, 3K/4)");
   }
   TORCH_CHECK(!six || s.dim() == 2, "wide_mm: six-bit values come in groups");

@@ -366,9 +366,10 @@ class Int4Linear(nn.Module):
     def prepare(self, dtype: torch.dtype):
         """On a CPU: convert to aten's tiled layout and drop the portable copy (it would double
         the memory). aten computes W = (q - 8)·s + z per group, so z = lo + 8·s gives our
-        lo + q·s."""
+        lo + q·s. Its groups are 32 weights or more: groups of 16 (a GGUF's Q3_K and Q2_K) stay
+        as they are and dequantize for each product."""
         self.dtype = dtype
-        if self.weight.device.type != "cpu":
+        if self.weight.device.type != "cpu" or self.group not in GROUP_SIZES:
             return
         q = split_nibbles(self.weight).to(torch.int32)
         s = safetensors_io.block_scaled(self.weight_scale, self.weight_scale_d).float()

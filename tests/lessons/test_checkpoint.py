@@ -182,7 +182,8 @@ def test_every_gguf_type_keeps_its_bits(kind):
     quantized = p.kind.value in ("int4", "int8")
     largest = gguf_hf.largest_weight(p) if quantized else gguf_hf.abs_max(p.q)
     assert largest.item() == np.abs(want).max()
-    kinds = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "F16": "half", "BF16": "half", "F32": "float"}
+    kinds = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4", "Q2_K": "int4", "F16": "half",
+             "BF16": "half", "F32": "float"}
     assert p.kind.value == kinds.get(kind, "int8")
     [narrow] = gguf_hf.half_scales([p])
     assert np.array_equal(narrow.dequantized().numpy(), want)
@@ -195,8 +196,8 @@ def test_every_gguf_type_keeps_its_bits(kind):
         blocks = kind in K_SCALES
         assert narrow.scale.dtype == (torch.float16 if half else torch.int8 if blocks else torch.float32)
         assert (p.scale_d is not None) == blocks
-        assert (p.lo_d is not None) == (kind in ("Q4_K", "Q5_K", "Q2_K"))
-        # the 2- to 6-bit values stored six bits each: 0.75 byte a value, the same values back
+        assert (p.lo_d is not None) == (kind in ("Q4_K", "Q5_K", "Q2_K", "Q3_K"))
+        # the 5- and 6-bit values stored six bits each: 0.75 byte a value, the same values back
         weight = gguf_hf.stored("w", p)["w.weight"]
         if kind in gguf_hf.SIX_BITS:
             assert p.bits == 6 and gguf_hf.layout_of(p)["bits"] == 6
@@ -204,6 +205,15 @@ def test_every_gguf_type_keeps_its_bits(kind):
             assert torch.equal(safetensors_io.split_sixes(weight), p.q)
         else:
             assert p.bits == 8 and "bits" not in gguf_hf.layout_of(p)
+
+
+def test_a_q3_k_scale_beyond_what_int4_holds_is_refused():
+    """Q3_K's minimum -4s is held as its int8 sc times -4d in fp16: a d of 2^14 or more would
+    overflow, so such a file is refused in one line, not run with an infinite minimum."""
+    t = gguf_blocks("Q3_K")
+    t.data.reshape(-1, 110)[3, 108:110] = np.array([2.0 ** 14], np.float16).view(np.uint8)
+    with pytest.raises(safetensors_io.CheckpointError, match="Q3_K block's scale d is 16384 or more"):
+        gguf_hf.packed(t)
 
 
 def test_an_unsupported_gguf_type_is_refused_in_one_line():

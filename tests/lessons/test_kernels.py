@@ -397,6 +397,44 @@ def test_k_quant_block_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k
                                kernels.wide_mm(rows, q, *flat, group))
 
 
+@pytest.mark.parametrize("k", [544, 2048])
+def test_int4_in_groups_of_16(builds, k):
+    """int4 with two scales a block of 32 (a GGUF's Q3_K and Q2_K): int4_mm the exact product
+    within float error, int4_x8_mm its rounded-x arithmetic's, wide_mm the dequantized matrix's;
+    the same bits in every build, for 7 rows and each alone (17 blocks: a last quad of one); fp16
+    scales and a K-quant's (Q2_K: sc and m 4-bit; Q3_K: sc - 32 for both, lo's d = -4d) read as
+    the same numbers in fp32."""
+    torch.manual_seed(k)
+    n, x, rows = 77, torch.randn(7, k), torch.randn(40, k)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    s, lo = (torch.rand(n, k // 16) * 0.01).half(), (torch.randn(n, k // 16) * 0.1).half()
+    w = quantize.dequantize_grouped(quantize.split_nibbles(q), s.float(), lo.float()).double()
+    terms = x.double().abs() @ w.abs().t()
+    y = same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q, s.float(), lo.float(), 16), x)
+    near(y, x.double() @ w.t(), terms, 4)
+    assert torch.equal(same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q, s, lo, 16), x), y)
+    r = same_bits_everywhere(builds, lambda lib, x: lib.int4_x8_mm(x, q, s.float(), lo.float(), 16), x)
+    near(r, rounded_x_product(x, q, s.float(), lo.float(), 16)[0], terms, 8)
+    wide = kernels.wide_mm(rows, q, s.float(), lo.float(), 16)
+    near(wide, rows.double() @ w.t(), rows.double().abs() @ w.abs().t(), 8)
+    for lib in builds.values():
+        assert torch.equal(lib.wide_mm(rows, q, s, lo, 16), wide)
+    if k % 256:
+        return
+    d = (torch.randn(n, k // 256) * 0.01).half()
+    sc = lambda low, high: torch.randint(low, high, (n, k // 16), dtype=torch.int8)
+    q3 = sc(-32, 32)
+    for scale, m, sd, md in [(sc(0, 16), sc(0, 16), d, -d), (q3, q3, d, -4 * d)]:    # Q2_K, Q3_K
+        flat = (safetensors_io.block_scaled(scale, sd), safetensors_io.block_scaled(m, md))
+        for op in ("int4_mm", "int4_x8_mm"):
+            call = lambda lib, x: getattr(lib, op)(x, q, scale, m, 16, sd, md)
+            assert torch.equal(same_bits_everywhere(builds, call, x),
+                               getattr(torch.ops.nanoinfer, op)(x, q, *flat, 16))
+        for lib in builds.values():
+            assert torch.equal(lib.wide_mm(rows, q, scale, m, 16, sd, md),
+                               kernels.wide_mm(rows, q, *flat, 16))
+
+
 def test_six_bit_values_give_the_bits_of_the_same_values_in_int8(builds):
     """int8 values held in six bits (safetensors_io.join_sixes: a GGUF's 5- and 6-bit blocks) are
     widened to the same int8 values: int8g_mm and wide_mm give the bits those values in int8 give,
