@@ -485,8 +485,11 @@ class Llama(nn.Module):
         ``hidden`` also returns the features (B, T, hidden_size), the final
         normalised states the LM head reads, at every position; ``features`` is
         that input, for a head that reads another model's (``embed``)."""
+        # a long prompt on a contiguous cache goes in chunks (chunked); a paged batch's passes,
+        # positions (B, T), are the engine's to chunk
         chunk, T = self.prefill_chunk, tokens.shape[1]
-        if cache is not None and mask is None and last_only and chunk and T > chunk:
+        if cache is not None and mask is None and last_only and chunk and T > chunk \
+                and positions.dim() == 1:
             return self.chunked(tokens, positions, cache, features, hidden)
         if cache is not None:
             own = cache.begin(positions)      # host-side bookkeeping, then pure tensor work below
@@ -511,8 +514,8 @@ class Llama(nn.Module):
         c, out = -(-T // -(-T // self.prefill_chunk)), []
         for a in range(0, T, c):
             part = None if features is None else features[:, a:a + c]
-            out.append(self(tokens[:, a:a + c], positions[..., a:a + c], cache, True, None,
-                            part, hidden))
+            out.append(self(tokens[:, a:a + c], positions[a:a + c], cache, True, None, part,
+                            hidden))
         return (out[-1][0], torch.cat([h for _, h in out], 1)) if hidden else out[-1]
 
     def step(self, tokens, positions, mask, cache, last_only, features=None, hidden=False):

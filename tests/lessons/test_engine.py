@@ -640,6 +640,16 @@ def test_chunked_prefill_produces_the_tokens_of_whole_prompts(llama):
             all_blocks_back(engine)
         assert outputs[7] == outputs[32] == outputs[None]
         assert all(len(o[0]) == sp.max_new_tokens and o[0] == o[1] for o, sp in zip(outputs[None], params))
+    llama.prefill_chunk = 9     # a runner's model: the engine's passes stay the engine's (whole prompts here)
+    try:
+        engine = Engine(llama, max_batch=8, chunk_tokens=None, **pool)
+        reqs = [engine.add(p, sp, n=2) for p, sp in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        assert [[s.output for s in sorted(r.sequences, key=lambda s: s.branch)] for r in reqs] == outputs[None]
+        all_blocks_back(engine)
+    finally:
+        llama.prefill_chunk = None
 
 
 def test_a_sequence_preempted_mid_prefill_produces_the_same_tokens(llama):
