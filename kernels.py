@@ -512,8 +512,8 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Ten
             lo_d: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ for W (N, K) int4 as quantize.Int4Linear stores it: q (N, K/2) uint8 (even
     column in the low nibble), scale and lo (N, K/group) fp32 or fp16, or int8 times their
-    256-weight super-block's fp16 number (scale_d, lo_d: a K-quant's); W = lo + q·s. Needs
-    native_kernels()."""
+    256-weight super-block's fp16 number (scale_d, lo_d: a K-quant's); W = lo + q·s; group 16
+    (a GGUF's Q3_K and Q2_K), 32, 64 or 128. Needs native_kernels()."""
     return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group, scale_d, lo_d)
 
 
