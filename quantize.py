@@ -20,12 +20,13 @@ a step, s/2, so small groups (one row, one token of one head) keep s small.
                                                              relative error ≤ 2⁻⁴
     fp8 e4m3, plain cast       1                             KV, for comparison:
                                                              no scale, range ±448
-    int4, asymmetric, grouped  0.5 + 4/group (s and a zero)  weights, groups of 32-128 along a row
+    int4, asymmetric, grouped  0.5 + 4/group (s and a zero)  weights, groups of 32-128 along a row;
+                                                             a GGUF's 2- to 4-bit ones (Q4_0/1,
+                                                             Q4_K; Q3_K, Q2_K: groups of 16)
     int8, grouped              1 + 2/group (an fp16 s),      a GGUF's 8-bit weights (Q8_0):
                                + 2/group with a minimum      groups of 32
-    int8 in 6 bits, grouped    0.75 + as int8, grouped       its 2- to 6-bit ones (Q5_0/1,
-                                                             Q5_K, Q6_K, Q3_K, Q2_K): groups
-                                                             of 16, 32
+    int8 in 6 bits, grouped    0.75 + as int8, grouped       its 5- and 6-bit ones (Q5_0/1,
+                                                             Q5_K, Q6_K): groups of 16, 32
     int4/int8, K-quant scales  + 1/group (an int8 s) + 2/256 a GGUF's Q2_K to Q6_K: a
                                (an fp16 per block), twice    super-block's fp16 times the group's
                                with a minimum                int8, multiplied as it is read
@@ -41,7 +42,8 @@ int4 model's LM head in int8 (`python bench.py quantize --eval` prints its bytes
 
 A GGUF file arrives already quantized, in llama.cpp's blocks, and runs at its
 own bits rather than widened to fp32 (32 bits a weight against its 4 to 8). Its
-4-bit blocks become int4 groups of 32; its 5-, 6- and 8-bit blocks int8 values
+4-bit blocks become int4 groups of 32 (its 2- and 3-bit ones int4 groups of 16,
+more bits than the file's); its 5-, 6- and 8-bit blocks int8 values
 with a scale (and a minimum) per group of 16 or 32: int4's W = lo + q·s with a
 wider q, its scales kept as the file stores them. The 5- and 6-bit values are
 held six bits each (three bytes per four) and widened to int8 as a kernel reads

@@ -48,6 +48,9 @@ def test_model_info_from_configs(smol, tiny):
     # --plan names the bits of each kind of tensor
     assert plan.describe_layouts(smol) == ("matrices int4 groups of 32 79%, int8 groups 21%; LM head "
                                            "int8 groups; embedding table int8 groups (the LM head's: tied)")
+    # a Q3_K or Q2_K matrix: int4 in groups of 16, a K-quant's scale and minimum per group
+    q3 = {"kind": "int4", "group": 16, "min": True, "scales": "blocks"}
+    assert plan.layout_kind(q3) == "int4/16" and plan.layout_bytes(q3, 32, 256) == 32 * 164
     # re-rounded to int4, the head would stay fp32 (ModelInfo.head): the file's Q8_0 head reads less
     assert smol.token_bytes("gguf", "float32") < smol.token_bytes("int4", "float32")
     assert 134e6 < smol.matrix_params < 136e6 and smol.embed_params == 0      # tied: the head is the table
