@@ -171,6 +171,8 @@ def gguf_config(reader) -> dict:
 #     Q6_K               s = d·sc, q -32..31            int8 in 6 bits, groups of 16
 #     Q3_K               s = d·sc, lo = -4s, q 0..7     int4, groups of 16
 #     Q2_K               s = d·sc, lo = -dmin·m, q 0..3 int4, groups of 16
+#     IQ4_NL, IQ4_XS     s = d (·(ls - 32)), q one of   int8, groups of 32
+#                        16 int8 values (a codebook)
 #     F16, BF16          -                              16-bit weights, fp32 arithmetic
 #     F32                -                              fp32
 #
@@ -186,7 +188,10 @@ def gguf_config(reader) -> dict:
 # Q5_K 212 (176), Q8_0 and Q4_1 as many as the file. Q3_K's values (-4..3) are held as q + 4 with
 # the minimum -4s, its sc - 32 serving both (twice stored) beside d and -4d; Q2_K's with its own
 # sc and m: 164 bytes per 256 weights against the file's 110 and 84, no kernel reading 2 or 3
-# bits a value (a Q3_K_M file keeps its larger tensors in Q4_K, Q5_K and Q6_K).
+# bits a value (a Q3_K_M file keeps its larger tensors in Q4_K, Q5_K and Q6_K). IQ4_NL's and
+# IQ4_XS's values (-127..113, from a 16-entry codebook) are held as the int8 they are: 272 and
+# 266 bytes per 256 weights against the file's 144 and 136. The other IQ types (codebooks of
+# 8-value grids, signs apart) are refused.
 
 
 class Kind(Enum):
@@ -316,9 +321,26 @@ def unpack_blocks(blocks: np.ndarray, kind: str):
                                   "runner holds exactly: requantize the file")
         return (low.astype(np.uint8) | (high.astype(np.uint8) << 2), sc, sc.copy(), 16, d,
                 -4 * d)
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        # each nibble picks one of 16 int8 values (ggml's kvalues_iq4nl), in Q4_0's order
+        if kind == "IQ4_NL":        # per 32: fp16 d, 16 bytes
+            return IQ4_VALUES[halves(blocks[:, 2:])], fp16(blocks[:, :2]), None, 32, None, None
+        # per 256: fp16 d, the 6-bit ls of its 8 groups (2 high bits each in a uint16, 4 low
+        # in 4 bytes), 128 bytes; a group's s = d·(ls - 32)
+        high = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16) >> (2 * np.arange(
+            8, dtype=np.uint16))
+        low = blocks[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], np.uint8).reshape(1, 1, 2)
+        ls = (low.reshape(-1, 8) & 15) | ((high & 3).astype(np.uint8) << 4)
+        return (IQ4_VALUES[halves(blocks[:, 8:])], ls.astype(np.int8) - 32, None, 32,
+                fp16(blocks[:, :2]), None)
     raise CheckpointError(f"GGUF tensor type {kind} is not supported: use a file quantized to "
-                          f"F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
-                          f"or Q6_K")
+                          f"F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+                          f"Q6_K, IQ4_NL or IQ4_XS")
+
+
+# IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl): a nibble indexes them.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      np.int8)
 
 
 # A conversion's work on a big matrix goes some rows at a time, about this many bytes of them.

@@ -136,9 +136,11 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 # Every GGUF type the conversion reads, as a stand-in for gguf.ReaderTensor: K-quants (which gguf-py
 # cannot quantize) as random blocks with finite fp16 scales at their offsets.
-K_SCALES = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}
-GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16",
-              "BF16", "F32"]
+K_SCALES = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82],
+            "IQ4_XS": [0]}
+RANDOM = K_SCALES | {"IQ4_NL": [0]}         # blocks gguf-py does not quantize: random, d set
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL",
+              "IQ4_XS", "F16", "BF16", "F32"]
 
 
 class FakeTensor:
@@ -153,10 +155,10 @@ def gguf_blocks(kind: str, rows: int = 6, cols: int = 512, seed: int = 0) -> Fak
     rng = np.random.default_rng(seed)
     w = rng.normal(0, 0.02, (rows, cols)).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[kind]
-    if kind in K_SCALES:
+    if kind in RANDOM:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
-        for at in K_SCALES[kind]:
+        for at in RANDOM[kind]:
             blocks = data.reshape(-1, size)
             blocks[:, at:at + 2] = rng.normal(0, 0.01, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     else:
@@ -191,7 +193,7 @@ def test_every_gguf_type_keeps_its_bits(kind):
         assert p.group == (16 if kind in ("Q6_K", "Q3_K", "Q2_K") else 32)
         assert p.q.dtype == (torch.uint8 if p.kind.value == "int4" else torch.int8)
         assert p.q.min() >= 0 and p.q.max() <= 15 if p.kind.value == "int4" else True
-        half = kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+        half = kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
         # a K-quant's: int8 sc (and m) per group, its fp16 d (and -dmin) per 256 weights
         blocks = kind in K_SCALES
         assert narrow.scale.dtype == (torch.float16 if half else torch.int8 if blocks else torch.float32)
@@ -217,13 +219,13 @@ def test_a_q3_k_scale_beyond_what_int4_holds_is_refused():
 
 
 def test_an_unsupported_gguf_type_is_refused_in_one_line():
-    """A type the layouts do not hold exactly (the IQ grids: values from a codebook) is refused by
-    name, with the types that are read, rather than re-rounded."""
+    """A type the layouts do not hold exactly (the IQ grids: values from codebooks of 8-value
+    grids) is refused by name, with the types that are read, rather than re-rounded."""
     import gguf
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
-    t = FakeTensor(np.zeros((2, 512 // block * size), np.uint8), "IQ4_NL", 2, 512)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ3_S]
+    t = FakeTensor(np.zeros((2, 512 // block * size), np.uint8), "IQ3_S", 2, 512)
     with pytest.raises(safetensors_io.CheckpointError,
-                       match="GGUF tensor type IQ4_NL is not supported: use a file quantized to F32"):
+                       match="GGUF tensor type IQ3_S is not supported: use a file quantized to F32"):
         gguf_hf.packed(t)
 
 
