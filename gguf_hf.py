@@ -261,6 +261,11 @@ def k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+# IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl): a nibble indexes them.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      np.int8)
+
+
 def unpack_blocks(blocks: np.ndarray, kind: str):
     """(n, type size) bytes of one GGUF block type -> (q, s, lo, group, s_d, lo_d): q (n, block)
     integers, s and lo (n, block // group) fp32 (lo None where the type has none); a K-quant's
@@ -337,10 +342,6 @@ def unpack_blocks(blocks: np.ndarray, kind: str):
                           f"F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
                           f"Q6_K, IQ4_NL or IQ4_XS")
 
-
-# IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl): a nibble indexes them.
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                      np.int8)
 
 
 # A conversion's work on a big matrix goes some rows at a time, about this many bytes of them.
