@@ -150,7 +150,9 @@ def test_prefill_chunk_gives_one_pass_results(tiny_ckpt):
         assert torch.allclose(a[..., :23, :], b[..., :23, :], atol=1e-5)
     calls.clear()
     model(ids, torch.arange(23), kvcache.new_cache(model))
-    assert calls == [23]
+    model(ids, torch.arange(23), kvcache.new_cache(model), last_only=True,
+          mask=torch.ones(23, 23, dtype=torch.bool).tril())
+    assert calls == [23, 23]
     p = M.SamplingParams(temperature=0, max_new_tokens=12)
     chunked = list(M.generate_cached(model, ids[0].tolist(), p))
     model.prefill_chunk = None
