@@ -239,6 +239,11 @@ def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
             "lm_head": (c.vocab_size, h), "embed_tokens": (c.vocab_size, h)}[part]
 
 
+# The product machine.calibrate times for a layout kind, where it is not the kind's own name:
+# int4 in groups of 16 runs int4_mm's loop (groups of 32 timed), a scale per half block.
+CALIBRATED_AS = {"int4/16": "int4"}
+
+
 def layout_kind(layout: dict) -> str:
     """A GGUF layout's kind, "int6" for int8 values held in six bits (its 5- and 6-bit blocks),
     "int4/16" for int4 in groups of 16 (its 2- and 3-bit ones)."""
@@ -379,7 +384,7 @@ def choose(machine: Machine, info: ModelInfo, ctx: int | None = None,
                    f"CPU's kernels; here they are widened to {fdt} once at load for the tensor "
                    f"cores (--dtype fp32: the file's exact values)")
     elif info.source == "gguf":
-        kind, layouts = info.main_kind, describe_layouts(info)
+        kind, layouts = CALIBRATED_AS.get(info.main_kind, info.main_kind), describe_layouts(info)
         # The file's bits are the default: exact, and a half to a sixth of fp32's bytes to hold
         # and read. Widened only where their kernels cannot be built (no compiler: each call would
         # dequantize) or calibrate at less than half fp32's speed per weight.

@@ -78,6 +78,9 @@ def test_cpu_without_bf16(smol):
     assert (q.weights, q.activations, q.draft, q.prompt_lookup) == ("auto", "int8", None, None)
     assert overlay(p, "--activations", "int8", "--weights", "float").weights == "float"
     assert "the GGUF's own bits (matrices int4 groups of 32" in text and "compute slower here (calibrated int4 1.200" in text
+    # a file mostly in int4 groups of 16 (Q3_K, Q2_K) is timed as int4's loop: widened alike
+    q3 = plan.choose(cpu(), replace(smol, file_params={"int4/16": smol.file_params["int4"]}))
+    assert q3.weights == "float" and "(calibrated int4 1.200" in plan.describe(q3)
     tok = smol.token_bytes("float", "float32")
     assert f"{20e9 / tok:,.0f} tok/s empty" in text            # ceiling = bandwidth / bytes per token
     assert len(p.reasons) == 6 and all(p.reasons)
