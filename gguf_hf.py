@@ -343,7 +343,6 @@ def unpack_blocks(blocks: np.ndarray, kind: str):
                           f"Q6_K, IQ4_NL or IQ4_XS")
 
 
-
 # A conversion's work on a big matrix goes some rows at a time, about this many bytes of them.
 CHUNK_BYTES = 8 << 20
 
