@@ -816,7 +816,8 @@ def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
     step, quantization and checkpoints read the plain one. A layer keeps its copy only while its
     weight is the same tensor (tying swaps it: prepack again);
     in-place changes (an optimizer step) are not noticed, so train with F.linear (grad enabled) or
-    not prepacked."""
+    not prepacked. Embedding tables left in a mapped file take memory for the rows read
+    (rows_on_demand)."""
     bf16_ok, streamed = ONEDNN and bf16_supported(torch.device("cpu")), []
     swap_linears(model)
     for m in model.modules():
@@ -839,6 +840,11 @@ def prepack(model: nn.Module, copies: bool = True) -> nn.Module:
             # the size hint (16 rows) picks the blocking; any number of rows can use it
             m.onednn = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
     huge_pages(streamed)
+    # embedding tables, unless tied to a weight a step streams: a step reads one row of them
+    whole = {t.data_ptr() for t in streamed}
+    tables = [t for m in model.modules() if isinstance(m, (nn.Embedding, quantize.StoredEmbedding))
+              for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    rows_on_demand([t for t in tables if t.data_ptr() not in whole])
     return model
 
 
@@ -853,7 +859,8 @@ def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     page's end; 2-MiB pages, 54. Timed in alternating processes on a Zen 4, they raised the median
     tok/s of SmolLM2's int4 step a little and of TinyLlama's bf16 step by half. Returns the
     tensors moved. A tensor copied out of a memory-mapped file (a checkpoint) gives its pages back
-    as it moves (file_pages_out), so the weights are resident once, not twice."""
+    as it moves (file_pages_out), a piece at a time (COPY_PIECE), so the weights are resident
+    once, not twice, even for a moment."""
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
     if not tensors or not hasattr(mmap, "MADV_HUGEPAGE") or not thp.exists() \
@@ -869,18 +876,31 @@ def huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     files = file_mappings()
     with torch.no_grad():
         for t, size in zip(tensors, sizes):
-            view = flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            source = (t.data_ptr(), t.numel() * t.element_size())
+            nbytes = t.numel() * t.element_size()
+            view = flat[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            source = (t.data_ptr(), nbytes)
+            if t.is_contiguous():   # a piece at a time: the file's pages out before the next
+                src, dst = t.reshape(-1).view(torch.uint8), flat[offset:offset + nbytes]
+                for i in range(0, nbytes, COPY_PIECE):
+                    dst[i:i + COPY_PIECE].copy_(src[i:i + COPY_PIECE])
+                    file_pages_out(source[0] + i, min(COPY_PIECE, nbytes - i), files)
+            else:
+                view.copy_(t)
             t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-            file_pages_out(*source, files)
+            file_pages_out(*source, files)      # the pages the pieces' edges shared
             offset += size
     return tensors
 
 
-def file_mappings() -> list[tuple[int, int]]:
-    """(start, end) of this process's mappings of regular files (/proc/self/maps), or none
-    where there is no such file."""
+# huge_pages copies a tensor this many bytes at a time: a mapped file's pages are resident only
+# while their piece is copied, not the whole of the largest tensor beside the copy (an LM head of
+# 49,152 · 2,048 weights in six bits: 49,152 · 2,048 · 0.75 B ≈ 75 MB)
+COPY_PIECE = 8 << 20
+
+
+def file_mappings() -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of this process's mappings of regular files
+    (/proc/self/maps), or none where there is no such file."""
     try:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
@@ -890,27 +910,73 @@ def file_mappings() -> list[tuple[int, int]]:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].startswith("/"):
             start, end = fields[0].split("-")
-            spans.append((int(start, 16), int(end, 16)))
+            spans.append((int(start, 16), int(end, 16), int(fields[2], 16), fields[5]))
     return spans
 
 
 MADV_PAGEOUT = 21       # Linux 5.4; Python's mmap module does not name it
 
 
-def file_pages_out(ptr: int, nbytes: int, files: list[tuple[int, int]]) -> None:
+def file_pages_out(ptr: int, nbytes: int, files: list[tuple]) -> None:
     """Ask Linux to reclaim the whole pages of [ptr, ptr + nbytes) where they lie in a file mapping
     (a safetensors file stays mapped while any of its tensors lives): they leave this process's
     resident set, and a later read faults them in again from the file. MADV_PAGEOUT never loses
     data (a page written since it was mapped is swapped, not dropped), unlike MADV_DONTNEED on a
     private mapping. A kernel without it refuses, and the pages stay: nothing else changes."""
     start, end = -(-ptr // 4096) * 4096, (ptr + nbytes) // 4096 * 4096
-    if end > start and any(a <= start and end <= b for a, b in files):
+    if end > start and any(a <= start and end <= b for a, b, *_ in files):
         libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
+
+
+def rows_on_demand(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Let tables read a few rows at a time (embeddings) take memory only for the rows read,
+    where they are views of a mapped file (a checkpoint's or a GGUF conversion's). Reading a
+    byte of a mapped file maps what the file's cache holds around it: up to 16 pages (Linux's
+    fault-around), or a whole large folio where the file was written or read ahead in big
+    pieces, hundreds of times a row of a GGUF's Q4_K table (1,152 B): a prompt of a few hundred
+    tokens made most of such a table resident. So each table is marked random access
+    (MADV_RANDOM: no read-ahead, a fault reads its own page), the pages this process holds of
+    it are given back (file_pages_out), and its part of the file's cache is dropped
+    (POSIX_FADV_DONTNEED: clean pages no other process maps): a lookup then holds the pages of
+    its rows, each read from the file at its first use (a new token's row costs one page read,
+    once). Pages the file has not written back yet stay cached (a conversion's, in its first
+    start). Returns the tensors so marked."""
+    files, done = file_mappings(), []
+    for t in tensors:
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        start, end = -(-ptr // 4096) * 4096, (ptr + nbytes) // 4096 * 4096
+        span = next((f for f in files if f[0] <= start and end <= f[1]), None)
+        if t.device.type != "cpu" or end <= start or span is None:
+            continue
+        libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_RANDOM)
+        file_pages_out(start, end - start, files)
+        try:
+            fd = os.open(span[3], os.O_RDONLY)
+        except OSError:         # the file was replaced or removed: its pages stay as they are
+            continue
+        try:
+            os.posix_fadvise(fd, span[2] + start - span[0], end - start, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        done.append(t)
+    return done
 
 
 @functools.cache
 def libc():
     return ctypes.CDLL(None, use_errno=True)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system. glibc keeps what a pass frees (a
+    prefill's activations: tens of MB, in the heap once its mmap threshold has grown past them)
+    for later allocations, resident, and returns only its heap's free top; malloc_trim(0) returns
+    every free page of every arena, in a few ms. The runner calls it when an answer ends and the
+    server when its last request has: nothing needs that memory until the next pass. Where the C
+    library has no malloc_trim, nothing."""
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def packed_weight(layer: nn.Module) -> torch.Tensor | None:

@@ -506,6 +506,8 @@ class EngineLoop:
                 pass
             if self.engine.has_work():
                 self.step()
+                if not self.engine.has_work():      # the last request ended: its memory back
+                    kernels.trim_heap()
 
     def handle(self, kind, job, arg=None):
         if kind == "call":

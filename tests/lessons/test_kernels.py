@@ -1,6 +1,7 @@
 """kernels.py: the device-specific fast paths give the plain computation's values."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -222,9 +223,13 @@ def test_huge_pages_keep_the_tensors_and_their_values():
         assert torch.equal(a, copies[0] + 1)
 
 
-def resident_file_mb() -> float:
-    line = next(x for x in open("/proc/self/status") if x.startswith("RssFile:"))
+def status_mb(field: str) -> float:
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
     return int(line.split()[1]) / 1024
+
+
+def resident_file_mb() -> float:
+    return status_mb("RssFile")
 
 
 def test_weights_moved_out_of_a_mapped_checkpoint_are_resident_once(tmp_path):
@@ -241,10 +246,34 @@ def test_weights_moved_out_of_a_mapped_checkpoint_are_resident_once(tmp_path):
     before = resident_file_mb()
     assert torch.equal(read["w"], state["w"])                   # faults the 32 MB in
     assert resident_file_mb() - before > 24
+    open("/proc/self/clear_refs", "w").write("5")              # the peak (VmHWM) from here
+    rss = status_mb("VmRSS")
     if not kernels.huge_pages([read["w"]]):
         pytest.skip("no transparent huge pages here")
     assert resident_file_mb() - before < 8
+    # a piece at a time (COPY_PIECE): the file's pages leave as the copy grows, never both whole
+    assert status_mb("VmHWM") - rss < 16
     assert torch.equal(read["w"], state["w"]) and torch.equal(read["small"], state["small"])
+
+
+def test_an_embedding_table_in_a_mapped_file_holds_the_rows_read(tmp_path):
+    """kernels.rows_on_demand: a table in a mapped checkpoint (an embedding: a prompt reads a few
+    hundred of its rows) takes memory for the pages of the rows read, not the file cache's large
+    pieces around each (the whole 32 MB table for 52 rows, on this file system, without it); the
+    rows read are the table's."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    table = torch.randn(8192, 1024)                             # rows of 4 KB
+    save_file({"table": table}, tmp_path / "model.safetensors")
+    fd = os.open(tmp_path / "model.safetensors", os.O_RDONLY)
+    os.fsync(fd)            # as a cache written by an earlier start: its pages clean
+    os.close(fd)
+    read = safetensors_io.read_weights(tmp_path)["table"]
+    if not kernels.rows_on_demand([read]):
+        pytest.skip("no mapped file seen here (/proc/self/maps)")
+    before, ids = resident_file_mb(), torch.arange(0, 8192, 160)
+    assert torch.equal(read[ids], table[ids])
+    assert resident_file_mb() - before < 2                      # 52 rows: 2 pages each at most
 
 
 @pytest.mark.parametrize("B,H,H_kv,d,L", [(1, 9, 3, 64, 1), (1, 9, 3, 64, 200), (2, 8, 2, 32, 70), (3, 4, 4, 128, 65)])
