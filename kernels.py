@@ -929,18 +929,20 @@ def file_pages_out(ptr: int, nbytes: int, files: list[tuple]) -> None:
 
 
 def rows_on_demand(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Let tables read a few rows at a time (embeddings) take memory only for the rows read,
+    """Let tables read a few rows at a time (embeddings) take less memory for the rows read,
     where they are views of a mapped file (a checkpoint's or a GGUF conversion's). Reading a
-    byte of a mapped file maps what the file's cache holds around it: up to 16 pages (Linux's
-    fault-around), or a whole large folio where the file was written or read ahead in big
-    pieces, hundreds of times a row of a GGUF's Q4_K table (1,152 B): a prompt of a few hundred
-    tokens made most of such a table resident. So each table is marked random access
-    (MADV_RANDOM: no read-ahead, a fault reads its own page), the pages this process holds of
-    it are given back (file_pages_out), and its part of the file's cache is dropped
-    (POSIX_FADV_DONTNEED: clean pages no other process maps): a lookup then holds the pages of
-    its rows, each read from the file at its first use (a new token's row costs one page read,
-    once). Pages the file has not written back yet stay cached (a conversion's, in its first
-    start). Returns the tensors so marked."""
+    byte of a mapped file maps what the file's cache holds around it: a whole large folio where
+    the file was written or read ahead in big pieces, hundreds of times a row of a GGUF's Q4_K
+    table (1,152 B), so a prompt of a few hundred tokens made most of such a table resident.
+    Each table's part of the file's cache is dropped (POSIX_FADV_DONTNEED: clean pages no other
+    process maps) and read again without read-ahead (POSIX_FADV_RANDOM on the descriptor that
+    reads it, once per start), which caches it in single pages: a row read then maps the cached
+    pages of its fault-around window (16 pages), not a folio. Read back, not left to each lookup
+    to fault in from the disk: a decode step that met a new token waited on the disk for its
+    row. The table is marked random access too (MADV_RANDOM: pages the system evicts later come
+    back alone), and the pages this process held of it are given back (file_pages_out). Pages
+    the file has not written back yet stay as they are (a conversion's, in its first start).
+    Returns the tensors so marked."""
     files, done = file_mappings(), []
     for t in tensors:
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
@@ -955,7 +957,12 @@ def rows_on_demand(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         except OSError:         # the file was replaced or removed: its pages stay as they are
             continue
         try:
-            os.posix_fadvise(fd, span[2] + start - span[0], end - start, os.POSIX_FADV_DONTNEED)
+            offset = span[2] + start - span[0]
+            os.posix_fadvise(fd, offset, end - start, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, offset, end - start, os.POSIX_FADV_RANDOM)
+            buffer = bytearray(1 << 20)
+            for at in range(offset, offset + end - start, len(buffer)):
+                os.preadv(fd, [memoryview(buffer)[:offset + end - start - at]], at)
         finally:
             os.close(fd)
         done.append(t)
