@@ -917,13 +917,19 @@ def file_mappings() -> list[tuple[int, int, int, str]]:
 MADV_PAGEOUT = 21       # Linux 5.4; Python's mmap module does not name it
 
 
+def whole_pages(ptr: int, nbytes: int) -> tuple[int, int]:
+    """(start, end) of the 4-KiB pages wholly inside [ptr, ptr + nbytes): advice about a page
+    must not reach a neighbour's bytes."""
+    return -(-ptr // 4096) * 4096, (ptr + nbytes) // 4096 * 4096
+
+
 def file_pages_out(ptr: int, nbytes: int, files: list[tuple]) -> None:
     """Ask Linux to reclaim the whole pages of [ptr, ptr + nbytes) where they lie in a file mapping
     (a safetensors file stays mapped while any of its tensors lives): they leave this process's
     resident set, and a later read faults them in again from the file. MADV_PAGEOUT never loses
     data (a page written since it was mapped is swapped, not dropped), unlike MADV_DONTNEED on a
     private mapping. A kernel without it refuses, and the pages stay: nothing else changes."""
-    start, end = -(-ptr // 4096) * 4096, (ptr + nbytes) // 4096 * 4096
+    start, end = whole_pages(ptr, nbytes)
     if end > start and any(a <= start and end <= b for a, b, *_ in files):
         libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
 
@@ -945,8 +951,7 @@ def rows_on_demand(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     Returns the tensors so marked."""
     files, done = file_mappings(), []
     for t in tensors:
-        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-        start, end = -(-ptr // 4096) * 4096, (ptr + nbytes) // 4096 * 4096
+        start, end = whole_pages(t.data_ptr(), t.numel() * t.element_size())
         span = next((f for f in files if f[0] <= start and end <= f[1]), None)
         if t.device.type != "cpu" or end <= start or span is None:
             continue
