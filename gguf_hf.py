@@ -557,7 +557,9 @@ def give_back_freed() -> None:
     """Hands the C heap's freed pages back to the OS (glibc's malloc_trim; elsewhere nothing).
     A conversion frees temporaries of every size, tensor after tensor; glibc keeps those under
     its mapping threshold in its heap, where, fragmented, they were not reused: the resident
-    memory grew with every layer, as if the model were held after all."""
+    memory grew with every layer, as if the model were held after all. The runner calls it too
+    when an answer ends, and the server when its last request has: a prefill's freed
+    activations would otherwise stay resident until the next one."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

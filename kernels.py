@@ -981,18 +981,6 @@ def libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system. glibc keeps what a pass frees (a
-    prefill's activations: tens of MB, in the heap once its mmap threshold has grown past them)
-    for later allocations, resident, and returns only its heap's free top; malloc_trim(0) returns
-    every free page of every arena, in a few ms. The runner calls it when an answer ends and the
-    server when its last request has: nothing needs that memory until the next pass. Where the C
-    library has no malloc_trim, nothing."""
-    trim = getattr(libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
 def packed_weight(layer: nn.Module) -> torch.Tensor | None:
     """The layer's copy from prepack, if it is a copy of its current weight."""
     packed = getattr(layer, "onednn", None)

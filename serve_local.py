@@ -37,6 +37,7 @@ import torch
 import checkpoint
 import drafting
 import engine
+import gguf_hf
 import kernels
 import kvcache
 import nanoinfer.load
@@ -133,7 +134,7 @@ class Chat:
             # The cache holds the prompt and every answer token but the last; after an
             # interrupt some layers may hold one more, so crop all to the agreed length.
             self.keep(len(ids) + len(answer) - 1 if answer else prefix)
-            kernels.trim_heap()
+            gguf_hf.give_back_freed()
             self.ids = ids + answer
         if self.proposer is not None:      # the baseline of the speedup the stats line prints
             self.plain_step_s = plain_step_s(self.model, self.cache) or self.plain_step_s

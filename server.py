@@ -92,6 +92,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import checkpoint
 import engine
+import gguf_hf
 import kernels
 import nanoinfer.load
 import plan
@@ -507,7 +508,7 @@ class EngineLoop:
             if self.engine.has_work():
                 self.step()
                 if not self.engine.has_work():      # the last request ended: its memory back
-                    kernels.trim_heap()
+                    gguf_hf.give_back_freed()
 
     def handle(self, kind, job, arg=None):
         if kind == "call":

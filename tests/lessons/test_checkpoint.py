@@ -636,3 +636,23 @@ def test_qwen_gguf_round_trip_matches_transformers(tmp_path, family):
                                                     dtype=torch.float32).eval()
         with torch.no_grad():
             assert np.abs(read(torch.tensor([IDS])).logits[0].numpy() - expected).max() < 1e-5
+
+
+def test_give_back_freed_returns_the_heaps_free_blocks():
+    """gguf_hf.give_back_freed: blocks freed below a live one stay resident in glibc's heap (its
+    mmap threshold grows past a freed big block, so later ones of 1 MB come from the heap), and
+    go back to the system when it is called (a conversion between tensors; the runner after each
+    answer)."""
+    def rss_mb() -> float:
+        line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+    big = torch.ones(4 << 20, dtype=torch.uint8)
+    del big
+    blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(64)]
+    keep = blocks[-1]                                           # the heap's top stays in use
+    del blocks
+    before = rss_mb()
+    gguf_hf.give_back_freed()
+    if not hasattr(kernels.libc(), "malloc_trim"):
+        pytest.skip("no malloc_trim in this C library")
+    assert before - rss_mb() > 32 and keep.sum() == 1 << 20
