@@ -433,9 +433,11 @@ def test_cli_bad_flag_is_one_line():
 
 def start_cli(bundled_dir, cache_home, *flags) -> tuple[subprocess.Popen, str]:
     """`python server.py` on the bundled model and a free port, once /health answers: (process, url).
-    Eager (--no-compile): a first start would build its compiled steps beside the tests."""
+    Eager (--no-compile): a first start would build its compiled steps beside the tests. One
+    OpenMP thread: beside the other test worker on 2 cores, a descheduled second thread stalls
+    every step (conftest.one_thread)."""
     port = free_port()
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "server.py", "--model", str(bundled_dir), "--port", str(port),
                              "--no-compile", *flags],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -453,7 +455,8 @@ def start_cli(bundled_dir, cache_home, *flags) -> tuple[subprocess.Popen, str]:
 
 
 def test_sigterm_finishes_streams_and_exits_0(bundled_dir, cache_home):
-    proc, url = start_cli(bundled_dir, cache_home)
+    # a drain long enough for any machine: its deadline is test_server_attack's
+    proc, url = start_cli(bundled_dir, cache_home, "--drain-seconds", "600")
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -462,6 +465,7 @@ def test_sigterm_finishes_streams_and_exits_0(bundled_dir, cache_home):
             proc.send_signal(signal.SIGTERM)       # mid-stream: the answer still ends properly
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
+        assert "choices" in json.loads(rest[-2][6:]), rest[-2]
         assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) == 0
     finally:
