@@ -23,7 +23,8 @@ FOLLOW_UP = "What is 2+2?"
 
 def test_ctrl_c_in_an_answer_and_at_the_prompt(bundled_dir, tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path), "TERM": "dumb", "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}     # conftest: the one kernel build
+           "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],     # conftest: the one kernel build
+           "OMP_NUM_THREADS": "1"}      # beside the other test worker, a second thread stalls each step
     child = pexpect.spawn(sys.executable, ["serve_local.py", "--model", str(bundled_dir), "--temperature", "0",
                                            "--max-new-tokens", "300", "--dtype", "float32",
                                            "--no-compile"],   # the plan's EAGLE head + lookup, eager (no compile wait)
