@@ -171,8 +171,8 @@ def gguf_config(reader) -> dict:
 #     Q6_K               s = d·sc, q -32..31            int8 in 6 bits, groups of 16
 #     Q3_K               s = d·sc, lo = -4s, q 0..7     int4, groups of 16
 #     Q2_K               s = d·sc, lo = -dmin·m, q 0..3 int4, groups of 16
-#     IQ4_NL, IQ4_XS     s = d (·(ls - 32)), q one of   int8, groups of 32
-#                        16 int8 values (a codebook)
+#     IQ4_NL, IQ4_XS     s = d (·(ls - 32)), v[q] one   int4 with a table, groups of 32
+#                        of 16 int8 values v (a codebook)
 #     F16, BF16          -                              16-bit weights, fp32 arithmetic
 #     F32                -                              fp32
 #
@@ -189,9 +189,10 @@ def gguf_config(reader) -> dict:
 # the minimum -4s, its sc - 32 serving both (twice stored) beside d and -4d; Q2_K's with its own
 # sc and m: 164 bytes per 256 weights against the file's 110 and 84, no kernel reading 2 or 3
 # bits a value (a Q3_K_M file keeps its larger tensors in Q4_K, Q5_K and Q6_K). IQ4_NL's and
-# IQ4_XS's values (-127..113, from a 16-entry codebook) are held as the int8 they are: 272 and
-# 266 bytes per 256 weights against the file's 144 and 136. The other IQ types (codebooks of
-# 8-value grids, signs apart) are refused.
+# IQ4_XS's nibbles are kept as int4 beside the 16 values they index (-127..113, Packed.values):
+# W = v[q]·s, 144 and 138 bytes per 256 weights against the file's 144 and 136; the kernels look
+# each nibble's number up where they would convert it. The other IQ types (codebooks of 8-value
+# grids, signs apart) are refused.
 
 
 class Kind(Enum):
@@ -220,17 +221,24 @@ class Packed:
     scale_d: torch.Tensor | None = None
     lo_d: torch.Tensor | None = None
     bits: int = 8
+    values: tuple[int, ...] | None = None     # INT4: the number each q stands for (IQ4's table)
+
+    def numbers(self, q: torch.Tensor) -> torch.Tensor:
+        """q as the numbers it stands for, in fp32."""
+        if self.values is None:
+            return q.float()
+        return torch.tensor(self.values, dtype=torch.float32)[q.long()]
 
     def dequantized(self) -> torch.Tensor:
         if self.kind in (Kind.HALF, Kind.FLOAT):
             return self.q.float()
-        return widened(self.q, self.scale, self.lo, self.scale_d, self.lo_d)
+        return widened(self.numbers(self.q), self.scale, self.lo, self.scale_d, self.lo_d)
 
     def rows(self, index) -> "Packed":
         """The same layout over a selection of rows (llama.cpp's Q/K row order undone)."""
         pick = lambda t: None if t is None else t[index]
         return Packed(self.kind, pick(self.q), pick(self.scale), pick(self.lo), self.group,
-                      pick(self.scale_d), pick(self.lo_d), self.bits)
+                      pick(self.scale_d), pick(self.lo_d), self.bits, self.values)
 
 
 def halves(qs: np.ndarray) -> np.ndarray:
@@ -327,16 +335,17 @@ def unpack_blocks(blocks: np.ndarray, kind: str):
         return (low.astype(np.uint8) | (high.astype(np.uint8) << 2), sc, sc.copy(), 16, d,
                 -4 * d)
     if kind in ("IQ4_NL", "IQ4_XS"):
-        # each nibble picks one of 16 int8 values (ggml's kvalues_iq4nl), in Q4_0's order
+        # each nibble picks one of 16 int8 values (ggml's kvalues_iq4nl), in Q4_0's order: the
+        # nibbles are kept (packed: Packed.values)
         if kind == "IQ4_NL":        # per 32: fp16 d, 16 bytes
-            return IQ4_VALUES[halves(blocks[:, 2:])], fp16(blocks[:, :2]), None, 32, None, None
+            return halves(blocks[:, 2:]), fp16(blocks[:, :2]), None, 32, None, None
         # per 256: fp16 d, the 6-bit ls of its 8 groups (2 high bits each in a uint16, 4 low
         # in 4 bytes), 128 bytes; a group's s = d·(ls - 32)
         high = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16) >> (2 * np.arange(
             8, dtype=np.uint16))
         low = blocks[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], np.uint8).reshape(1, 1, 2)
         ls = (low.reshape(-1, 8) & 15) | ((high & 3).astype(np.uint8) << 4)
-        return (IQ4_VALUES[halves(blocks[:, 8:])], ls.astype(np.int8) - 32, None, 32,
+        return (halves(blocks[:, 8:]), ls.astype(np.int8) - 32, None, 32,
                 fp16(blocks[:, :2]), None)
     raise CheckpointError(f"GGUF tensor type {kind} is not supported: use a file quantized to "
                           f"F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
@@ -403,7 +412,8 @@ def packed(tensor, data: np.ndarray | None = None) -> Packed:
                   torch.from_numpy(np.ascontiguousarray(q.reshape(rows, k))),
                   per_row(s, k // group, sub), per_row(lo, k // group, sub), group,
                   per_row(s_d, k // 256, np.float16), per_row(lo_d, k // 256, np.float16),
-                  6 if kind in SIX_BITS else 8)
+                  6 if kind in SIX_BITS else 8,
+                  tuple(int(v) for v in IQ4_VALUES) if kind in ("IQ4_NL", "IQ4_XS") else None)
 
 
 def grouped(parts: list[Packed]) -> list[Packed]:
@@ -471,6 +481,8 @@ def layout_of(p: Packed) -> dict:
                  else str(p.scale.dtype).removeprefix("torch.")}
     if p.kind == Kind.INT8 and p.bits == 6:
         spec["bits"] = 6            # join_sixes
+    if p.values is not None:
+        spec["values"] = list(p.values)
     if p.kind == Kind.HALF:
         spec["dtype"] = str(p.q.dtype).removeprefix("torch.")
     return spec
@@ -482,8 +494,8 @@ def layout_of(p: Packed) -> dict:
 # 5: the embedding table at its bits (tied: stored once, as the head). 6: K-quants' scales as
 # int8 per group times fp16 per 256 weights. 7: a group's parts at different bits kept apart.
 # 8: 5- and 6-bit values in six bits (join_sixes), not a byte. 9: Q3_K and Q2_K as int4 in
-# groups of 16, not six-bit int8.
-CONVERTED_FORMAT = 9
+# groups of 16, not six-bit int8. 10: IQ4_NL and IQ4_XS as int4 with their 16 values, not int8.
+CONVERTED_FORMAT = 10
 
 
 def gguf_fingerprint(path: Path, version: int = CONVERTED_FORMAT) -> str:
@@ -579,7 +591,7 @@ def largest_weight(p: Packed) -> torch.Tensor:
     def part(c: Packed) -> torch.Tensor:
         groups = c.q.reshape(len(c.q), -1, c.group)
         s, lo = block_scaled(c.scale, c.scale_d).float(), block_scaled(c.lo, c.lo_d)
-        ends = [q.float() * s + (0 if lo is None else lo.float())
+        ends = [c.numbers(q) * s + (0 if lo is None else lo.float())   # values ascend
                 for q in (groups.amin(-1), groups.amax(-1))]
         return torch.maximum(ends[0].abs().max(), ends[1].abs().max())
     step = max(1, CHUNK_BYTES // (4 * (p.q.shape[1] // p.group)))    # rows of fp32 group ends

@@ -256,6 +256,15 @@ static void group_sums(const float* x, int64_t K, int64_t group, float* sx) {
   }
 }
 
+// int4 weights (two a byte, the even column in the low nibble) and what a nibble stands for:
+// `tab` null, the number 0..15 (W = lo + q·s); else tab[q] of 16 fp32 (a GGUF's IQ4_NL and
+// IQ4_XS: each nibble picks one of 16 int8 values, W = tab[q]·s), exact in fp32 and in bf16.
+// `+ n` moves n bytes.
+struct Nibbles {
+  const uint8_t* p = nullptr;
+  const float* tab = nullptr;
+  Nibbles operator+(int64_t n) const { return Nibbles{p + n, tab}; }
+};
 // Each 32 weights' x, reordered once per call so that byte i of a block (weights 2i and 2i+1, low
 // and high nibble) meets its x in lane i:
 // xp[32c + i] = x[32c + 2i], xp[32c + 16 + i] = x[32c + 2i + 1].
@@ -333,17 +342,22 @@ static inline int64_t spans_ahead(int64_t ahead, int64_t span) {
 
 // 32 weights of one int4 row (16 bytes, even weight in the low nibble) as fp32: per 8 bytes one
 // widening load, a mask and a shift give the 8 even (e) and 8 odd (o) nibbles, two conversions.
-// The weights `ahead` bytes on are asked for.
-static inline void widen(const uint8_t* q, int64_t ahead, __m256& e0, __m256& o0, __m256& e1,
-                         __m256& o1) {
+// The weights `ahead` bytes on are asked for. With a table (Nibbles), each nibble's number by two
+// 8-entry lookups and a blend on the nibble's bit 3 instead of a conversion.
+static inline __m256 nibbles8(__m256i n, const float* tab) {
+  if (!tab) return _mm256_cvtepi32_ps(n);
+  const __m256 a = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), n),
+               b = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 8), n);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(n, 28)));
+}
+static inline void widen(const uint8_t* q, const float* tab, int64_t ahead, __m256& e0,
+                         __m256& o0, __m256& e1, __m256& o1) {
   const __m256i nib = _mm256_set1_epi32(0x0F);
   _mm_prefetch((const char*)(q + ahead), _MM_HINT_T0);
   __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
   __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
-  e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nib)),
-      o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-  e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nib)),
-      o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  e0 = nibbles8(_mm256_and_si256(b0, nib), tab), o0 = nibbles8(_mm256_srli_epi32(b0, 4), tab);
+  e1 = nibbles8(_mm256_and_si256(b1, nib), tab), o1 = nibbles8(_mm256_srli_epi32(b1, 4), tab);
 }
 
 // Eight minimums from group g on as fp32 (exact), read as they are stored: fp32, fp16, or a
@@ -417,7 +431,8 @@ static inline float lo_share(L lo, const float* sx, int64_t G) {
 static inline __m256 upper8(__m512 a) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
 }
-// The table a 4-bit index reads its value from (vpermps): 0..15 as fp32.
+// The table a 4-bit index reads its value from (vpermps): 0..15 as fp32, or a layout's own 16
+// numbers (Nibbles.tab) at no extra cost.
 static inline __m512 nibble_values() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -470,23 +485,23 @@ static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const fl
   }
 }
 template <int R, int MT, bool H16, typename L>
-static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
+static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = H16 ? K / 16 : (K / 32) >> shift;
-  const __m512 table = nibble_values();
+  const __m512 table = q.tab ? _mm512_loadu_ps(q.tab) : nibble_values();
   __m512 acc[R][MT];
   UNROLL
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
   const int64_t ahead = spans_ahead(STREAM_AHEAD, R * (K / 2));
   for (int64_t c = 0; c < K / 32; c++)
-    int4_block_rows<R, MT, H16>(q + c * 16, K / 2, s + (H16 ? 2 * c : c >> shift), G,
+    int4_block_rows<R, MT, H16>(q.p + c * 16, K / 2, s + (H16 ? 2 * c : c >> shift), G,
                                 xp + c * 32, K, table, (c & 3) == 0 ? ahead : 0, acc);
   UNROLL
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++)
       y[t * N + r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][t]), upper8(acc[r][t])))
-                     + lo_share(lo + r * G, sx + t * G, G);
+                     + (lo ? lo_share(lo + r * G, sx + t * G, G) : 0.f);
 }
 // Weight rows a pass over several rows of x takes at a time: R·MT accumulators, MT rows of x in
 // two registers each, and the widened block fit AVX-512's 32 registers at R = 2, MT = 4.
@@ -500,7 +515,7 @@ static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shi
 // weight rows at a time (R = 2: 9% faster than one, W from DRAM) share x's four loads per 32
 // weights.
 template <int R, int MT, bool H16, typename L>
-static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
+static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = H16 ? K / 16 : (K / 32) >> shift;
   const int64_t ahead = spans_ahead(AHEAD, R * (K / 2));
@@ -514,7 +529,7 @@ static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shi
       // the first half's weights are 0..15 of the block (H16: a group of their own)
       __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (H16 ? 2 * c : c >> shift)]),
                              vs1 = H16 ? _mm256_set1_ps(s[r * G + 2 * c + 1]) : vs;
-      widen(q + r * (K / 2) + c * 16, ahead, e0, o0, e1, o1);
+      widen(q.p + r * (K / 2) + c * 16, q.tab, ahead, e0, o0, e1, o1);
       UNROLL
       for (int t = 0; t < MT; t++) {
         const float* xc = xp + t * K + c * 32;
@@ -531,7 +546,7 @@ static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shi
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++)
       y[t * N + r] = hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]))
-                     + lo_share(lo + r * G, sx + t * G, G);
+                     + (lo ? lo_share(lo + r * G, sx + t * G, G) : 0.f);
 }
 // 16 registers: a tile of 4 rows of x takes 8 accumulators, so one weight row at a time.
 #define TILE_ROWS 1
@@ -660,24 +675,27 @@ static inline float hsum(const float* a) {
   return hsum8(l);
 }
 template <int R, int MT, bool H16, typename L>
-static void int4_rows(const uint8_t* q, const float* s, L lo, int64_t K, int shift,
+static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = H16 ? K / 16 : (K / 32) >> shift;
+  auto value = [&](int n) { return q.tab ? q.tab[n] : float(n); };
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) {
-      const uint8_t* qr = q + r * (K / 2);
+      const uint8_t* qr = q.p + r * (K / 2);
       const float* sr = s + r * G;
-      L lr = lo + r * G;
       float acc[16] = {0}, l[8];
       for (int64_t c = 0; c < K / 32; c++) {
         const uint8_t* b = qr + c * 16;
         const float* xc = xp + t * K + c * 32;
         for (int i = 0; i < 16; i++)
-          acc[i] = std::fma(std::fma(float(b[i] >> 4), xc[16 + i], float(b[i] & 15) * xc[i]),
+          acc[i] = std::fma(std::fma(value(b[i] >> 4), xc[16 + i], value(b[i] & 15) * xc[i]),
                             sr[H16 ? 2 * c + i / 8 : c >> shift], acc[i]);
       }
       for (int i = 0; i < 8; i++) l[i] = 0.f;
-      for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lr[g]), sx[t * G + g], l[g % 8]);
+      if (lo) {
+        L lr = lo + r * G;
+        for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lr[g]), sx[t * G + g], l[g % 8]);
+      }
       float m = hsum8(l);
       for (int i = 0; i < 8; i++) l[i] = acc[i] + acc[8 + i];
       y[t * N + r] = hsum8(l) + m;
@@ -742,23 +760,31 @@ static void by_halves(int shift, F f) {
   else f(std::false_type());
 }
 
+// values: the 16 numbers a nibble stands for (Nibbles), or None for 0..15.
+static const float* nibble_table(const std::optional<at::Tensor>& values, const char* op) {
+  if (!values.has_value() || !values->defined()) return nullptr;
+  TORCH_CHECK(values->scalar_type() == at::kFloat && values->numel() == 16 &&
+              values->is_contiguous(), op, ": values 16 fp32 numbers, or None");
+  return values->data_ptr<float>();
+}
 static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
-                          const at::Tensor& lo, int64_t group,
+                          const std::optional<at::Tensor>& lo, int64_t group,
                           const std::optional<at::Tensor>& sd,
-                          const std::optional<at::Tensor>& lod) {
+                          const std::optional<at::Tensor>& lod,
+                          const std::optional<at::Tensor>& values) {
   const int shift = int4_shift(x, q, s, group, "int4_mm");
+  const Nibbles qn{q.data_ptr<uint8_t>(), nibble_table(values, "int4_mm")};
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   auto y = at::empty({M, N}, x.options());
   std::vector<float> reordered(M * K), sums(M * G);
   float *xp = reordered.data(), *sx = sums.data();
   for (int64_t m = 0; m < M; m++)
     reorder_x(x.data_ptr<float>() + m * K, K, group, xp + m * K, sx + m * G);
-  const uint8_t* qp = q.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
     by_halves(shift, [&](auto h16) {
       int4_rows<decltype(rows)::value, decltype(tile)::value, decltype(h16)::value>(
-          qp + n * K / 2, sn, ln, K, shift, xp + m * K, sx + m * G, yp + m * N + n, N);
+          qn + n * K / 2, sn, ln, K, shift, xp + m * K, sx + m * G, yp + m * N + n, N);
     });
   };
   auto run = [&](auto s_, auto lo_) {
@@ -1624,19 +1650,20 @@ static void dequant_values(Q q, const float* s, const float* lo, int64_t K, int6
   }
 }
 // 16 bytes: their low and high nibbles interleaved back into the 32 weights' order.
-static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+static void dequant_row(Nibbles q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
   const __m128i nib = _mm_set1_epi8(15);
   for (int64_t k = 0; k < K; k += 32) {
-    __m128i b = _mm_loadu_si128((const __m128i*)(q + k / 2));
+    __m128i b = _mm_loadu_si128((const __m128i*)(q.p + k / 2));
     __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
     __m128i w0 = _mm_unpacklo_epi8(e, o), w1 = _mm_unpackhi_epi8(e, o);
     __m128i part[4] = {w0, _mm_srli_si128(w0, 8), w1, _mm_srli_si128(w1, 8)};
     for (int h = 0; h < 2; h++) {         // weights 0..15 and 16..31: a group of 16 each, or one
       const int64_t g = (k + 16 * h) / group;
-      __m256 vs = _mm256_set1_ps(s[g]), vl = _mm256_set1_ps(lo[g]);
+      __m256 vs = _mm256_set1_ps(s[g]), vl = _mm256_set1_ps(lo ? lo[g] : 0.f);
       for (int i = 2 * h; i < 2 * h + 2; i++)
-        put8(out + k + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i])), vs, &vl);
+        put8(out + k + 8 * i, nibbles8(_mm256_cvtepu8_epi32(part[i]), q.tab), vs,
+             lo ? &vl : nullptr);
     }
   }
 }
@@ -1651,10 +1678,13 @@ static void dequant_values(Q q, const float* s, const float* lo, int64_t K, int6
   for (int64_t k = 0; k < K; k++)
     out[k] = lo ? std::fma(float(q[k]), s[k / group], lo[k / group]) : float(q[k]) * s[k / group];
 }
-static void dequant_row(const uint8_t* q, const float* s, const float* lo, int64_t K, int64_t group,
+static void dequant_row(Nibbles q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
-  for (int64_t k = 0; k < K; k++)
-    out[k] = std::fma(float(k % 2 ? q[k / 2] >> 4 : q[k / 2] & 15), s[k / group], lo[k / group]);
+  for (int64_t k = 0; k < K; k++) {
+    const int n = k % 2 ? q.p[k / 2] >> 4 : q.p[k / 2] & 15;
+    const float v = q.tab ? q.tab[n] : float(n);
+    out[k] = lo ? std::fma(v, s[k / group], lo[k / group]) : v * s[k / group];
+  }
 }
 template <typename T>
 static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
@@ -1806,13 +1836,16 @@ static void widen_rows(int64_t K, int64_t rows, int64_t nb, uint16_t* wb, F put)
   }
 }
 // int4 (two a byte, even k in the low nibble): 0..15 by a table of their bf16 numbers.
-static void widen_tiles(const uint8_t* q, int64_t K, int64_t n0, int64_t rows, int64_t nb,
+static void widen_tiles(Nibbles q, int64_t K, int64_t n0, int64_t rows, int64_t nb,
                         uint16_t* wb) {
-  const __m512i bf16_of = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+  // a table's numbers (8 significant bits at most) are their fp32's top halves
+  const __m512i bf16_of = q.tab ? _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(
+                                      _mm512_castps_si512(_mm512_loadu_ps(q.tab)), 16)))
+                                : _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
       0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);          // 15.0 ... 1.0, 0
   const __m128i nib = _mm_set1_epi8(15);
-  const uint8_t* w = q + n0 * (K / 2);
+  const uint8_t* w = q.p + n0 * (K / 2);
   widen_rows(K, rows, nb, wb, [&](int64_t r, int64_t g, uint16_t* o) {
     __m128i b = _mm_loadu_si128((const __m128i*)(w + r * (K / 2) + g * 16));
     __m128i e = _mm_and_si128(b, nib), od = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
@@ -1934,7 +1967,8 @@ static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
 static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
                           int64_t group, const std::optional<at::Tensor>& sd,
-                          const std::optional<at::Tensor>& lod, bool amx) {
+                          const std::optional<at::Tensor>& lod, bool amx,
+                          const std::optional<at::Tensor>& values) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && w.dim() == 2 &&
               w.is_contiguous() && x.size(1) % 32 == 0,
               "wide_mm: x (M, K) fp32, K a multiple of 32, w (N, ·) contiguous");
@@ -1959,22 +1993,26 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
   if (type == at::kChar) {
     TORCH_CHECK(w.size(1) == K, "wide_mm: int8 w (N, K)");
   } else if (!six) {
-    TORCH_CHECK(type == at::kByte && w.size(1) * 2 == K && has_lo,
-                "wide_mm: int4 w (N, K/2) with scale and lo, or six-bit int8 (N, 3K/4)");
+    TORCH_CHECK(type == at::kByte && w.size(1) * 2 == K,
+                "wide_mm: int4 w (N, K/2) with scale (lo, values), or six-bit int8 (N, 3K/4)");
   }
+  TORCH_CHECK(!values.has_value() || !values->defined() || (type == at::kByte && !six),
+              "wide_mm: values are an int4 w's");
+  const Nibbles wn{static_cast<const uint8_t*>(w.data_ptr()),
+                   type == at::kByte ? nibble_table(values, "wide_mm") : nullptr};
   TORCH_CHECK(!six || s.dim() == 2, "wide_mm: six-bit values come in groups");
   auto run = [&](auto sp, auto lp) {
 #ifdef AMX_TILES
     if (amx && M >= AMX_ROWS && group == 32 && amx_ready()) {
       if (type == at::kChar) amx_tiles(x, w.data_ptr<int8_t>(), sp, lp, y);
       else if (six) amx_tiles(x, Sixes{w.data_ptr<uint8_t>()}, sp, lp, y);
-      else amx_tiles(x, w.data_ptr<uint8_t>(), sp, lp, y);
+      else amx_tiles(x, wn, sp, lp, y);
       return;
     }
 #endif
     if (type == at::kChar) wide_tiles(x, w.data_ptr<int8_t>(), K, sp, lp, group, y);
     else if (six) wide_tiles(x, Sixes{w.data_ptr<uint8_t>()}, K / 4 * 3, sp, lp, group, y);
-    else wide_tiles(x, w.data_ptr<uint8_t>(), K / 2, sp, lp, group, y);
+    else wide_tiles(x, wn, K / 2, sp, lp, group, y);
   };
   with_scales(s, lo_, sd, lod, group, "wide_mm", run);
   return y;
@@ -2263,8 +2301,9 @@ static at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, cons
 #define DEFINE(ns, m) TORCH_LIBRARY(ns, m)
 DEFINE(LIBRARY, m) {
   // scale_d, lo_d: a K-quant's super-block numbers (KScales), with int8 scale and lo
-  m.def("int4_mm(Tensor x, Tensor q, Tensor scale, Tensor lo, int group, Tensor? scale_d=None, "
-        "Tensor? lo_d=None) -> Tensor");
+  // values: the 16 numbers an int4 nibble stands for (None: 0..15)
+  m.def("int4_mm(Tensor x, Tensor q, Tensor scale, Tensor? lo, int group, Tensor? scale_d=None, "
+        "Tensor? lo_d=None, Tensor? values=None) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int8g_mm(Tensor x, Tensor q, Tensor scale, Tensor? lo, int group, Tensor? scale_d=None, "
         "Tensor? lo_d=None) -> Tensor");
@@ -2274,7 +2313,7 @@ DEFINE(LIBRARY, m) {
         "Tensor? scale_d=None, Tensor? lo_d=None) -> Tensor");
   m.def("half_mm(Tensor x, Tensor w) -> Tensor");
   m.def("wide_mm(Tensor x, Tensor w, Tensor? scale, Tensor? lo, int group, Tensor? scale_d=None, "
-        "Tensor? lo_d=None, bool amx=False) -> Tensor");
+        "Tensor? lo_d=None, bool amx=False, Tensor? values=None) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor positions, "

@@ -446,7 +446,8 @@ def native_kernels(quiet: bool = False) -> bool:
         return False
     # their outputs' shapes, for torch.compile and torch.export to trace them
     torch.library.register_fake("nanoinfer::int4_mm")(
-        lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
+        lambda x, q, s, lo, group, sd=None, lod=None, values=None: x.new_empty(x.shape[0],
+                                                                             q.shape[0]))
     torch.library.register_fake("nanoinfer::int4_x8_mm")(
         lambda x, q, s, lo, group, sd=None, lod=None: x.new_empty(x.shape[0], q.shape[0]))
     torch.library.register_fake("nanoinfer::int8g_x8_mm")(
@@ -458,8 +459,8 @@ def native_kernels(quiet: bool = False) -> bool:
     torch.library.register_fake("nanoinfer::half_mm")(
         lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("nanoinfer::wide_mm")(
-        lambda x, w, s, lo, group, sd=None, lod=None, amx=False: x.new_empty(x.shape[0],
-                                                                              w.shape[0]))
+        lambda x, w, s, lo, group, sd=None, lod=None, amx=False, values=None: x.new_empty(
+            x.shape[0], w.shape[0]))
     torch.library.register_fake("nanoinfer::decode_attention")(
         lambda q, k, v, mask: q.new_empty(q.shape))
     torch.library.register_fake("nanoinfer::paged_attention")(
@@ -507,14 +508,15 @@ def build_kernels(library: str, vector: list[str], quiet: bool = False) -> bool:
     return True
 
 
-def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
-            group: int, scale_d: torch.Tensor | None = None,
-            lo_d: torch.Tensor | None = None) -> torch.Tensor:
+def int4_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None,
+            group: int, scale_d: torch.Tensor | None = None, lo_d: torch.Tensor | None = None,
+            values: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ for W (N, K) int4 as quantize.Int4Linear stores it: q (N, K/2) uint8 (even
     column in the low nibble), scale and lo (N, K/group) fp32 or fp16, or int8 times their
-    256-weight super-block's fp16 number (scale_d, lo_d: a K-quant's); W = lo + q·s; group 16
-    (a GGUF's Q3_K and Q2_K), 32, 64 or 128. Needs native_kernels()."""
-    return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group, scale_d, lo_d)
+    256-weight super-block's fp16 number (scale_d, lo_d: a K-quant's); W = lo + q·s (lo None: 0);
+    with ``values`` (16 fp32) W = values[q]·s (a GGUF's IQ4_NL and IQ4_XS); group 16 (a GGUF's
+    Q3_K and Q2_K), 32, 64 or 128. Needs native_kernels()."""
+    return torch.ops.nanoinfer.int4_mm(x, q, scale, lo, group, scale_d, lo_d, values)
 
 
 def int4_x8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
@@ -564,15 +566,16 @@ def half_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def wide_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
             lo: torch.Tensor | None = None, group: int = 0, scale_d: torch.Tensor | None = None,
-            lo_d: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
+            lo_d: torch.Tensor | None = None, amx: bool = False,
+            values: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ for many rows of x (a prefill) on oneDNN's (else BLAS's) fp32 GEMM, W
     dequantized a tile of rows at a time into an fp32 scratch: no fp32 copy of W is held. W as a
     stored layer holds it: int8 (N, K) with scale (N,) (group 0) or in groups; int4 bytes (N, K/2)
-    with scale and lo (scales as int4_mm's); fp16 or bf16 (N, K) alone. ``amx``: int4 or int8
+    with scale and lo or values (as int4_mm's); fp16 or bf16 (N, K) alone. ``amx``: int4 or int8
     values in groups of 32 on Intel's tile unit where the CPU has one (x cut into three bf16
     pieces that sum back to it exactly, so every product is exact: the same sums in another
     order, several times faster). Needs native_kernels()."""
-    return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group, scale_d, lo_d, amx)
+    return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group, scale_d, lo_d, amx, values)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -656,7 +659,8 @@ def wide_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
             y = wide_mm(rows, layer.weight)
         else:
             y = wide_mm(rows, layer.weight, layer.weight_scale, layer.weight_min, layer.group or 0,
-                        layer.weight_scale_d, layer.weight_min_d, amx=True)
+                        layer.weight_scale_d, layer.weight_min_d, amx=True,
+                        values=getattr(layer, "weight_values", None))
         return y.reshape(*x.shape[:-1], -1)
     return F.linear(x, layer.dequantized().to(x.dtype))
 
@@ -712,7 +716,8 @@ class Int8Linear(quantize.Int8Linear):
 class Int4Linear(quantize.Int4Linear):
     """quantize.Int4Linear on int4_mm (``native``), which reads the portable layout itself: no
     tiled copy. ``onednn``: prepack's fp32 copy for prefills. ``round_x``: every pass, one row or
-    a prefill's, on int4_x8_mm (x rounded to 8 bits: asked for, not exact)."""
+    a prefill's, on int4_x8_mm (x rounded to 8 bits: asked for, not exact), but for a layer whose
+    nibbles index a table (IQ4: int4_x8_mm's integers are the nibbles themselves)."""
     native: bool = False
     round_x: bool = False
     onednn: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -721,7 +726,7 @@ class Int4Linear(quantize.Int4Linear):
         self.native = uses_native(self, dtype, native)
         if not self.native:
             return super().prepare(dtype)
-        self.dtype, self.round_x = dtype, round_x
+        self.dtype, self.round_x = dtype, round_x and self.weight_values is None
         self.weight = self.weight.contiguous()
         kernel_scales(self)
 
@@ -730,9 +735,13 @@ class Int4Linear(quantize.Int4Linear):
         if self.native and x.dtype == torch.float32:
             if rows >= quantize.PREFILL_ROWS and not self.round_x:
                 return quantize.with_bias(wide_linear(self, x), self.bias)
-            mm = int4_x8_mm if self.round_x else int4_mm
-            y = mm(x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
-                   self.weight_min, self.group, self.weight_scale_d, self.weight_min_d)
+            flat = x.reshape(rows, -1).contiguous()
+            if self.round_x:
+                y = int4_x8_mm(flat, self.weight, self.weight_scale, self.weight_min, self.group,
+                               self.weight_scale_d, self.weight_min_d)
+            else:
+                y = int4_mm(flat, self.weight, self.weight_scale, self.weight_min, self.group,
+                            self.weight_scale_d, self.weight_min_d, self.weight_values)
             return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
         return super().forward(x)
 
@@ -785,7 +794,8 @@ def swap_quantized(model: nn.Module, dtype: torch.dtype, native: bool | None = N
                     if child.tiled is not None:
                         raise ValueError("swap_quantized needs unprepared layers: "
                                          "quantize with prepare=False")
-                    fast = Int4Linear(child.in_features, child.out_features, child.group, bias)
+                    fast = Int4Linear(child.in_features, child.out_features, child.group, bias,
+                                      has_min=child.weight_min is not None)
                 elif isinstance(child, quantize.Int8Linear):
                     fast = Int8Linear(child.in_features, child.out_features, child.group,
                                       child.weight_min is not None, bias, bits=child.bits)

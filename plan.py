@@ -217,7 +217,8 @@ def describe_layouts(info: ModelInfo) -> str:
     """A GGUF's bits by tensor kind: its matrices by layout, largest first, then its LM head's and
     its embedding table's: "matrices int4 groups of 32 79%, int8 groups 21%; LM head int8 groups;
     embedding table int8 groups (the LM head's: tied)"."""
-    names = {"int4": "int4 groups of 32", "int4/16": "int4 groups of 16", "int8": "int8 groups",
+    names = {"int4": "int4 groups of 32", "int4/16": "int4 groups of 16",
+             "int4/iq": "int4 of 16 values groups of 32", "int8": "int8 groups",
              "int6": "int8 groups in 6 bits", "half": "16-bit", "float": "fp32"}
     total = sum(info.file_params.values())
     matrices = "matrices " + ", ".join(f"{names[k]} {n / total:.0%}" for k, n in
@@ -240,15 +241,19 @@ def matrix_shape(c: LlamaConfig, layer: str) -> tuple[int, int]:
 
 
 # The product machine.calibrate times for a layout kind, where it is not the kind's own name:
-# int4 in groups of 16 runs int4_mm's loop (groups of 32 timed), a scale per half block.
-CALIBRATED_AS = {"int4/16": "int4"}
+# int4 in groups of 16 runs int4_mm's loop (groups of 32 timed), a scale per half block; int4
+# whose nibbles index 16 values (IQ4) the same loop, the values its table.
+CALIBRATED_AS = {"int4/16": "int4", "int4/iq": "int4"}
 
 
 def layout_kind(layout: dict) -> str:
     """A GGUF layout's kind, "int6" for int8 values held in six bits (its 5- and 6-bit blocks),
-    "int4/16" for int4 in groups of 16 (its 2- and 3-bit ones)."""
+    "int4/16" for int4 in groups of 16 (its 2- and 3-bit ones), "int4/iq" for int4 whose nibbles
+    index 16 values (its IQ4_NL and IQ4_XS)."""
     if layout.get("bits") == 6:
         return "int6"
+    if layout.get("values"):
+        return "int4/iq"
     return "int4/16" if layout["kind"] == "int4" and layout.get("group") == 16 else layout["kind"]
 
 
@@ -264,7 +269,8 @@ def layout_bytes(layout: dict, rows: int, cols: int) -> int:
         extra = n // layout["group"] * numbers + n // 256 * 2 * numbers
     else:
         extra = n // layout["group"] * (2 if layout.get("scales") == "float16" else 4) * numbers
-    values = {"int4": n // 2, "int4/16": n // 2, "int6": n // 4 * 3}.get(layout_kind(layout), n)
+    values = {"int4": n // 2, "int4/16": n // 2, "int4/iq": n // 2,
+              "int6": n // 4 * 3}.get(layout_kind(layout), n)
     return values + extra
 
 

@@ -339,10 +339,12 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """W stored as 4-bit integers in groups of ``group`` along each row, with a
     scale and a minimum per group: W ≈ lo + q·s. Half a byte per weight plus
-    the group's two numbers (fp32 on disk, the model's dtype in the kernel)."""
+    the group's two numbers (fp32 on disk, the model's dtype in the kernel). A GGUF's IQ4
+    holds ``values``, 16 numbers each q indexes, and no minimum: W = values[q]·s."""
 
     def __init__(self, in_features: int, out_features: int, group: int = GROUP, bias: bool = False,
-                 blocks: bool = False):
+                 blocks: bool = False, has_min: bool = True,
+                 values: tuple[float, ...] | None = None):
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
         # of the dequantized matrix; prepare() sets the model's
@@ -350,9 +352,16 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight",
                              torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.ones(out_features, in_features // group))
-        self.register_buffer("weight_min", torch.zeros(out_features, in_features // group))
+        self.register_buffer("weight_min", torch.zeros(out_features, in_features // group)
+                             if has_min else None)
         # Q4_K's: an int8 scale and minimum per group of 32, an fp16 pair per 256 (Int8Linear's)
-        block_scales(self, in_features, out_features, group, True, blocks)
+        block_scales(self, in_features, out_features, group, has_min, blocks)
+        # a GGUF's IQ4_NL and IQ4_XS: the 16 numbers a nibble stands for, W = values[q]·s; None:
+        # q itself, W = lo + q·s. The layout's, not the checkpoint's: made here, on the CPU (a
+        # load assigns the checkpoint's tensors to a layer built on the meta device)
+        self.register_buffer("weight_values", None if values is None else
+                             torch.tensor(values, dtype=torch.float32, device="cpu"),
+                             persistent=False)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         # the CPU kernel's layout
         self.register_buffer("tiled", None, persistent=False)
@@ -371,7 +380,8 @@ class Int4Linear(nn.Module):
         lo + q·s. Its groups are 32 weights or more: groups of 16 (a GGUF's Q3_K and Q2_K) stay
         as they are and dequantize for each product."""
         self.dtype = dtype
-        if self.weight.device.type != "cpu" or self.group not in GROUP_SIZES:
+        if self.weight.device.type != "cpu" or self.group not in GROUP_SIZES or \
+                self.weight_values is not None or self.weight_min is None:
             return
         q = split_nibbles(self.weight).to(torch.int32)
         s = safetensors_io.block_scaled(self.weight_scale, self.weight_scale_d).float()
@@ -382,7 +392,10 @@ class Int4Linear(nn.Module):
         self.weight_scale_d = self.weight_min_d = None
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_grouped(split_nibbles(self.weight), self.weight_scale, self.weight_min,
+        q = split_nibbles(self.weight)
+        if self.weight_values is not None:
+            q = self.weight_values.to(q.device)[q.long()]
+        return dequantize_grouped(q, self.weight_scale, self.weight_min,
                                   self.dtype, self.weight_scale_d, self.weight_min_d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -445,6 +458,9 @@ class StoredEmbedding(nn.Module):
         self.dtype = dtype          # of the rows it returns: the model's
         for name in ("weight", *safetensors_io.SCALES):
             self.register_buffer(name, getattr(layer, name, None), persistent=persistent)
+        # what an int4 nibble stands for where it indexes a table (Int4Linear.weight_values)
+        self.register_buffer("weight_values", getattr(layer, "weight_values", None),
+                             persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.reshape(-1)
@@ -453,7 +469,10 @@ class StoredEmbedding(nn.Module):
             rows = q.float()
         else:
             pick = lambda t: None if t is None else t[ids]
-            rows = safetensors_io.widened(self.unpack(q) if self.unpack else q,
+            q = self.unpack(q) if self.unpack else q
+            if self.weight_values is not None:
+                q = self.weight_values.to(q.device)[q.long()]
+            rows = safetensors_io.widened(q,
                                           self.weight_scale[ids], pick(self.weight_min),
                                           pick(self.weight_scale_d), pick(self.weight_min_d))
         return rows.to(self.dtype).reshape(*tokens.shape, -1)
@@ -594,7 +613,8 @@ def stored_layer(layout: dict, in_features: int, out_features: int, bias: bool) 
     """An empty layer holding one GGUF layout: int4 or int8 groups, or 16-bit weights."""
     blocks = layout.get("scales") == "blocks"
     if layout["kind"] == "int4":
-        return Int4Linear(in_features, out_features, layout["group"], bias=bias, blocks=blocks)
+        return Int4Linear(in_features, out_features, layout["group"], bias=bias, blocks=blocks,
+                          has_min=layout.get("min", True), values=layout.get("values"))
     if layout["kind"] == "int8":
         return Int8Linear(in_features, out_features, layout["group"], layout["min"], bias=bias,
                           blocks=blocks, bits=layout.get("bits", 8))

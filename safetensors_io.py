@@ -383,6 +383,8 @@ def widen_layers(state: dict[str, torch.Tensor], layers: dict[str, dict]) -> dic
         if spec["kind"] in ("int4", "int8"):
             q = split_nibbles(w) if spec["kind"] == "int4" else \
                 split_sixes(w) if spec.get("bits") == 6 else w
+            if spec.get("values"):          # int4 nibbles indexing 16 numbers (a GGUF's IQ4)
+                q = torch.tensor(spec["values"], dtype=torch.float32)[q.long()]
             blocks, has_min = spec.get("scales") == "blocks", spec.get("min")
             w = widened(q, take("weight_scale"), take("weight_min") if has_min else None,
                         take("weight_scale_d") if blocks else None,

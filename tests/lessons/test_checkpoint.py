@@ -184,9 +184,12 @@ def test_every_gguf_type_keeps_its_bits(kind):
     quantized = p.kind.value in ("int4", "int8")
     largest = gguf_hf.largest_weight(p) if quantized else gguf_hf.abs_max(p.q)
     assert largest.item() == np.abs(want).max()
-    kinds = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4", "Q2_K": "int4", "F16": "half",
-             "BF16": "half", "F32": "float"}
+    kinds = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q3_K": "int4", "Q2_K": "int4", "IQ4_NL": "int4",
+             "IQ4_XS": "int4", "F16": "half", "BF16": "half", "F32": "float"}
     assert p.kind.value == kinds.get(kind, "int8")
+    # IQ4's nibbles index its 16 int8 numbers (ggml's kvalues_iq4nl), kept beside them
+    assert (p.values == tuple(gguf_hf.IQ4_VALUES.tolist())) == kind.startswith("IQ4")
+    assert gguf_hf.layout_of(p).get("values") == (list(p.values) if p.values else None)
     [narrow] = gguf_hf.half_scales([p])
     assert np.array_equal(narrow.dequantized().numpy(), want)
     if p.scale is not None:
@@ -207,6 +210,36 @@ def test_every_gguf_type_keeps_its_bits(kind):
             assert torch.equal(safetensors_io.split_sixes(weight), p.q)
         else:
             assert p.bits == 8 and "bits" not in gguf_hf.layout_of(p)
+
+
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS"])
+def test_an_iq4_layer_runs_on_its_nibbles(kind):
+    """An IQ4 matrix as a conversion stores it (int4 nibbles and its scales; the 16 numbers in
+    its layout) becomes a stored layer whose outputs are x · Wᵀ of gguf-py's dequantized W: the
+    portable layer, the C++ kernels' one-row step and prefill, and the embedding table's rows.
+    Held at the file's bytes: 144 and 138 per 256 weights (the file's 144 and 136)."""
+    from gguf.quants import dequantize
+    t = gguf_blocks(kind, rows=48)
+    want = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(48, 512).astype(np.float32))
+    [p] = gguf_hf.half_scales([gguf_hf.packed(t)])
+    state = gguf_hf.stored("w", p)
+    assert sum(v.numel() * v.element_size() for v in state.values()) * 256 == \
+        48 * 512 * {"IQ4_NL": 144, "IQ4_XS": 138}[kind]
+    layer = quantize.stored_layer(gguf_hf.layout_of(p), 512, 48, bias=False)
+    layer.load_state_dict({k.removeprefix("w."): v for k, v in state.items()})
+    x = torch.randn(40, 512)
+    exact = x.double() @ want.double().t()
+    close = lambda y, e: torch.testing.assert_close(y.double(), e, rtol=0,
+                                                    atol=1e-6 * (x.abs() @ want.abs().t()).max().item())
+    close(layer(x), exact)
+    rows = quantize.StoredEmbedding(layer)(torch.tensor([[5, 0, 47]]))
+    assert torch.equal(rows[0], want[[5, 0, 47]])
+    if kernels.native_kernels(quiet=True):
+        model = torch.nn.Sequential(layer)
+        kernels.swap_quantized(model, torch.float32)
+        assert model[0].native and model[0].weight_values is not None
+        for n in (1, 40):               # a step's int4_mm, a prefill's wide_mm (AMX where there)
+            close(model(x[:n]), exact[:n])
 
 
 def test_a_q3_k_scale_beyond_what_int4_holds_is_refused():

@@ -412,6 +412,38 @@ def test_fp16_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k):
             assert torch.equal(lib.wide_mm(rows, *args), kernels.wide_mm(rows, *wide))
 
 
+@pytest.mark.parametrize("k", [576, 2048])
+def test_int4_nibbles_indexing_sixteen_values(builds, k):
+    """A GGUF's IQ4_NL and IQ4_XS: each nibble picks one of 16 int8 numbers (values), no minimum,
+    W = values[q]·s with fp16 scales (IQ4_NL's d) or a K-quant's (IQ4_XS's ls - 32 times d):
+    int4_mm gives every build the same bits, for several rows and each row alone, within float
+    error of the exact product; without values it is the int4 it was (the nibble's own number);
+    wide_mm's tiles and AMX (groups of 32) sum the same products, in another order."""
+    torch.manual_seed(k)
+    n = 77
+    values = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                           113], dtype=torch.float32)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    nibbles = torch.stack([q & 15, q >> 4], -1).reshape(n, k).long()
+    d = (torch.rand(n, k // 32) * 0.01).half()
+    x, rows = torch.randn(6, k), torch.randn(40, k)                        # tiles of 4 + 2; AMX's 32
+    cases = [((d, None, 32), d.double())]
+    if k % 256 == 0:                            # IQ4_XS: 256-weight super-blocks
+        sc, sd = torch.randint(-32, 32, (n, k // 32), dtype=torch.int8), (torch.rand(n, k // 256) * 0.01).half()
+        cases.append(((sc, None, 32, sd), sc.double() * sd.double().repeat_interleave(8, 1)))
+    for args, s in cases:
+        w = values.double()[nibbles] * s.repeat_interleave(32, 1)            # exact
+        y = same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q, *args, values=values), x)
+        near(y, x.double() @ w.t(), x.double().abs() @ w.abs().t(), k)
+        for amx in (False, True):
+            for lib in builds.values():
+                y = lib.wide_mm(rows, q, *args, amx=amx, values=values)
+                near(y, rows.double() @ w.t(), rows.double().abs() @ w.abs().t(), k)
+    lo = torch.randn(n, k // 32).half()
+    plain = same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q, d, lo, 32), x)
+    assert torch.equal(plain, kernels.int4_mm(x, q, d, lo, 32, values=torch.arange(16.)))
+
+
 @pytest.mark.parametrize("k", [512, 2048])
 def test_k_quant_block_scales_give_the_bits_of_the_same_scales_in_fp32(builds, k):
     """A K-quant's scales as the file holds them (an int8 per group times an fp16 per 256
