@@ -45,7 +45,7 @@ import torch
 
 import tokenizer
 from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, TensorWriter, block_scaled,
-                            join_nibbles, join_sixes, read_weights, stack_layer, widened)
+                            indexed, join_nibbles, join_sixes, read_weights, stack_layer, widened)
 
 
 # ----------------------------------------------------------------------------
@@ -223,16 +223,10 @@ class Packed:
     bits: int = 8
     values: tuple[int, ...] | None = None     # INT4: the number each q stands for (IQ4's table)
 
-    def numbers(self, q: torch.Tensor) -> torch.Tensor:
-        """q as the numbers it stands for, in fp32."""
-        if self.values is None:
-            return q.float()
-        return torch.tensor(self.values, dtype=torch.float32)[q.long()]
-
     def dequantized(self) -> torch.Tensor:
         if self.kind in (Kind.HALF, Kind.FLOAT):
             return self.q.float()
-        return widened(self.numbers(self.q), self.scale, self.lo, self.scale_d, self.lo_d)
+        return widened(indexed(self.q, self.values), self.scale, self.lo, self.scale_d, self.lo_d)
 
     def rows(self, index) -> "Packed":
         """The same layout over a selection of rows (llama.cpp's Q/K row order undone)."""
@@ -591,7 +585,7 @@ def largest_weight(p: Packed) -> torch.Tensor:
     def part(c: Packed) -> torch.Tensor:
         groups = c.q.reshape(len(c.q), -1, c.group)
         s, lo = block_scaled(c.scale, c.scale_d).float(), block_scaled(c.lo, c.lo_d)
-        ends = [c.numbers(q) * s + (0 if lo is None else lo.float())   # values ascend
+        ends = [indexed(q, c.values).float() * s + (0 if lo is None else lo.float())  # ascend
                 for q in (groups.amin(-1), groups.amax(-1))]
         return torch.maximum(ends[0].abs().max(), ends[1].abs().max())
     step = max(1, CHUNK_BYTES // (4 * (p.q.shape[1] // p.group)))    # rows of fp32 group ends

@@ -735,13 +735,9 @@ class Int4Linear(quantize.Int4Linear):
         if self.native and x.dtype == torch.float32:
             if rows >= quantize.PREFILL_ROWS and not self.round_x:
                 return quantize.with_bias(wide_linear(self, x), self.bias)
-            flat = x.reshape(rows, -1).contiguous()
-            if self.round_x:
-                y = int4_x8_mm(flat, self.weight, self.weight_scale, self.weight_min, self.group,
-                               self.weight_scale_d, self.weight_min_d)
-            else:
-                y = int4_mm(flat, self.weight, self.weight_scale, self.weight_min, self.group,
-                            self.weight_scale_d, self.weight_min_d, self.weight_values)
+            args = (x.reshape(rows, -1).contiguous(), self.weight, self.weight_scale,
+                    self.weight_min, self.group, self.weight_scale_d, self.weight_min_d)
+            y = int4_x8_mm(*args) if self.round_x else int4_mm(*args, self.weight_values)
             return quantize.with_bias(y.reshape(*x.shape[:-1], -1), self.bias)
         return super().forward(x)
 

@@ -392,9 +392,7 @@ class Int4Linear(nn.Module):
         self.weight_scale_d = self.weight_min_d = None
 
     def dequantized(self) -> torch.Tensor:
-        q = split_nibbles(self.weight)
-        if self.weight_values is not None:
-            q = self.weight_values.to(q.device)[q.long()]
+        q = safetensors_io.indexed(split_nibbles(self.weight), self.weight_values)
         return dequantize_grouped(q, self.weight_scale, self.weight_min,
                                   self.dtype, self.weight_scale_d, self.weight_min_d)
 
@@ -469,9 +467,7 @@ class StoredEmbedding(nn.Module):
             rows = q.float()
         else:
             pick = lambda t: None if t is None else t[ids]
-            q = self.unpack(q) if self.unpack else q
-            if self.weight_values is not None:
-                q = self.weight_values.to(q.device)[q.long()]
+            q = safetensors_io.indexed(self.unpack(q) if self.unpack else q, self.weight_values)
             rows = safetensors_io.widened(q,
                                           self.weight_scale[ids], pick(self.weight_min),
                                           pick(self.weight_scale_d), pick(self.weight_min_d))

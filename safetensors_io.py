@@ -349,6 +349,14 @@ def block_scaled(sub: torch.Tensor | None, d: torch.Tensor | None) -> torch.Tens
     return d.float().repeat_interleave(sub.shape[-1] // d.shape[-1], -1) * sub.float()
 
 
+def indexed(q: torch.Tensor, values) -> torch.Tensor:
+    """q as the numbers it stands for: values[q] in fp32 where int4 nibbles index a table (a
+    GGUF's IQ4: 16 numbers, as a sequence or a tensor), else q itself."""
+    if values is None:
+        return q
+    return torch.as_tensor(values, dtype=torch.float32, device=q.device)[q.long()]
+
+
 def widened(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None,
             scale_d: torch.Tensor | None = None, lo_d: torch.Tensor | None = None) -> torch.Tensor:
     """W = lo + q·scale in fp32, a scale (and a minimum) per group of q's columns (one group:
@@ -381,10 +389,8 @@ def widen_layers(state: dict[str, torch.Tensor], layers: dict[str, dict]) -> dic
         take = lambda suffix: joined([state.pop(f"{n}.{suffix}") for n in names])
         w = take("weight")
         if spec["kind"] in ("int4", "int8"):
-            q = split_nibbles(w) if spec["kind"] == "int4" else \
+            q = indexed(split_nibbles(w), spec.get("values")) if spec["kind"] == "int4" else \
                 split_sixes(w) if spec.get("bits") == 6 else w
-            if spec.get("values"):          # int4 nibbles indexing 16 numbers (a GGUF's IQ4)
-                q = torch.tensor(spec["values"], dtype=torch.float32)[q.long()]
             blocks, has_min = spec.get("scales") == "blocks", spec.get("min")
             w = widened(q, take("weight_scale"), take("weight_min") if has_min else None,
                         take("weight_scale_d") if blocks else None,
