@@ -18,7 +18,12 @@ Without files it writes its own, once, under ~/.cache/nanoinfer/bench-gguf/: ran
 TinyLlama-1.1B's shape and a 3B Llama's, F16 GGUFs written tensor by tensor from a seeded
 generator (the model is never whole in memory), with SmolLM2's byte-level BPE vocabulary (the
 bundled model's) so that both sides tokenize English; llama-quantize, built beside llama-server by
-scripts/build_llama_server.sh, makes the Q4_K_M and Q8_0 files from them.
+scripts/build_llama_server.sh, makes the Q4_K_M and Q8_0 files from them (--types: the other
+formats people run, as llama-quantize writes them).
+
+The record: results/gguf-<cpu>.json for the acceptance's files (no FILE, --shapes or --types), and
+results/gguf-<cpu>-formats.json for any other choice, so that a run on other files never
+replaces the acceptance's record.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ SHAPES = {
     "3b": {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
            "num_key_value_heads": 8, "intermediate_size": 8192, "max_position_embeddings": 4096},
 }
-TYPES = ["Q4_K_M", "Q8_0", "F16", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL"]
+TYPES = ["Q4_K_M", "Q8_0", "F16", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_K_M", "Q6_K", "Q4_0", "Q5_0",
+         "BF16"]
 # The files the acceptance reads, when neither files nor --shapes/--types are given
 DEFAULT_FILES = [("tinyllama", "Q4_K_M"), ("tinyllama", "Q8_0"), ("tinyllama", "F16"),
                  ("3b", "Q4_K_M")]
@@ -464,8 +470,9 @@ def bench_gguf(args):
                                    "files"]
         tables = gguf_tables(runs, setup_line(args, shapes, vocab_size), method + failed + partial,
                              args.flags.strip())
-        # a run with flags of ours beside the defaults' run, not over it
-        name = "-".join(["gguf", results.cpu_kind(),
+        # a run of other files, or with flags of ours, beside the defaults' run, not over it
+        chosen = ["formats"] if args.files or args.shapes or args.types else []
+        name = "-".join(["gguf", results.cpu_kind(), *chosen,
                          *re.findall(r"[a-z0-9]+", args.flags.lower())])
         return results.save(name, "runner", tables), tables
 

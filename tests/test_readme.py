@@ -104,6 +104,8 @@ SLOW = {
     "python bench.py gguf": "~15 min (a first run writes and quantizes its files: +3 min; needs "
                             "scripts/build_llama_server.sh)",
     "python bench.py gguf --flags '--activations int8'": "~12 min (the F16 file refuses the flag)",
+    "python bench.py gguf --shapes tinyllama --types Q5_K_M,Q6_K,Q4_0,Q5_0,BF16,IQ4_XS,IQ4_NL,"
+    "Q3_K_M,Q2_K": "~22 min (a first run quantizes its files: +2 min)",
 }
 
 

@@ -268,12 +268,13 @@ def test_gguf_tables_read_off_the_ratios():
 
 def test_gguf_bench_saves_after_every_file(tmp_path, monkeypatch):
     """bench.py gguf on given files, the measuring faked: a record after each file says it is
-    partial, the last one does not; a file that failed is a note, the others still run."""
+    partial, the last one does not; a file that failed is a note, the others still run. Given
+    files are not the acceptance's: their record is gguf-<cpu>-formats, beside the defaults'."""
     path, _ = write_tiny_random_gguf(tmp_path)
     mb, seen = 10**6, []
 
     def measure(p, prompt, args, peer):
-        seen.append(record(f"gguf-{results.cpu_kind()}")["tables"][0]["notes"][-1]
+        seen.append(record(f"gguf-{results.cpu_kind()}-formats")["tables"][0]["notes"][-1]
                     if seen else None)
         if len(seen) == 2:
             raise OSError("serve_local.py exited: out of memory")
@@ -285,8 +286,9 @@ def test_gguf_bench_saves_after_every_file(tmp_path, monkeypatch):
     bench.gguf.bench_gguf(ap.parse_args([str(path)] * 3 + ["--no-peer"]))
     assert seen == [None, "partial: the run stopped after 1 of 3 files",
                     "partial: the run stopped after 1 of 3 files"]
-    r = record(f"gguf-{results.cpu_kind()}")
-    assert (r["name"], r["lesson"]) == (f"gguf-{results.cpu_kind()}", "runner")
+    r = record(f"gguf-{results.cpu_kind()}-formats")
+    assert (r["name"], r["lesson"]) == (f"gguf-{results.cpu_kind()}-formats", "runner")
+    assert not (results.directory() / f"gguf-{results.cpu_kind()}.json").exists()
     ratio_table = r["tables"][0]
     assert [row[0] for row in ratio_table["rows"]] == ["random.gguf", "random.gguf"]
     assert ratio_table["notes"][-1] == ("random.gguf: not measured: serve_local.py exited: "
