@@ -63,8 +63,8 @@ SHAPES = {
     "3b": {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
            "num_key_value_heads": 8, "intermediate_size": 8192, "max_position_embeddings": 4096},
 }
-TYPES = ["Q4_K_M", "Q8_0", "F16", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_K_M", "Q6_K", "Q4_0", "Q5_0",
-         "BF16"]
+TYPES = ["Q4_K_M", "Q8_0", "F16", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_K_M", "Q6_K", "Q4_0",
+         "Q5_0", "BF16"]
 # The files the acceptance reads, when neither files nor --shapes/--types are given
 DEFAULT_FILES = [("tinyllama", "Q4_K_M"), ("tinyllama", "Q8_0"), ("tinyllama", "F16"),
                  ("3b", "Q4_K_M")]
