@@ -259,11 +259,13 @@ static void group_sums(const float* x, int64_t K, int64_t group, float* sx) {
 // int4 weights (two a byte, the even column in the low nibble) and what a nibble stands for:
 // `tab` null, the number 0..15 (W = lo + q·s); else tab[q] of 16 fp32 (a GGUF's IQ4_NL and
 // IQ4_XS: each nibble picks one of 16 int8 values, W = tab[q]·s), exact in fp32 and in bf16.
-// `+ n` moves n bytes.
+// `+ n` moves n bytes; value(n) is nibble n's number, [k] weight k's (the scalar loops').
 struct Nibbles {
   const uint8_t* p = nullptr;
   const float* tab = nullptr;
   Nibbles operator+(int64_t n) const { return Nibbles{p + n, tab}; }
+  float value(int n) const { return tab ? tab[n] : float(n); }
+  float operator[](int64_t k) const { return value(k % 2 ? p[k / 2] >> 4 : p[k / 2] & 15); }
 };
 // Each 32 weights' x, reordered once per call so that byte i of a block (weights 2i and 2i+1, low
 // and high nibble) meets its x in lane i:
@@ -678,7 +680,6 @@ template <int R, int MT, bool H16, typename L>
 static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
                       const float* xp, const float* sx, float* y, int64_t N) {
   int64_t G = H16 ? K / 16 : (K / 32) >> shift;
-  auto value = [&](int n) { return q.tab ? q.tab[n] : float(n); };
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) {
       const uint8_t* qr = q.p + r * (K / 2);
@@ -688,7 +689,7 @@ static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
         const uint8_t* b = qr + c * 16;
         const float* xc = xp + t * K + c * 32;
         for (int i = 0; i < 16; i++)
-          acc[i] = std::fma(std::fma(value(b[i] >> 4), xc[16 + i], value(b[i] & 15) * xc[i]),
+          acc[i] = std::fma(std::fma(q.value(b[i] >> 4), xc[16 + i], q.value(b[i] & 15) * xc[i]),
                             sr[H16 ? 2 * c + i / 8 : c >> shift], acc[i]);
       }
       for (int i = 0; i < 8; i++) l[i] = 0.f;
@@ -1680,11 +1681,7 @@ static void dequant_values(Q q, const float* s, const float* lo, int64_t K, int6
 }
 static void dequant_row(Nibbles q, const float* s, const float* lo, int64_t K, int64_t group,
                         float* out) {
-  for (int64_t k = 0; k < K; k++) {
-    const int n = k % 2 ? q.p[k / 2] >> 4 : q.p[k / 2] & 15;
-    const float v = q.tab ? q.tab[n] : float(n);
-    out[k] = lo ? std::fma(v, s[k / group], lo[k / group]) : v * s[k / group];
-  }
+  dequant_values(q, s, lo, K, group, out);
 }
 template <typename T>
 static void dequant_row(const T* w, const float*, const float*, int64_t K, int64_t, float* out) {
