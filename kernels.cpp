@@ -94,17 +94,17 @@ static KScales kscales(const at::Tensor& sc, const at::Tensor& d, int64_t group,
 #ifndef WIDEN_ROWS
 #define WIDEN_ROWS 8
 #endif
-static inline const float* as_f32(const float* s, int64_t, std::vector<float>&) { return s; }
-static inline const float* as_f32(const c10::Half* s, int64_t n, std::vector<float>& buf) {
-  if (!s) return nullptr;
-  buf.resize(n);
+// widen_scales(s, n, out) writes them to out; as_f32 returns them, fp32 ones in place.
+static inline void widen_scales(const float* s, int64_t n, float* out) {
+  std::memcpy(out, s, n * sizeof(float));
+}
+static inline void widen_scales(const c10::Half* s, int64_t n, float* out) {
   int64_t i = 0;
 #if defined(__F16C__)
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(buf.data() + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
 #endif
-  for (; i < n; i++) buf[i] = f32(s[i]);
-  return buf.data();
+  for (; i < n; i++) out[i] = f32(s[i]);
 }
 #if defined(__AVX2__)
 // Whether a K-quant's 8 numbers from group g on share one super-block's d: 8 groups or more to a
@@ -128,17 +128,22 @@ static inline __m512 kscales16(KScales s, int64_t g) {
                               _mm_loadu_si128((const __m128i*)(s.sc + at)))));
 }
 #endif
-static inline const float* as_f32(KScales s, int64_t n, std::vector<float>& buf) {
-  if (!s) return nullptr;
-  buf.resize(n);
+static inline void widen_scales(KScales s, int64_t n, float* out) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n && share_d8(s, i); i += 16) _mm512_storeu_ps(buf.data() + i, kscales16(s, i));
+  for (; i + 16 <= n && share_d8(s, i); i += 16) _mm512_storeu_ps(out + i, kscales16(s, i));
 #endif
 #if defined(__AVX2__)
-  for (; i + 8 <= n && share_d8(s, i); i += 8) _mm256_storeu_ps(buf.data() + i, kscales8(s, i));
+  for (; i + 8 <= n && share_d8(s, i); i += 8) _mm256_storeu_ps(out + i, kscales8(s, i));
 #endif
-  for (; i < n; i++) buf[i] = s[i];
+  for (; i < n; i++) out[i] = s[i];
+}
+static inline const float* as_f32(const float* s, int64_t, std::vector<float>&) { return s; }
+template <typename S>
+static inline const float* as_f32(S s, int64_t n, std::vector<float>& buf) {
+  if (!s) return nullptr;
+  buf.resize(n);
+  widen_scales(s, n, buf.data());
   return buf.data();
 }
 
@@ -208,6 +213,41 @@ static void row_tiles(S s, S lo, int64_t G, int64_t N, int64_t M, int64_t row_by
   });
   widened_rows(s, lo, G, N / R * R, N, 1, [&](int64_t n, const float* sn, S ln) {
     tiles(std::integral_constant<int, 1>(), n, sn, ln);
+  });
+}
+
+// Where a kernel's R weight rows lie, each from the one before: its bytes (q, in bytes), its
+// scales (s) and minimums (lo, in groups) and its result (y); rows end to end: K / 2, G, G, 1.
+struct Pitch {
+  int64_t q, s, lo, y;
+};
+
+// A decode step's rows taken from P distant parts of the matrix, row i of each of its P parts of
+// D = N / P rows at a time: f(rows, i, scales, minimums, pitch) computes y[i + p·D] for p < P,
+// with P rows at pitch D (their scales widened WIDEN_ROWS items at a time, part after part); the
+// last N % P rows one at a time (rows 1, pitch of rows end to end). Each thread takes runs of
+// items (stream_items), so it reads P runs of weight rows at once, far apart.
+// Why: on the Xeon of this pool the hardware streams a core's reads from several distant places
+// (other pages) faster than from one: rows end to end, even R of them, are one stream there,
+// and a decode step's int4 loop, which reads rows of 1-4 KB, gets more bytes a second from 4
+// parts than from one (`python kernels.py` prints int4_mm's GB/s). Which rows go together does
+// not change a row's sum: the bits are those of the rows end to end.
+template <int P, typename S, typename F>
+static void distant_rows(S s, S lo, int64_t G, int64_t N, int64_t row_bytes, F f) {
+  const int64_t D = N / P;
+  stream_items(D, P * row_bytes, 4, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sb(P * WIDEN_ROWS * G);
+    for (int64_t b0 = i0; b0 < i1; b0 += WIDEN_ROWS) {
+      const int64_t b1 = std::min(i1, b0 + WIDEN_ROWS);
+      for (int p = 0; p < P; p++)
+        widen_scales(s + (p * D + b0) * G, (b1 - b0) * G, sb.data() + p * WIDEN_ROWS * G);
+      for (int64_t i = b0; i < b1; i++)
+        f(std::integral_constant<int, P>(), i, sb.data() + (i - b0) * G, lo ? lo + i * G : S(),
+          Pitch{D * row_bytes, WIDEN_ROWS * G, D * G, D});
+    }
+  });
+  widened_rows(s, lo, G, P * D, N, 1, [&](int64_t n, const float* sn, S ln) {
+    f(std::integral_constant<int, 1>(), n, sn, ln, Pitch{row_bytes, G, G, 1});
   });
 }
 
@@ -466,20 +506,20 @@ static inline __m512 block_scales(const float* s) {
              : _mm512_set1_ps(s[0]);
 }
 template <int R, int MT, bool H16>
-static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const float* s, int64_t G,
-                                   const float* xc, int64_t K, __m512 table, int64_t fetch,
-                                   __m512 (*acc)[MT]) {
+static inline void int4_block_rows(const uint8_t* q, int64_t q_pitch, const float* s,
+                                   int64_t s_pitch, const float* xc, int64_t K, __m512 table,
+                                   int64_t fetch, __m512 (*acc)[MT]) {
   __m512 xe[MT], xo[MT];
   UNROLL
   for (int t = 0; t < MT; t++)
     xe[t] = _mm512_loadu_ps(xc + t * K), xo[t] = _mm512_loadu_ps(xc + t * K + 16);
   UNROLL
   for (int r = 0; r < R; r++) {
-    if (fetch) _mm_prefetch((const char*)(q + r * row_bytes + fetch), _MM_HINT_T0);
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes)));
+    if (fetch) _mm_prefetch((const char*)(q + r * q_pitch + fetch), _MM_HINT_T0);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * q_pitch)));
     __m512 e = _mm512_permutexvar_ps(b, table),
            o = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table),
-           vs = block_scales<H16>(s + r * G);
+           vs = block_scales<H16>(s + r * s_pitch);
     UNROLL
     for (int t = 0; t < MT; t++)
       acc[r][t] =
@@ -488,22 +528,23 @@ static inline void int4_block_rows(const uint8_t* q, int64_t row_bytes, const fl
 }
 template <int R, int MT, bool H16, typename L>
 static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
-                      const float* xp, const float* sx, float* y, int64_t N) {
+                      const float* xp, const float* sx, float* y, int64_t N, Pitch p) {
   int64_t G = H16 ? K / 16 : (K / 32) >> shift;
   const __m512 table = q.tab ? _mm512_loadu_ps(q.tab) : nibble_values();
   __m512 acc[R][MT];
   UNROLL
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
-  const int64_t ahead = spans_ahead(STREAM_AHEAD, R * (K / 2));
+  const int64_t ahead = p.q == K / 2 ? spans_ahead(STREAM_AHEAD, R * (K / 2)) : AHEAD;
   for (int64_t c = 0; c < K / 32; c++)
-    int4_block_rows<R, MT, H16>(q.p + c * 16, K / 2, s + (H16 ? 2 * c : c >> shift), G,
+    int4_block_rows<R, MT, H16>(q.p + c * 16, p.q, s + (H16 ? 2 * c : c >> shift), p.s,
                                 xp + c * 32, K, table, (c & 3) == 0 ? ahead : 0, acc);
   UNROLL
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++)
-      y[t * N + r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][t]), upper8(acc[r][t])))
-                     + (lo ? lo_share(lo + r * G, sx + t * G, G) : 0.f);
+      y[t * N + r * p.y] =
+          hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][t]), upper8(acc[r][t])))
+          + (lo ? lo_share(lo + r * p.lo, sx + t * G, G) : 0.f);
 }
 // Weight rows a pass over several rows of x takes at a time: R·MT accumulators, MT rows of x in
 // two registers each, and the widened block fit AVX-512's 32 registers at R = 2, MT = 4.
@@ -518,9 +559,9 @@ static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
 // weights.
 template <int R, int MT, bool H16, typename L>
 static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
-                      const float* xp, const float* sx, float* y, int64_t N) {
+                      const float* xp, const float* sx, float* y, int64_t N, Pitch p) {
   int64_t G = H16 ? K / 16 : (K / 32) >> shift;
-  const int64_t ahead = spans_ahead(AHEAD, R * (K / 2));
+  const int64_t ahead = p.q == K / 2 ? spans_ahead(AHEAD, R * (K / 2)) : AHEAD;
   __m256 acc[R][MT][2];
   UNROLL
   for (int r = 0; r < R; r++)
@@ -529,9 +570,9 @@ static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
     UNROLL
     for (int r = 0; r < R; r++) {
       // the first half's weights are 0..15 of the block (H16: a group of their own)
-      __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * G + (H16 ? 2 * c : c >> shift)]),
-                             vs1 = H16 ? _mm256_set1_ps(s[r * G + 2 * c + 1]) : vs;
-      widen(q.p + r * (K / 2) + c * 16, q.tab, ahead, e0, o0, e1, o1);
+      __m256 e0, o0, e1, o1, vs = _mm256_set1_ps(s[r * p.s + (H16 ? 2 * c : c >> shift)]),
+                             vs1 = H16 ? _mm256_set1_ps(s[r * p.s + 2 * c + 1]) : vs;
+      widen(q.p + r * p.q + c * 16, q.tab, ahead, e0, o0, e1, o1);
       UNROLL
       for (int t = 0; t < MT; t++) {
         const float* xc = xp + t * K + c * 32;
@@ -547,8 +588,8 @@ static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
   UNROLL
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++)
-      y[t * N + r] = hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]))
-                     + (lo ? lo_share(lo + r * G, sx + t * G, G) : 0.f);
+      y[t * N + r * p.y] = hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]))
+                           + (lo ? lo_share(lo + r * p.lo, sx + t * G, G) : 0.f);
 }
 // 16 registers: a tile of 4 rows of x takes 8 accumulators, so one weight row at a time.
 #define TILE_ROWS 1
@@ -678,12 +719,12 @@ static inline float hsum(const float* a) {
 }
 template <int R, int MT, bool H16, typename L>
 static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
-                      const float* xp, const float* sx, float* y, int64_t N) {
+                      const float* xp, const float* sx, float* y, int64_t N, Pitch p) {
   int64_t G = H16 ? K / 16 : (K / 32) >> shift;
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) {
-      const uint8_t* qr = q.p + r * (K / 2);
-      const float* sr = s + r * G;
+      const uint8_t* qr = q.p + r * p.q;
+      const float* sr = s + r * p.s;
       float acc[16] = {0}, l[8];
       for (int64_t c = 0; c < K / 32; c++) {
         const uint8_t* b = qr + c * 16;
@@ -694,12 +735,12 @@ static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
       }
       for (int i = 0; i < 8; i++) l[i] = 0.f;
       if (lo) {
-        L lr = lo + r * G;
+        L lr = lo + r * p.lo;
         for (int64_t g = 0; g < G; g++) l[g % 8] = std::fma(f32(lr[g]), sx[t * G + g], l[g % 8]);
       }
       float m = hsum8(l);
       for (int i = 0; i < 8; i++) l[i] = acc[i] + acc[8 + i];
-      y[t * N + r] = hsum8(l) + m;
+      y[t * N + r * p.y] = hsum8(l) + m;
     }
 }
 #define TILE_ROWS 1
@@ -738,6 +779,29 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
       if (m < M) ROW(1, n, m);                                                    \
     }                                                                             \
   });
+
+// Rows a decode step's int4 loop takes from distant parts of a matrix (distant_rows): AVX-512's
+// 32 registers hold 4 rows' sums beside x and a widened block, AVX2's 16 two. Taken on an Intel
+// CPU, for a matrix of DISTANT_BYTES or more (a smaller one's parts are a few rows each); on the
+// EPYC (Zen 4), whose own prefetcher streams rows end to end well (half_row above), the rows stay
+// end to end (ROWS): parts there are not measured yet. The plain C++ build takes them wherever the
+// vector builds may, so that the tests compare the same loops.
+#ifndef PARTS
+#if defined(__AVX512F__)
+#define PARTS 4
+#else
+#define PARTS 2
+#endif
+#endif
+#ifndef DISTANT_BYTES
+#define DISTANT_BYTES (256 << 10)
+#endif
+static bool distant(int64_t N, int64_t row_bytes) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!intel()) return false;
+#endif
+  return N >= PARTS && N * row_bytes >= DISTANT_BYTES;
+}
 
 // An int4 product's arguments checked (op: its name); log2 of its groups' blocks of 32, -1 for
 // groups of 16 (two a block).
@@ -785,11 +849,20 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   auto kernel = [&](auto rows, auto tile, int64_t n, int64_t m, const float* sn, auto ln) {
     by_halves(shift, [&](auto h16) {
       int4_rows<decltype(rows)::value, decltype(tile)::value, decltype(h16)::value>(
-          qn + n * K / 2, sn, ln, K, shift, xp + m * K, sx + m * G, yp + m * N + n, N);
+          qn + n * K / 2, sn, ln, K, shift, xp + m * K, sx + m * G, yp + m * N + n, N,
+          Pitch{K / 2, G, G, 1});
+    });
+  };
+  auto far = [&](auto rows, int64_t n, const float* sn, auto ln, Pitch p) {
+    by_halves(shift, [&](auto h16) {
+      int4_rows<decltype(rows)::value, 1, decltype(h16)::value>(qn + n * K / 2, sn, ln, K, shift,
+                                                                 xp, sx, yp + n, N, p);
     });
   };
   auto run = [&](auto s_, auto lo_) {
-    if (M == 1)
+    if (M == 1 && distant(N, K / 2))
+      distant_rows<PARTS>(s_, lo_, G, N, K / 2, far);
+    else if (M == 1)
       row_tiles<ROWS>(s_, lo_, G, N, M, K / 2, kernel);
     else
       row_tiles<TILE_ROWS>(s_, lo_, G, N, M, K / 2, kernel);

@@ -509,6 +509,33 @@ def test_int4_in_groups_of_16(builds, k):
                                kernels.wide_mm(rows, q, *flat, 16))
 
 
+def test_decode_rows_from_distant_parts_give_the_bits_of_rows_end_to_end(builds):
+    """A decode step's int4 product of a matrix of 256 KB or more takes its rows from distant
+    parts of it, row i of each part together (distant_rows, on an Intel CPU; the plain C++ build
+    always): each row's sum is the one its rows end to end give, in every build and for several
+    rows of x at once; 1027 rows leave a last row or three to take alone. Scales in fp32, fp16,
+    a K-quant's (Q4_K), groups of 16, and a table of values (IQ4_NL)."""
+    torch.manual_seed(5)
+    n, k = 1027, 512
+    x = torch.randn(3, k)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    s, lo = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.1).half()
+    sc = torch.randint(0, 64, (n, k // 32), dtype=torch.int8)
+    d = (torch.rand(n, k // 256) * 0.01).half()
+    s16, lo16 = (torch.rand(n, k // 16) * 0.01).half(), (torch.randn(n, k // 16) * 0.1).half()
+    values = torch.tensor([-127., -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+    w = quantize.dequantize_grouped(quantize.split_nibbles(q), s.float(), lo.float()).double()
+    cases = [((s.float(), lo.float(), 32), {}), ((s, lo, 32), {}), ((sc, sc, 32, d, -d), {}),
+             ((s16, lo16, 16), {}), ((s, None, 32), {"values": values})]
+    for args, kw in cases:
+        y = same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q, *args, **kw), x)
+        assert torch.equal(torch.cat([torch.ops.nanoinfer.int4_mm(x, q[i:i + 1], *(
+            a[i:i + 1] if isinstance(a, torch.Tensor) else a for a in args), **kw)
+            for i in range(n)], dim=1), y)
+    near(same_bits_everywhere(builds, lambda lib, x: lib.int4_mm(x, q, s, lo, 32), x),
+         x.double() @ w.t(), x.double().abs() @ w.abs().t(), 4)
+
+
 def test_six_bit_values_give_the_bits_of_the_same_values_in_int8(builds):
     """int8 values held in six bits (safetensors_io.join_sixes: a GGUF's 5- and 6-bit blocks) are
     widened to the same int8 values: int8g_mm and wide_mm give the bits those values in int8 give,
