@@ -1040,6 +1040,37 @@ static void int8g_row(Q q, const float* s, L lo, int64_t K, int64_t group,
     y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
   }
 }
+// A decode step's R int8 rows (at pitch p: distant_rows) against one row of x, in lockstep: x's
+// block loaded once for all R, each row's sums those of int8g_row<1>.
+template <int R, typename Q, typename L>
+static void int8g_rows(Q q, const float* s, L lo, int64_t K, int64_t group, const float* x,
+                       const float* sx, float* y, Pitch p) {
+  const int64_t step = 32 / group, G = K / group;
+  __m512 acc[R][2];
+  UNROLL
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K / 32; c++) {
+    const __m512 x0 = _mm512_loadu_ps(x + c * 32), x1 = _mm512_loadu_ps(x + c * 32 + 16);
+    UNROLL
+    for (int r = 0; r < R; r++) {
+      const Q qr = q + r * p.q;
+      if ((c & 1) == 0) _mm_prefetch(block_at(qr, c) + AHEAD, _MM_HINT_T0);
+      __m512 w0, w1;
+      widen32(qr, c, w0, w1);
+      const float* sr = s + r * p.s;
+      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(w0, x0), _mm512_set1_ps(sr[c * step]), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(w1, x1), _mm512_set1_ps(sr[c * step + step - 1]),
+                                  acc[r][1]);
+    }
+  }
+  UNROLL
+  for (int r = 0; r < R; r++) {
+    float v = hsum(acc[r][0], acc[r][1]);
+    y[r * p.y] = lo ? v + lo_share(lo + r * p.lo, sx, G) : v;
+  }
+}
+// Rows a decode step's int8 loop takes from distant parts (distant_rows).
+#define INT8G_PARTS 4
 // One fp16 or bf16 row against MT rows of x.
 template <int MT, typename T>
 static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N) {
@@ -1128,6 +1159,23 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
   }
 }
 #endif
+#if !defined(__AVX512F__)
+// int8g_rows as AVX-512's (its sums int8g_row's), one row after another: AVX2's 16 registers hold
+// one row's sums beside its widened block, so its decode keeps rows end to end (INT8G_PARTS 1);
+// the plain C++ build takes parts, for the tests to compare the same loops.
+template <int R, typename Q, typename L>
+static void int8g_rows(Q q, const float* s, L lo, int64_t K, int64_t group, const float* x,
+                       const float* sx, float* y, Pitch p) {
+  for (int r = 0; r < R; r++)
+    int8g_row<1>(q + r * p.q, s + r * p.s, lo ? lo + r * p.lo : L(), K, group, x, sx,
+                 y + r * p.y, 0);
+}
+#if defined(__AVX2__) && defined(__FMA__)
+#define INT8G_PARTS 1
+#else
+#define INT8G_PARTS 4
+#endif
+#endif
 
 // An int8-in-groups product's arguments checked (op: its name); whether its values are held in
 // six bits (Sixes).
@@ -1158,7 +1206,15 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
   for (int64_t m = 0; has_lo && m < M; m++) group_sums(xp + m * K, K, group, sums.data() + m * G);
   float* yp = y.data_ptr<float>();
   auto rows = [&](auto qp, int64_t row_len) {
+    auto far = [&](auto parts, int64_t n, const float* sn, auto ln, Pitch p) {
+      int8g_rows<decltype(parts)::value>(qp + n * row_len, sn, ln, K, group, xp,
+                                         ln ? sx : nullptr, yp + n, p);
+    };
     auto run = [&](auto s_, auto lo_) {
+      if (M == 1 && INT8G_PARTS > 1 && distant(N, row_len)) {
+        distant_rows<INT8G_PARTS>(s_, lo_, G, N, row_len, far);
+        return;
+      }
       row_tiles<1>(s_, lo_, G, N, M, row_len, [&](auto, auto tile, int64_t n, int64_t m,
                                                   const float* sn,
                                          auto ln) {

@@ -536,6 +536,28 @@ def test_decode_rows_from_distant_parts_give_the_bits_of_rows_end_to_end(builds)
          x.double() @ w.t(), x.double().abs() @ w.abs().t(), 4)
 
 
+def test_int8_decode_rows_from_distant_parts_give_the_bits_of_rows_end_to_end(builds):
+    """int8g_mm's decode takes its rows from distant parts too (AVX-512 and the plain C++ build):
+    int8 values and six-bit ones (Q8_0, Q6_K, Q5_K), with and without minimums, give each row
+    the bits of that row alone, in every build."""
+    torch.manual_seed(6)
+    n, k = 1027, 512
+    x = torch.randn(3, k)
+    q8 = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    six = safetensors_io.join_sixes(q8)
+    s32, s16 = (torch.rand(n, k // 32) * 0.01).half(), (torch.rand(n, k // 16) * 0.01).half()
+    sc, m = (torch.randint(0, 64, (n, k // g), dtype=torch.int8) for g in (16, 32))
+    d = (torch.rand(n, k // 256) * 0.01).half()
+    cases = [(s32, None, 32), (s16, None, 16), (s32, -s32, 32), (sc, None, 16, d, None),
+             (m, m, 32, d, -d)]
+    for q in (q8, six):
+        for args in cases:
+            y = same_bits_everywhere(builds, lambda lib, x: lib.int8g_mm(x, q, *args), x)
+            rows = [torch.ops.nanoinfer.int8g_mm(x, q[i:i + 1], *(
+                a[i:i + 1] if isinstance(a, torch.Tensor) else a for a in args)) for i in range(n)]
+            assert torch.equal(torch.cat(rows, dim=1), y)
+
+
 def test_six_bit_values_give_the_bits_of_the_same_values_in_int8(builds):
     """int8 values held in six bits (safetensors_io.join_sixes: a GGUF's 5- and 6-bit blocks) are
     widened to the same int8 values: int8g_mm and wide_mm give the bits those values in int8 give,
