@@ -229,9 +229,9 @@ struct Pitch {
 // items (stream_items), so it reads P runs of weight rows at once, far apart.
 // Why: on the Xeon of this pool the hardware streams a core's reads from several distant places
 // (other pages) faster than from one: rows end to end, even R of them, are one stream there,
-// and a decode step's int4 loop, which reads rows of 1-4 KB, gets more bytes a second from 4
-// parts than from one (`python kernels.py` prints int4_mm's GB/s). Which rows go together does
-// not change a row's sum: the bits are those of the rows end to end.
+// and a decode step's int4 and int8 loops, which read rows of 1-8 KB, get more bytes a second
+// from 4 parts than from one (`python kernels.py` prints each kernel's GB/s). Which rows go
+// together does not change a row's sum: the bits are those of the rows end to end.
 template <int P, typename S, typename F>
 static void distant_rows(S s, S lo, int64_t G, int64_t N, int64_t row_bytes, F f) {
   const int64_t D = N / P;
@@ -458,13 +458,13 @@ static inline float lo_share(L lo, const float* sx, int64_t G) {
   return hsum8(a);
 }
 
-// int4_rows<R, MT, H16>: R weight rows (each K / 2 bytes on from the last) against MT rows of
-// reordered x (xp, K apart; their group sums sx, G apart) into y[t·N + r]. Each (row, row of x)
-// gets the sums of one row against one row, whatever R and MT: R weight rows share x's loads (a
-// decode step), MT rows of x share a weight block's widening (a pass over several rows). H16:
-// groups of 16 (a GGUF's Q3_K and Q2_K), two scales a block: its first 8 lanes (bytes 0-7, weights
-// 0..15) take the first, the other 8 the second; else one group's scale a block (shift: log2 of
-// the blocks a group spans).
+// int4_rows<R, MT, H16>: R weight rows (at pitch p: end to end, or from distant parts) against MT
+// rows of reordered x (xp, K apart; their group sums sx, G apart) into y[t·N + r·p.y]. Each
+// (row, row of x) gets the sums of one row against one row, whatever R, MT and p: R weight rows
+// share x's loads (a decode step), MT rows of x share a weight block's widening (a pass over
+// several rows). H16: groups of 16 (a GGUF's Q3_K and Q2_K), two scales a block: its first 8
+// lanes (bytes 0-7, weights 0..15) take the first, the other 8 the second; else one group's scale
+// a block (shift: log2 of the blocks a group spans).
 #if defined(__AVX512F__)
 // A block's 16 lanes in one register: the widened bytes index a 16-entry table of 0..15 (vpermps
 // reads an index's low 4 bits: no mask for the low nibble, no conversions). 8 instructions per 32
