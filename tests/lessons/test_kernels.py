@@ -523,7 +523,8 @@ def test_decode_rows_from_distant_parts_give_the_bits_of_rows_end_to_end(builds)
     sc = torch.randint(0, 64, (n, k // 32), dtype=torch.int8)
     d = (torch.rand(n, k // 256) * 0.01).half()
     s16, lo16 = (torch.rand(n, k // 16) * 0.01).half(), (torch.randn(n, k // 16) * 0.1).half()
-    values = torch.tensor([-127., -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+    values = torch.tensor([-127., -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                           113])
     w = quantize.dequantize_grouped(quantize.split_nibbles(q), s.float(), lo.float()).double()
     cases = [((s.float(), lo.float(), 32), {}), ((s, lo, 32), {}), ((sc, sc, 32, d, -d), {}),
              ((s16, lo16, 16), {}), ((s, None, 32), {"values": values})]
