@@ -933,14 +933,20 @@ def whole_pages(ptr: int, nbytes: int) -> tuple[int, int]:
 
 
 def file_pages_out(ptr: int, nbytes: int, files: list[tuple]) -> None:
-    """Ask Linux to reclaim the whole pages of [ptr, ptr + nbytes) where they lie in a file mapping
-    (a safetensors file stays mapped while any of its tensors lives): they leave this process's
-    resident set, and a later read faults them in again from the file. MADV_PAGEOUT never loses
-    data (a page written since it was mapped is swapped, not dropped), unlike MADV_DONTNEED on a
-    private mapping. A kernel without it refuses, and the pages stay: nothing else changes."""
+    """Give back the whole pages of [ptr, ptr + nbytes) where they lie in a file mapping (a
+    safetensors file stays mapped while any of its tensors lives): their bytes copied (huge_pages)
+    or left to be read row by row (rows_on_demand), they leave this process's resident set, and a
+    later read faults them in again from the file. MADV_PAGEOUT reclaims them from the file's
+    cache too, but skips what it cannot reclaim now, such as a large folio the range covers only
+    in part (a file just written is cached in 2-MiB folios, which cross tensors' edges): the
+    bench twice found hundreds of MB of a conversion's pages still mapped beside their copy.
+    MADV_DONTNEED then unmaps whatever is left. On a private mapping it would drop a page
+    written since it was mapped, but nothing writes a checkpoint's weights (and huge_pages holds
+    their copy). A kernel without MADV_PAGEOUT refuses it: the unmap still applies."""
     start, end = whole_pages(ptr, nbytes)
     if end > start and any(a <= start and end <= b for a, b, *_ in files):
         libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
+        libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
 
 
 def rows_on_demand(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
