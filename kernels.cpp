@@ -535,6 +535,7 @@ static void int4_rows(Nibbles q, const float* s, L lo, int64_t K, int shift,
   UNROLL
   for (int r = 0; r < R; r++)
     for (int t = 0; t < MT; t++) acc[r][t] = _mm512_setzero_ps();
+  // rows end to end: whole spans of R rows ahead; rows from parts: each its own stream
   const int64_t ahead = p.q == K / 2 ? spans_ahead(STREAM_AHEAD, R * (K / 2)) : AHEAD;
   for (int64_t c = 0; c < K / 32; c++)
     int4_block_rows<R, MT, H16>(q.p + c * 16, p.q, s + (H16 ? 2 * c : c >> shift), p.s,
@@ -780,12 +781,13 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
     }                                                                             \
   });
 
-// Rows a decode step's int4 loop takes from distant parts of a matrix (distant_rows): AVX-512's
-// 32 registers hold 4 rows' sums beside x and a widened block, AVX2's 16 two. Taken on an Intel
-// CPU, for a matrix of DISTANT_BYTES or more (a smaller one's parts are a few rows each); on the
-// EPYC (Zen 4), whose own prefetcher streams rows end to end well (half_row above), the rows stay
-// end to end (ROWS): parts there are not measured yet. The plain C++ build takes them wherever the
-// vector builds may, so that the tests compare the same loops.
+// Rows a decode step's int4 loop takes from distant parts of a matrix (distant_rows; the int8
+// loop's: INT8G_PARTS): AVX-512's 32 registers hold 4 rows' sums beside x and a widened block,
+// AVX2's 16 two. Taken on an Intel CPU, for a matrix of DISTANT_BYTES or more (a smaller one's
+// parts are a few rows each); on the EPYC (Zen 4), whose own prefetcher streams rows end to end
+// well (half_row above), the rows stay end to end (ROWS): parts there are not measured yet. The
+// plain C++ build takes them wherever the vector builds may, so that the tests compare the same
+// loops.
 #ifndef PARTS
 #if defined(__AVX512F__)
 #define PARTS 4
