@@ -1015,61 +1015,45 @@ static ALWAYS_INLINE void widen32(Sixes q, int64_t c, __m512& w0, __m512& w1) {
                      _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), top));
 }
 
-// One int8 row in groups against MT rows of x: lanes 0-15 take the scale s[c·step], lanes 16-31
-// s[c·step + step - 1] (step = 32 / group).
-template <int MT, typename Q, typename L>
-static void int8g_row(Q q, const float* s, L lo, int64_t K, int64_t group,
-                      const float* x, const float* sx, float* y, int64_t N) {
-  const int64_t step = 32 / group, G = K / group, ahead = STREAM_AHEAD;
-  __m512 acc[MT][2];
-  UNROLL
-  for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < K / 32; c++) {
-    if ((c & 1) == 0) _mm_prefetch(block_at(q, c) + ahead, _MM_HINT_T0);
-    __m512 w0, w1;
-    widen32(q, c, w0, w1);
-    __m512 s0 = _mm512_set1_ps(s[c * step]), s1 = _mm512_set1_ps(s[c * step + step - 1]);
-    UNROLL
-    for (int t = 0; t < MT; t++) {
-      const float* xc = x + t * K + c * 32;
-      acc[t][0] = _mm512_fmadd_ps(_mm512_mul_ps(w0, _mm512_loadu_ps(xc)), s0, acc[t][0]);
-      acc[t][1] = _mm512_fmadd_ps(_mm512_mul_ps(w1, _mm512_loadu_ps(xc + 16)), s1, acc[t][1]);
-    }
-  }
-  UNROLL
-  for (int t = 0; t < MT; t++) {
-    float v = hsum(acc[t][0], acc[t][1]);
-    y[t * N] = lo ? v + lo_share(lo, sx + t * G, G) : v;
-  }
-}
-// A decode step's R int8 rows (at pitch p: distant_rows) against one row of x, in lockstep: x's
-// block loaded once for all R, each row's sums those of int8g_row<1>.
-template <int R, typename Q, typename L>
+// R int8 rows in groups (at pitch p: end to end, or from distant parts: distant_rows) against MT
+// rows of x (K apart; their group sums sx, G apart) into y[t·N + r·p.y]: R rows share x's loads
+// (a decode step's parts), MT rows of x a block's widening (a pass over several rows). Lanes
+// 0-15 take the scale s[c·step], lanes 16-31 s[c·step + step - 1] (step = 32 / group); each
+// (row, row of x) gets the same sums whatever R, MT and p.
+template <int R, int MT, typename Q, typename L>
 static void int8g_rows(Q q, const float* s, L lo, int64_t K, int64_t group, const float* x,
-                       const float* sx, float* y, Pitch p) {
+                       const float* sx, float* y, int64_t N, Pitch p) {
   const int64_t step = 32 / group, G = K / group;
-  __m512 acc[R][2];
+  // one row: STREAM_AHEAD along it; rows from parts: each its own stream
+  const int64_t ahead = R == 1 ? STREAM_AHEAD : AHEAD;
+  __m512 acc[R][MT][2];
   UNROLL
-  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
-    const __m512 x0 = _mm512_loadu_ps(x + c * 32), x1 = _mm512_loadu_ps(x + c * 32 + 16);
     UNROLL
     for (int r = 0; r < R; r++) {
       const Q qr = q + r * p.q;
-      if ((c & 1) == 0) _mm_prefetch(block_at(qr, c) + AHEAD, _MM_HINT_T0);
+      if ((c & 1) == 0) _mm_prefetch(block_at(qr, c) + ahead, _MM_HINT_T0);
       __m512 w0, w1;
       widen32(qr, c, w0, w1);
       const float* sr = s + r * p.s;
-      acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(w0, x0), _mm512_set1_ps(sr[c * step]), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(w1, x1), _mm512_set1_ps(sr[c * step + step - 1]),
-                                  acc[r][1]);
+      const __m512 s0 = _mm512_set1_ps(sr[c * step]), s1 = _mm512_set1_ps(sr[c * step + step - 1]);
+      UNROLL
+      for (int t = 0; t < MT; t++) {
+        const float* xc = x + t * K + c * 32;
+        acc[r][t][0] = _mm512_fmadd_ps(_mm512_mul_ps(w0, _mm512_loadu_ps(xc)), s0, acc[r][t][0]);
+        acc[r][t][1] =
+            _mm512_fmadd_ps(_mm512_mul_ps(w1, _mm512_loadu_ps(xc + 16)), s1, acc[r][t][1]);
+      }
     }
   }
   UNROLL
-  for (int r = 0; r < R; r++) {
-    float v = hsum(acc[r][0], acc[r][1]);
-    y[r * p.y] = lo ? v + lo_share(lo + r * p.lo, sx, G) : v;
-  }
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) {
+      float v = hsum(acc[r][t][0], acc[r][t][1]);
+      y[t * N + r * p.y] = lo ? v + lo_share(lo + r * p.lo, sx + t * G, G) : v;
+    }
 }
 // Rows a decode step's int8 loop takes from distant parts (distant_rows).
 #define INT8G_PARTS 4
@@ -1162,15 +1146,15 @@ static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N)
 }
 #endif
 #if !defined(__AVX512F__)
-// int8g_rows as AVX-512's (its sums int8g_row's), one row after another: AVX2's 16 registers hold
-// one row's sums beside its widened block, so its decode keeps rows end to end (INT8G_PARTS 1);
-// the plain C++ build takes parts, for the tests to compare the same loops.
-template <int R, typename Q, typename L>
+// int8g_rows as AVX-512's, one row after another (int8g_row): AVX2's 16 registers hold one row's
+// sums beside its widened block, so its decode keeps rows end to end (INT8G_PARTS 1); the plain
+// C++ build takes parts, for the tests to compare the same loops.
+template <int R, int MT, typename Q, typename L>
 static void int8g_rows(Q q, const float* s, L lo, int64_t K, int64_t group, const float* x,
-                       const float* sx, float* y, Pitch p) {
+                       const float* sx, float* y, int64_t N, Pitch p) {
   for (int r = 0; r < R; r++)
-    int8g_row<1>(q + r * p.q, s + r * p.s, lo ? lo + r * p.lo : L(), K, group, x, sx,
-                 y + r * p.y, 0);
+    int8g_row<MT>(q + r * p.q, s + r * p.s, lo ? lo + r * p.lo : L(), K, group, x, sx,
+                  y + r * p.y, N);
 }
 #if defined(__AVX2__) && defined(__FMA__)
 #define INT8G_PARTS 1
@@ -1209,8 +1193,8 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
   float* yp = y.data_ptr<float>();
   auto rows = [&](auto qp, int64_t row_len) {
     auto far = [&](auto parts, int64_t n, const float* sn, auto ln, Pitch p) {
-      int8g_rows<decltype(parts)::value>(qp + n * row_len, sn, ln, K, group, xp,
-                                         ln ? sx : nullptr, yp + n, p);
+      int8g_rows<decltype(parts)::value, 1>(qp + n * row_len, sn, ln, K, group, xp,
+                                            ln ? sx : nullptr, yp + n, N, p);
     };
     auto run = [&](auto s_, auto lo_) {
       if (M == 1 && INT8G_PARTS > 1 && distant(N, row_len)) {
@@ -1220,8 +1204,9 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
       row_tiles<1>(s_, lo_, G, N, M, row_len, [&](auto, auto tile, int64_t n, int64_t m,
                                                   const float* sn,
                                          auto ln) {
-        int8g_row<decltype(tile)::value>(qp + n * row_len, sn, ln, K, group, xp + m * K,
-                                         ln ? sx + m * G : nullptr, yp + m * N + n, N);
+        int8g_rows<1, decltype(tile)::value>(qp + n * row_len, sn, ln, K, group, xp + m * K,
+                                             ln ? sx + m * G : nullptr, yp + m * N + n, N,
+                                             Pitch{row_len, G, G, 1});
       });
     };
     with_scales(s, lo_, sd, lod, group, "int8g_mm", run);
