@@ -45,7 +45,8 @@ import torch
 
 import tokenizer
 from safetensors_io import (FUSED, QUANTIZATION_KEY, CheckpointError, TensorWriter, block_scaled,
-                            indexed, join_nibbles, join_sixes, read_weights, stack_layer, widened)
+                            derived_minimum, indexed, join_nibbles, join_sixes, read_weights,
+                            stack_layer, widened)
 
 
 # ----------------------------------------------------------------------------
@@ -180,15 +181,17 @@ def gguf_config(reader) -> dict:
 # m 6-bit integers, Q6_K's sc 8-bit: their products are exact in fp32), so lo + q·s is, bit for
 # bit, the value llama.cpp dequantizes. A negative s (Q4_0 and Q6_K store d with the sign of the
 # group's largest weight) stays negative: the kernels' sums do not care. The numbers are stored
-# as the file holds them, not widened: d, m and -8d in fp16 (half_scales), a K-quant's sc and m
+# as the file holds them, not widened: d and m in fp16 (half_scales), a K-quant's sc and m
 # as int8 per group beside its fp16 d and -dmin per 256 weights (Packed.scale_d, lo_d), which the
-# kernels multiply as they read them. The 5- and 6-bit values are held six bits each
+# kernels multiply as they read them. A minimum that is a power of two times the scale (Q4_0's
+# -8d, Q3_K's -4·d·sc) is not stored: the load derives it (Packed.min_per_scale), so Q4_0
+# takes the file's 18 bytes per 32 weights. The 5- and 6-bit values are held six bits each
 # (safetensors_io.join_sixes: three bytes per four), which the kernels widen to the same int8
 # values. Q4_K then takes 148 bytes per 256 weights (the file 144), Q6_K 210 (the file's 210),
-# Q5_K 212 (176), Q8_0 and Q4_1 as many as the file. Q3_K's values (-4..3) are held as q + 4 with
-# the minimum -4s, its sc - 32 serving both (twice stored) beside d and -4d; Q2_K's with its own
-# sc and m: 164 bytes per 256 weights against the file's 110 and 84, no kernel reading 2 or 3
-# bits a value (a Q3_K_M file keeps its larger tensors in Q4_K, Q5_K and Q6_K). IQ4_NL's and
+# Q5_K 212 (176), Q8_0, Q4_0 and Q4_1 as many as the file. Q3_K's values (-4..3) are held as q + 4
+# with the minimum -4s, its sc - 32 beside d (146 bytes per 256 weights against the file's 110),
+# Q2_K's with its own sc and m (164 against 84): no kernel reads 2 or 3 bits a value (a Q3_K_M
+# file keeps its larger tensors in Q4_K, Q5_K and Q6_K). IQ4_NL's and
 # IQ4_XS's nibbles are kept as int4 beside the 16 values they index (-127..113, Packed.values):
 # W = v[q]·s, 144 and 138 bytes per 256 weights against the file's 144 and 136; the kernels look
 # each nibble's number up where they would convert it. The other IQ types (codebooks of 8-value
@@ -204,6 +207,9 @@ class Kind(Enum):
 
 # The GGUF types whose values fit in six bits (-32..31): held six bits each (join_sixes).
 SIX_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+# The types whose minimum is a power of two times the scale (Q4_0's q - 8, Q3_K's q + 4 less 4):
+# not stored, derived at load (Packed.min_per_scale).
+MIN_PER_SCALE = {"Q4_0": -8, "Q3_K": -4}
 
 
 @dataclass
@@ -222,6 +228,8 @@ class Packed:
     lo_d: torch.Tensor | None = None
     bits: int = 8
     values: tuple[int, ...] | None = None     # INT4: the number each q stands for (IQ4's table)
+    # lo is this times the scale (Q4_0: -8, Q3_K: -4): derived at load (derived_minimum), not stored
+    min_per_scale: int | None = None
 
     def dequantized(self) -> torch.Tensor:
         if self.kind in (Kind.HALF, Kind.FLOAT):
@@ -231,8 +239,18 @@ class Packed:
     def rows(self, index) -> "Packed":
         """The same layout over a selection of rows (llama.cpp's Q/K row order undone)."""
         pick = lambda t: None if t is None else t[index]
-        return Packed(self.kind, pick(self.q), pick(self.scale), pick(self.lo), self.group,
-                      pick(self.scale_d), pick(self.lo_d), self.bits, self.values)
+        return replace(self, q=pick(self.q), scale=pick(self.scale), lo=pick(self.lo),
+                       scale_d=pick(self.scale_d), lo_d=pick(self.lo_d))
+
+    def derives_min(self) -> bool:
+        """Whether its minimum is min_per_scale times its scale, bit for bit, as it will be held
+        (the scales' dtype chosen: half_scales): then the checkpoint need not store it."""
+        if self.min_per_scale is None or self.lo is None:
+            return False
+        lo, lo_d = derived_minimum(self.scale, self.scale_d, self.min_per_scale)
+        same = lambda a, b: a is None and b is None or a is not None and b is not None and \
+            a.dtype == b.dtype and torch.equal(a, b)
+        return same(lo, self.lo) and same(lo_d, self.lo_d)
 
 
 def halves(qs: np.ndarray) -> np.ndarray:
@@ -407,7 +425,8 @@ def packed(tensor, data: np.ndarray | None = None) -> Packed:
                   per_row(s, k // group, sub), per_row(lo, k // group, sub), group,
                   per_row(s_d, k // 256, np.float16), per_row(lo_d, k // 256, np.float16),
                   6 if kind in SIX_BITS else 8,
-                  tuple(int(v) for v in IQ4_VALUES) if kind in ("IQ4_NL", "IQ4_XS") else None)
+                  tuple(int(v) for v in IQ4_VALUES) if kind in ("IQ4_NL", "IQ4_XS") else None,
+                  MIN_PER_SCALE.get(kind))
 
 
 def grouped(parts: list[Packed]) -> list[Packed]:
@@ -456,10 +475,10 @@ def stored(name: str, p: Packed) -> dict[str, torch.Tensor]:
     q = in_rows(join_nibbles, p.q) if p.kind == Kind.INT4 else \
         in_rows(join_sixes, p.q) if p.bits == 6 else p.q
     out = {f"{name}.weight": q, f"{name}.weight_scale": p.scale}
-    if p.lo is not None:
-        out[f"{name}.weight_min"] = p.lo
     if p.scale_d is not None:
         out[f"{name}.weight_scale_d"] = p.scale_d
+    if p.lo is not None and not p.derives_min():
+        out[f"{name}.weight_min"] = p.lo
         if p.lo_d is not None:
             out[f"{name}.weight_min_d"] = p.lo_d
     return out
@@ -477,6 +496,8 @@ def layout_of(p: Packed) -> dict:
         spec["bits"] = 6            # join_sixes
     if p.values is not None:
         spec["values"] = list(p.values)
+    if p.derives_min():
+        spec["min_per_scale"] = p.min_per_scale
     if p.kind == Kind.HALF:
         spec["dtype"] = str(p.q.dtype).removeprefix("torch.")
     return spec
@@ -489,7 +510,8 @@ def layout_of(p: Packed) -> dict:
 # int8 per group times fp16 per 256 weights. 7: a group's parts at different bits kept apart.
 # 8: 5- and 6-bit values in six bits (join_sixes), not a byte. 9: Q3_K and Q2_K as int4 in
 # groups of 16, not six-bit int8. 10: IQ4_NL and IQ4_XS as int4 with their 16 values, not int8.
-CONVERTED_FORMAT = 10
+# 11: Q4_0's and Q3_K's minimums derived from their scales at load, not stored.
+CONVERTED_FORMAT = 11
 
 
 def gguf_fingerprint(path: Path, version: int = CONVERTED_FORMAT) -> str:

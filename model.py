@@ -588,8 +588,10 @@ def adopt_checkpoint(model: "Llama", model_dir, device: torch.device, dtype: tor
     cfg = model.config
     state = {k.removeprefix("model."): v for k, v in safetensors_io.read_weights(model_dir).items()
              if not k.endswith("rotary_emb.inv_freq")}
-    if widen and (cfg.quantization or {}).get("weights") == "gguf":
-        state = safetensors_io.widen_layers(state, cfg.quantization["layers"])
+    if (cfg.quantization or {}).get("weights") == "gguf":
+        state = safetensors_io.with_minimums(state, cfg.quantization["layers"])
+        if widen:
+            state = safetensors_io.widen_layers(state, cfg.quantization["layers"])
     tied = (cfg.tie_embeddings and isinstance(model.lm_head, nn.Linear)
             and "lm_head.weight" not in model.borrowed)
     if tied:

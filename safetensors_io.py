@@ -349,6 +349,32 @@ def block_scaled(sub: torch.Tensor | None, d: torch.Tensor | None) -> torch.Tens
     return d.float().repeat_interleave(sub.shape[-1] // d.shape[-1], -1) * sub.float()
 
 
+def derived_minimum(scale: torch.Tensor, scale_d: torch.Tensor | None,
+                    per_scale: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layout's minimum that is ``per_scale`` times its scale (Q4_0's -8, Q3_K's -4: a power
+    of two, so exact where the product stays in the dtype's range, which the conversion checks
+    before it leaves the minimum out): (lo, lo_d) as block_scaled reads them, per_scale · scale,
+    or for a K-quant's int8 scale and fp16 super-block number, the same int8 beside
+    per_scale · scale_d."""
+    if scale_d is None:
+        return scale * per_scale, None
+    return scale.clone(), scale_d * per_scale
+
+
+def with_minimums(state: dict[str, torch.Tensor], layers: dict[str, dict]) -> dict:
+    """A GGUF conversion's tensors (by checkpoint name without "model.") with the minimums its
+    layouts (config.json's map) derive from their scales put in, as if stored (a layout's
+    ``min_per_scale``: derived_minimum)."""
+    for name, spec in layers.items():
+        if (per_scale := spec.get("min_per_scale")) is not None:
+            lo, lo_d = derived_minimum(state[f"{name}.weight_scale"],
+                                       state.get(f"{name}.weight_scale_d"), per_scale)
+            state[f"{name}.weight_min"] = lo
+            if lo_d is not None:
+                state[f"{name}.weight_min_d"] = lo_d
+    return state
+
+
 def indexed(q: torch.Tensor, values) -> torch.Tensor:
     """q as the numbers it stands for: values[q] in fp32 where int4 nibbles index a table (a
     GGUF's IQ4: 16 numbers, as a sequence or a tensor), else q itself."""

@@ -242,6 +242,39 @@ def test_an_iq4_layer_runs_on_its_nibbles(kind):
             close(model(x[:n]), exact[:n])
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q3_K"])
+def test_a_minimum_that_is_its_scale_times_a_power_of_two_is_derived_not_stored(kind):
+    """Q4_0's minimum is -8d, Q3_K's -4·d·sc: a conversion stores neither (its layout names the
+    factor), so Q4_0 takes the file's 18 bytes per 32 weights and Q3_K 146 per 256; the load
+    derives it (safetensors_io.with_minimums) and the layer stands for the file's values, bit for
+    bit widened, and x · Wᵀ on every path."""
+    from gguf.quants import dequantize
+    t = gguf_blocks(kind, rows=48)
+    want = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(48, 512).astype(np.float32))
+    [p] = gguf_hf.half_scales([gguf_hf.packed(t)])
+    layout = gguf_hf.layout_of(p)
+    assert layout["min"] and layout["min_per_scale"] == {"Q4_0": -8, "Q3_K": -4}[kind]
+    state = {k.removeprefix("w."): v for k, v in gguf_hf.stored("w", p).items()}
+    assert "weight_min" not in state and "weight_min_d" not in state
+    assert sum(v.numel() * v.element_size() for v in state.values()) == \
+        48 * 512 * {"Q4_0": 18 / 32, "Q3_K": 146 / 256}[kind]
+    full = safetensors_io.with_minimums({f"w.{k}": v for k, v in state.items()}, {"w": layout})
+    widened = safetensors_io.widen_layers(dict(full), {"w": layout})["w.weight"]
+    assert torch.equal(widened, want)
+    layer = quantize.stored_layer(layout, 512, 48, bias=False)
+    layer.load_state_dict({k.removeprefix("w."): v for k, v in full.items()})
+    x = torch.randn(40, 512)
+    exact = x.double() @ want.double().t()
+    close = lambda y, e: torch.testing.assert_close(y.double(), e, rtol=0,
+                                                    atol=1e-6 * (x.abs() @ want.abs().t()).max().item())
+    close(layer(x), exact)
+    if kernels.native_kernels(quiet=True):
+        model = torch.nn.Sequential(layer)
+        kernels.swap_quantized(model, torch.float32)
+        for n in (1, 40):               # a step's int4_mm, a prefill's wide_mm (AMX where there)
+            close(model(x[:n]), exact[:n])
+
+
 def test_a_q3_k_scale_beyond_what_int4_holds_is_refused():
     """Q3_K's minimum -4s is held as its int8 sc times -4d in fp16: a d of 2^14 or more would
     overflow, so such a file is refused in one line, not run with an infinite minimum."""
