@@ -229,9 +229,10 @@ struct Pitch {
 // items (stream_items), so it reads P runs of weight rows at once, far apart.
 // Why: on the Xeon of this pool the hardware streams a core's reads from several distant places
 // (other pages) faster than from one: rows end to end, even R of them, are one stream there,
-// and a decode step's int4 and int8 loops, which read rows of 1-8 KB, get more bytes a second
-// from 4 parts than from one (`python kernels.py` prints each kernel's GB/s). Which rows go
-// together does not change a row's sum: the bits are those of the rows end to end.
+// and a decode step's int4, int8 and 16-bit loops, which read rows of 1-8 KB, get more bytes a
+// second from 4 parts than from one (`python kernels.py` prints each kernel's GB/s). Which rows go
+// together does not change a row's sum: the bits are those of the rows end to end. G = 0: a
+// matrix without scales (16-bit weights).
 template <int P, typename S, typename F>
 static void distant_rows(S s, S lo, int64_t G, int64_t N, int64_t row_bytes, F f) {
   const int64_t D = N / P;
@@ -239,7 +240,7 @@ static void distant_rows(S s, S lo, int64_t G, int64_t N, int64_t row_bytes, F f
     std::vector<float> sb(P * WIDEN_ROWS * G);
     for (int64_t b0 = i0; b0 < i1; b0 += WIDEN_ROWS) {
       const int64_t b1 = std::min(i1, b0 + WIDEN_ROWS);
-      for (int p = 0; p < P; p++)
+      for (int p = 0; G && p < P; p++)
         widen_scales(s + (p * D + b0) * G, (b1 - b0) * G, sb.data() + p * WIDEN_ROWS * G);
       for (int64_t i = b0; i < b1; i++)
         f(std::integral_constant<int, P>(), i, sb.data() + (i - b0) * G, lo ? lo + i * G : S(),
@@ -353,10 +354,10 @@ static bool intel() {
 #define AHEAD 1024
 #endif
 #define FAR_AHEAD 4096
-// 16-bit weights are asked for ahead on the Xeon only: on the EPYC (Zen 4) the hardware's own
-// prefetcher streams their rows faster alone, where the memory has bandwidth to spare (and as fast
-// where it has not), while the int8 and int4 loops, with more instructions a byte, still gain from
-// their AHEAD.
+// 16-bit weights are asked for ahead on the Xeon only (and read from distant parts there:
+// half_rows): on the EPYC (Zen 4) the hardware's own prefetcher streams their rows faster alone,
+// where the memory has bandwidth to spare (and as fast where it has not), while the int8 and int4
+// loops, with more instructions a byte, still gain from their AHEAD.
 #define STREAM_AHEAD (intel() ? FAR_AHEAD : AHEAD)    // int8 and int4 with AVX-512
 
 // The fixed reduction of 8 lanes, pairwise; of four vectors, (a0 + a1) + (a2 + a3) first.
@@ -781,13 +782,13 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
     }                                                                             \
   });
 
-// Rows a decode step's int4 loop takes from distant parts of a matrix (distant_rows; the int8
-// loop's: INT8G_PARTS): AVX-512's 32 registers hold 4 rows' sums beside x and a widened block,
-// AVX2's 16 two. Taken on an Intel CPU, for a matrix of DISTANT_BYTES or more (a smaller one's
-// parts are a few rows each); on the EPYC (Zen 4), whose own prefetcher streams rows end to end
-// well (half_row above), the rows stay end to end (ROWS): parts there are not measured yet. The
-// plain C++ build takes them wherever the vector builds may, so that the tests compare the same
-// loops.
+// Rows a decode step's int4 loop takes from distant parts of a matrix (distant_rows; the int8 and
+// 16-bit loops': INT8G_PARTS, HALF_PARTS): AVX-512's 32 registers hold 4 rows' sums beside x and
+// a widened block, AVX2's 16 two. Taken on an Intel CPU, for a matrix of DISTANT_BYTES or more
+// (a smaller one's parts are a few rows each); on the EPYC (Zen 4), whose own prefetcher streams
+// rows end to end well (half_rows above), the rows stay end to end (ROWS): parts there are not
+// measured yet. The plain C++ build takes them wherever the vector builds may, so that the tests
+// compare the same loops.
 #ifndef PARTS
 #if defined(__AVX512F__)
 #define PARTS 4
@@ -1057,25 +1058,36 @@ static void int8g_rows(Q q, const float* s, L lo, int64_t K, int64_t group, cons
 }
 // Rows a decode step's int8 loop takes from distant parts (distant_rows).
 #define INT8G_PARTS 4
-// One fp16 or bf16 row against MT rows of x.
-template <int MT, typename T>
-static void half_row(const T* w, int64_t K, const float* x, float* y, int64_t N) {
+// R fp16 or bf16 rows (at pitch p: end to end, or from distant parts) against MT rows of x,
+// int8g_rows' loop without scales: each (row, row of x) gets the same sums whatever R and p.
+template <int R, int MT, typename T>
+static void half_rows(const T* w, int64_t K, const float* x, float* y, int64_t N, Pitch p) {
   const bool fetch = intel();
-  __m512 acc[MT][2];
+  // one row: FAR_AHEAD along it; rows from parts: each its own stream
+  const int64_t ahead = R == 1 ? FAR_AHEAD : AHEAD;
+  __m512 acc[R][MT][2];
   UNROLL
-  for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_ps();
   for (int64_t c = 0; c < K / 32; c++) {
-    if (fetch) _mm_prefetch((const char*)(w + c * 32) + FAR_AHEAD, _MM_HINT_T0);
-    __m512 w0 = widen16(w + c * 32), w1 = widen16(w + c * 32 + 16);
     UNROLL
-    for (int t = 0; t < MT; t++) {
-      acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * K + c * 32), acc[t][0]);
-      acc[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * K + c * 32 + 16), acc[t][1]);
+    for (int r = 0; r < R; r++) {
+      const T* wr = reinterpret_cast<const T*>(reinterpret_cast<const char*>(w) + r * p.q);
+      if (fetch) _mm_prefetch((const char*)(wr + c * 32) + ahead, _MM_HINT_T0);
+      const __m512 w0 = widen16(wr + c * 32), w1 = widen16(wr + c * 32 + 16);
+      UNROLL
+      for (int t = 0; t < MT; t++) {
+        acc[r][t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * K + c * 32), acc[r][t][0]);
+        acc[r][t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * K + c * 32 + 16), acc[r][t][1]);
+      }
     }
   }
   UNROLL
-  for (int t = 0; t < MT; t++) y[t * N] = hsum(acc[t][0], acc[t][1]);
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < MT; t++) y[t * N + r * p.y] = hsum(acc[r][t][0], acc[r][t][1]);
 }
+// Rows a decode step's 16-bit loop takes from distant parts (distant_rows).
+#define HALF_PARTS 4
 #else
 template <int MT, typename Q, typename L>
 static void int8g_row(Q q, const float* s, L lo, int64_t K, int64_t group,
@@ -1156,10 +1168,19 @@ static void int8g_rows(Q q, const float* s, L lo, int64_t K, int64_t group, cons
     int8g_row<MT>(q + r * p.q, s + r * p.s, lo ? lo + r * p.lo : L(), K, group, x, sx,
                   y + r * p.y, N);
 }
+// half_rows likewise (half_row): AVX2's decode keeps its rows end to end.
+template <int R, int MT, typename T>
+static void half_rows(const T* w, int64_t K, const float* x, float* y, int64_t N, Pitch p) {
+  for (int r = 0; r < R; r++)
+    half_row<MT>(reinterpret_cast<const T*>(reinterpret_cast<const char*>(w) + r * p.q), K, x,
+                 y + r * p.y, N);
+}
 #if defined(__AVX2__) && defined(__FMA__)
 #define INT8G_PARTS 1
+#define HALF_PARTS 1
 #else
 #define INT8G_PARTS 4
+#define HALF_PARTS 4
 #endif
 #endif
 
@@ -1222,7 +1243,16 @@ static void half_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const float* xp = x.data_ptr<float>();
   const T* wp = w.data_ptr<T>();
   float* yp = y.data_ptr<float>();
-#define HALF(MT, n, m) half_row<MT>(wp + n * K, K, xp + m * K, yp + m * N + n, N)
+  if (M == 1 && HALF_PARTS > 1 && distant(N, 2 * K)) {
+    const float* none = nullptr;    // no scales: groups of none
+    distant_rows<HALF_PARTS>(none, none, 0, N, 2 * K, [&](auto parts, int64_t n, const float*,
+                                                          const float*, Pitch p) {
+      half_rows<decltype(parts)::value, 1>(wp + n * K, K, xp, yp + n, N, p);
+    });
+    return;
+  }
+#define HALF(MT, n, m) half_rows<1, MT>(wp + n * K, K, xp + m * K, yp + m * N + n, N, \
+                                        Pitch{2 * K, 0, 0, 1})
   TILED(HALF, 2 * K)
 }
 static at::Tensor half_mm(const at::Tensor& x, const at::Tensor& w) {

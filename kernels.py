@@ -607,11 +607,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # aten's kernels, and faster than fp32's product, which reads four to five times the bytes
 # (`python kernels.py` prints ns per weight and GB/s for each). int8g_mm and half_mm stream as
 # int8_mm does, near aten's fp32 product's bandwidth (an Intel Xeon with AVX-512 and AMX, 2
-# threads, one row, TinyLlama's 5632×2048 from DRAM). On an Intel CPU a decode step's int4 and
-# int8 loops read their rows from 4 distant parts of the matrix at once (kernels.cpp:
-# distant_rows): there a core streams several distant places faster than one. Each sums every row in the same order
-# however many positions a pass holds, and whichever rows it takes together, so speculative
-# decoding stays exact.
+# threads, one row, TinyLlama's 5632×2048 from DRAM). On an Intel CPU a decode step's int4, int8
+# and 16-bit loops read their rows from 4 distant parts of the matrix at once (kernels.cpp:
+# distant_rows): there a core streams several distant places faster than one. Each sums every
+# row in the same order however many positions a pass holds, and whichever rows it takes
+# together, so speculative decoding stays exact.
 #
 # A prefill is compute-bound: its rows go to BLAS on fp32 weights, prepack's fp32 copy for int8 rows
 # and int4 (4 bytes a weight against their 1 and 0.75, held), else wide_mm's tiles (no copy). On

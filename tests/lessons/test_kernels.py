@@ -559,6 +559,19 @@ def test_int8_decode_rows_from_distant_parts_give_the_bits_of_rows_end_to_end(bu
             assert torch.equal(torch.cat(rows, dim=1), y)
 
 
+def test_16_bit_decode_rows_from_distant_parts_give_the_bits_of_rows_end_to_end(builds):
+    """half_mm's decode takes its rows from distant parts too (AVX-512 and the plain C++ build):
+    fp16 and bf16 weights give each row the bits of that row alone, in every build."""
+    torch.manual_seed(7)
+    n, k = 1027, 512
+    x = torch.randn(3, k)
+    for dtype in (torch.float16, torch.bfloat16):
+        w = torch.randn(n, k).to(dtype)
+        y = same_bits_everywhere(builds, lambda lib, x: lib.half_mm(x, w), x)
+        assert torch.equal(torch.cat([torch.ops.nanoinfer.half_mm(x, w[i:i + 1])
+                                      for i in range(n)], dim=1), y)
+
+
 def test_six_bit_values_give_the_bits_of_the_same_values_in_int8(builds):
     """int8 values held in six bits (safetensors_io.join_sixes: a GGUF's 5- and 6-bit blocks) are
     widened to the same int8 values: int8g_mm and wide_mm give the bits those values in int8 give,
