@@ -212,34 +212,48 @@ def test_every_gguf_type_keeps_its_bits(kind):
             assert p.bits == 8 and "bits" not in gguf_hf.layout_of(p)
 
 
+def stored_48_rows(kind):
+    """A 48×512 matrix of GGUF type ``kind`` as a conversion stores it (its layout, its tensors by
+    name without a prefix) and the values gguf-py dequantizes it to."""
+    from gguf.quants import dequantize
+    t = gguf_blocks(kind, rows=48)
+    want = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(48, 512).astype(np.float32))
+    [p] = gguf_hf.half_scales([gguf_hf.packed(t)])
+    state = {k.removeprefix("w."): v for k, v in gguf_hf.stored("w", p).items()}
+    return gguf_hf.layout_of(p), state, want
+
+
+def runs_as(layer, want):
+    """A stored layer's outputs are x · Wᵀ of the file's values: the portable layer, and on the
+    C++ kernels a step's one-row product and a prefill's (AMX where there)."""
+    x = torch.randn(40, 512)
+    exact = x.double() @ want.double().t()
+    close = lambda y, e: torch.testing.assert_close(y.double(), e, rtol=0,
+                                                    atol=1e-6 * (x.abs() @ want.abs().t()).max().item())
+    close(layer(x), exact)
+    if kernels.native_kernels(quiet=True):
+        model = kernels.swap_quantized(torch.nn.Sequential(layer), torch.float32)
+        assert model[0].native
+        for n in (1, 40):
+            close(model(x[:n]), exact[:n])
+        return model[0]
+    return layer
+
+
 @pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS"])
 def test_an_iq4_layer_runs_on_its_nibbles(kind):
     """An IQ4 matrix as a conversion stores it (int4 nibbles and its scales; the 16 numbers in
     its layout) becomes a stored layer whose outputs are x · Wᵀ of gguf-py's dequantized W: the
     portable layer, the C++ kernels' one-row step and prefill, and the embedding table's rows.
     Held at the file's bytes: 144 and 138 per 256 weights (the file's 144 and 136)."""
-    from gguf.quants import dequantize
-    t = gguf_blocks(kind, rows=48)
-    want = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(48, 512).astype(np.float32))
-    [p] = gguf_hf.half_scales([gguf_hf.packed(t)])
-    state = gguf_hf.stored("w", p)
+    layout, state, want = stored_48_rows(kind)
     assert sum(v.numel() * v.element_size() for v in state.values()) * 256 == \
         48 * 512 * {"IQ4_NL": 144, "IQ4_XS": 138}[kind]
-    layer = quantize.stored_layer(gguf_hf.layout_of(p), 512, 48, bias=False)
-    layer.load_state_dict({k.removeprefix("w."): v for k, v in state.items()})
-    x = torch.randn(40, 512)
-    exact = x.double() @ want.double().t()
-    close = lambda y, e: torch.testing.assert_close(y.double(), e, rtol=0,
-                                                    atol=1e-6 * (x.abs() @ want.abs().t()).max().item())
-    close(layer(x), exact)
+    layer = quantize.stored_layer(layout, 512, 48, bias=False)
+    layer.load_state_dict(state)
     rows = quantize.StoredEmbedding(layer)(torch.tensor([[5, 0, 47]]))
     assert torch.equal(rows[0], want[[5, 0, 47]])
-    if kernels.native_kernels(quiet=True):
-        model = torch.nn.Sequential(layer)
-        kernels.swap_quantized(model, torch.float32)
-        assert model[0].native and model[0].weight_values is not None
-        for n in (1, 40):               # a step's int4_mm, a prefill's wide_mm (AMX where there)
-            close(model(x[:n]), exact[:n])
+    assert runs_as(layer, want).weight_values is not None
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q3_K"])
@@ -248,13 +262,8 @@ def test_a_minimum_that_is_its_scale_times_a_power_of_two_is_derived_not_stored(
     factor), so Q4_0 takes the file's 18 bytes per 32 weights and Q3_K 146 per 256; the load
     derives it (safetensors_io.with_minimums) and the layer stands for the file's values, bit for
     bit widened, and x · Wᵀ on every path."""
-    from gguf.quants import dequantize
-    t = gguf_blocks(kind, rows=48)
-    want = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(48, 512).astype(np.float32))
-    [p] = gguf_hf.half_scales([gguf_hf.packed(t)])
-    layout = gguf_hf.layout_of(p)
+    layout, state, want = stored_48_rows(kind)
     assert layout["min"] and layout["min_per_scale"] == {"Q4_0": -8, "Q3_K": -4}[kind]
-    state = {k.removeprefix("w."): v for k, v in gguf_hf.stored("w", p).items()}
     assert "weight_min" not in state and "weight_min_d" not in state
     assert sum(v.numel() * v.element_size() for v in state.values()) == \
         48 * 512 * {"Q4_0": 18 / 32, "Q3_K": 146 / 256}[kind]
@@ -263,16 +272,7 @@ def test_a_minimum_that_is_its_scale_times_a_power_of_two_is_derived_not_stored(
     assert torch.equal(widened, want)
     layer = quantize.stored_layer(layout, 512, 48, bias=False)
     layer.load_state_dict({k.removeprefix("w."): v for k, v in full.items()})
-    x = torch.randn(40, 512)
-    exact = x.double() @ want.double().t()
-    close = lambda y, e: torch.testing.assert_close(y.double(), e, rtol=0,
-                                                    atol=1e-6 * (x.abs() @ want.abs().t()).max().item())
-    close(layer(x), exact)
-    if kernels.native_kernels(quiet=True):
-        model = torch.nn.Sequential(layer)
-        kernels.swap_quantized(model, torch.float32)
-        for n in (1, 40):               # a step's int4_mm, a prefill's wide_mm (AMX where there)
-            close(model(x[:n]), exact[:n])
+    runs_as(layer, want)
 
 
 def test_a_q3_k_scale_beyond_what_int4_holds_is_refused():
