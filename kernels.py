@@ -574,7 +574,9 @@ def wide_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     with scale and lo or values (as int4_mm's); fp16 or bf16 (N, K) alone. ``amx``: int4 or int8
     values in groups of 32 on Intel's tile unit where the CPU has one (x cut into three bf16
     pieces that sum back to it exactly, so every product is exact: the same sums in another
-    order, several times faster). Needs native_kernels()."""
+    order, several times faster), and int8 values in groups of 16 with a K-quant's scales and no
+    minimum (Q6_K: each int8 scale folded into the values, two exact bf16 pieces).
+    Needs native_kernels()."""
     return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group, scale_d, lo_d, amx, values)
 
 
@@ -619,7 +621,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # copy, and less than widening the whole matrix at each call (the fallback before them). Where the
 # CPU has AMX, int4 and int8 values in groups of 32 skip both: their exact products run on the
 # tile unit (wide_mm(amx=True)), whose bf16 multiply-adds outrun fp32's FMAs even at three per
-# product.
+# product; so do Q6_K's groups of 16, at six.
 #
 # Asked for (RunConfig.activations "int8": swap_quantized's round_x), int4 and grouped int8 layers
 # round each 32 of x to 8 bits and multiply in integers (int4_x8_mm, int8g_x8_mm): llama.cpp's

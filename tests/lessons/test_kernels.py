@@ -626,8 +626,9 @@ def test_amx_prefill_sums_the_products_of_the_file_weights(m, k, n):
     where this CPU has it (x in three bf16 pieces that sum back to it, each product exact):
     within fp32's own rounding of the float64 product of the dequantized matrix, as the fp32
     tiles are (with a piece left out it is not); fp16 and K-quant scales give the bits of the
-    same scales in fp32. Groups of 16 (Q6_K) stay on the tiles. Without AMX every kind is the
-    tiles' product, bit for bit."""
+    same scales in fp32. Groups of 16 with a K-quant's scales (Q6_K) run with each int8 sc folded
+    into the values (amx_folded), within the same bound, int8 values as six-bit ones; with fp32
+    scales they stay on the tiles. Without AMX every kind is the tiles' product, bit for bit."""
     native_or_skip()
     torch.manual_seed(m)
     x, q4 = torch.randn(m, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
@@ -635,10 +636,12 @@ def test_amx_prefill_sums_the_products_of_the_file_weights(m, k, n):
     sub = lambda group: torch.randint(0, 64, (n, k // group), dtype=torch.int8)
     d = lambda: (torch.rand(n, k // 256) * 0.01).half()
     half = lambda group: (torch.rand(n, k // group) * 0.01).half()
+    signed = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)         # Q6_K's sc
     kinds = [(q4, quantize.split_nibbles(q4), 32, sub(32), sub(32), d(), d()),       # Q4_K
              (q8, q8, 32, half(32), None, None, None),                              # Q8_0
              (safetensors_io.join_sixes(q6), q6, 32, sub(32), sub(32), d(), d()),   # Q5_K
-             (safetensors_io.join_sixes(q6), q6, 16, sub(16), None, d(), None)]     # Q6_K
+             (safetensors_io.join_sixes(q6), q6, 16, signed, None, d(), None),      # Q6_K
+             (q8, q8, 16, signed, None, d(), None)]       # int8 values, the largest sc·q
     has = torch.cpu.get_capabilities()
     amx = has.get("amx_bf16") and torch.backends.cpu.get_cpu_capability() == "AVX512"
     for q, values, group, sc, mn, sd, md in kinds:
@@ -651,7 +654,14 @@ def test_amx_prefill_sums_the_products_of_the_file_weights(m, k, n):
         y = kernels.wide_mm(x, q, s, lo, group, amx=True)
         bound = float((x.abs() @ w.abs().t().float()).max())
         assert (y.double() - x.double() @ w.t()).abs().max() < 5e-7 * bound
-        assert torch.equal(kernels.wide_mm(x, q, sc, mn, group, sd, md, amx=True), y)
+        blocks = kernels.wide_mm(x, q, sc, mn, group, sd, md, amx=True)
+        if amx and group == 16:
+            assert (blocks.double() - x.double() @ w.t()).abs().max() < 5e-7 * bound
+            assert torch.equal(kernels.wide_mm(x, q6, sc, mn, group, sd, md, amx=True),
+                               kernels.wide_mm(x, safetensors_io.join_sixes(q6), sc, mn, group,
+                                               sd, md, amx=True))
+        else:
+            assert torch.equal(blocks, y)
         if not amx or group == 16:
             assert torch.equal(y, kernels.wide_mm(x, q, s, lo, group))
 
