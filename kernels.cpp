@@ -1937,6 +1937,38 @@ static void configure_tiles() {
   for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
+// Tiles 0-3 hold a 32×32 block of sums (below): zeroed, and copied out to c[4][16][16].
+static inline void zero_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+static inline void copy_tiles(float (*c)[16][16]) {
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+}
+// The 32 rows' sums (acc: 32 tokens each) += their block of C (c, copied out) times each row's
+// number v[row], and where lo is given, + lo[row] times the tokens' Σx (sx0: tokens 0-15, sx1:
+// 16-31).
+static inline void leave_tiles(const float (*c)[16][16], const float* v, const float* lo,
+                               __m512 sx0, __m512 sx1, float* acc) {
+  for (int h = 0; h < 2; h++)
+    for (int n = 0; n < 16; n++) {
+      const __m512 sv = _mm512_set1_ps(v[h * 16 + n]);
+      float* a = acc + (h * 16 + n) * 32;
+      __m512 a0 = _mm512_fmadd_ps(_mm512_load_ps(c[2 * h][n]), sv, _mm512_load_ps(a));
+      __m512 a1 = _mm512_fmadd_ps(_mm512_load_ps(c[2 * h + 1][n]), sv, _mm512_load_ps(a + 16));
+      if (lo) {
+        const __m512 lv = _mm512_set1_ps(lo[h * 16 + n]);
+        a0 = _mm512_fmadd_ps(sx0, lv, a0), a1 = _mm512_fmadd_ps(sx1, lv, a1);
+      }
+      _mm512_store_ps(a, a0);
+      _mm512_store_ps(a + 16, a1);
+    }
+}
 // Tiles 0-3 (rows 0-15 and 16-31 of W by tokens 0-15 and 16-31) += W's two A tiles (w0, w1: 16
 // rows × 32 deep each) by x's three pieces of two B tiles (x0, x1: tokens 0-15 and 16-31, each
 // piece 512 on).
@@ -2078,31 +2110,12 @@ static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
           const __m512 sx0 = _mm512_loadu_ps(sx + (t * G + g) * 16),
                        sx1 = _mm512_loadu_ps(sx + ((t + 1) * G + g) * 16);
           for (int64_t sub = 0; sub < rows; sub += 32) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_tiles();
             tile_products(wb.data() + ((sub / 16) * G + g) * 512,
                           wb.data() + ((sub / 16 + 1) * G + g) * 512, x0, x1);
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[1], 64);
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-            const float* sg = sc.data() + g * nb + sub;
-            for (int h = 0; h < 2; h++)
-              for (int n = 0; n < 16; n++) {
-                const __m512 sv = _mm512_set1_ps(sg[h * 16 + n]);
-                float* a = acc + (sub + h * 16 + n) * 32;
-                __m512 a0 = _mm512_fmadd_ps(_mm512_load_ps(c[2 * h][n]), sv, _mm512_load_ps(a));
-                __m512 a1 = _mm512_fmadd_ps(_mm512_load_ps(c[2 * h + 1][n]), sv,
-                                            _mm512_load_ps(a + 16));
-                if (lp) {
-                  const __m512 lv = _mm512_set1_ps(lc[g * nb + sub + h * 16 + n]);
-                  a0 = _mm512_fmadd_ps(sx0, lv, a0), a1 = _mm512_fmadd_ps(sx1, lv, a1);
-                }
-                _mm512_store_ps(a, a0);
-                _mm512_store_ps(a + 16, a1);
-              }
+            copy_tiles(c);
+            leave_tiles(c, sc.data() + g * nb + sub, lp ? lc.data() + g * nb + sub : nullptr,
+                        sx0, sx1, acc + sub * 32);
           }
         }
         for (int64_t r = 0; r < rows; r++)
@@ -2177,30 +2190,16 @@ static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, at:
         std::fill(acc, acc + nb * 32, 0.f);
         for (int64_t u = 0; u < K / 256; u++)
           for (int64_t sub = 0; sub < rows; sub += 32) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_tiles();
             for (int64_t g = u * 8; g < u * 8 + 8; g++) {
               const uint16_t *x0 = xb + (t * G + g) * 1536, *x1 = xb + ((t + 1) * G + g) * 1536;
               for (const uint16_t* piece : {wh.data(), wl.data()})
                 tile_products(piece + ((sub / 16) * G + g) * 512,
                               piece + ((sub / 16 + 1) * G + g) * 512, x0, x1);
             }
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[1], 64);
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-            const float* dg = ds.data() + u * nb + sub;
-            for (int h = 0; h < 2; h++)
-              for (int n = 0; n < 16; n++) {
-                const __m512 dv = _mm512_set1_ps(dg[h * 16 + n]);
-                float* a = acc + (sub + h * 16 + n) * 32;
-                _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(c[2 * h][n]), dv,
-                                                   _mm512_load_ps(a)));
-                _mm512_store_ps(a + 16, _mm512_fmadd_ps(_mm512_load_ps(c[2 * h + 1][n]), dv,
-                                                        _mm512_load_ps(a + 16)));
-              }
+            copy_tiles(c);
+            const __m512 none = _mm512_setzero_ps();
+            leave_tiles(c, ds.data() + u * nb + sub, nullptr, none, none, acc + sub * 32);
           }
         for (int64_t r = 0; r < rows; r++)
           for (int64_t v = 0; v < 32 && t * 16 + v < M; v++)
