@@ -799,11 +799,13 @@ static void bf16_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, 
 #ifndef DISTANT_BYTES
 #define DISTANT_BYTES (256 << 10)
 #endif
+// Whether a decode step takes a matrix's rows from P parts (P: the loop's count, 1 for none).
+template <int P>
 static bool distant(int64_t N, int64_t row_bytes) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (!intel()) return false;
 #endif
-  return N >= PARTS && N * row_bytes >= DISTANT_BYTES;
+  return P > 1 && N >= P && N * row_bytes >= DISTANT_BYTES;
 }
 
 // An int4 product's arguments checked (op: its name); log2 of its groups' blocks of 32, -1 for
@@ -863,7 +865,7 @@ static at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
     });
   };
   auto run = [&](auto s_, auto lo_) {
-    if (M == 1 && distant(N, K / 2))
+    if (M == 1 && distant<PARTS>(N, K / 2))
       distant_rows<PARTS>(s_, lo_, G, N, K / 2, far);
     else if (M == 1)
       row_tiles<ROWS>(s_, lo_, G, N, M, K / 2, kernel);
@@ -1218,7 +1220,7 @@ static at::Tensor int8g_mm(const at::Tensor& x, const at::Tensor& q, const at::T
                                             ln ? sx : nullptr, yp + n, N, p);
     };
     auto run = [&](auto s_, auto lo_) {
-      if (M == 1 && INT8G_PARTS > 1 && distant(N, row_len)) {
+      if (M == 1 && distant<INT8G_PARTS>(N, row_len)) {
         distant_rows<INT8G_PARTS>(s_, lo_, G, N, row_len, far);
         return;
       }
@@ -1243,7 +1245,7 @@ static void half_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const float* xp = x.data_ptr<float>();
   const T* wp = w.data_ptr<T>();
   float* yp = y.data_ptr<float>();
-  if (M == 1 && HALF_PARTS > 1 && distant(N, 2 * K)) {
+  if (M == 1 && distant<HALF_PARTS>(N, 2 * K)) {
     const float* none = nullptr;    // no scales: groups of none
     distant_rows<HALF_PARTS>(none, none, 0, N, 2 * K, [&](auto parts, int64_t n, const float*,
                                                           const float*, Pitch p) {
