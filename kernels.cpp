@@ -1990,7 +1990,7 @@ static inline void tile_products(const uint16_t* w0, const uint16_t* w1, const u
 
 // x's rows t·16 .. t·16+15 (zeros past M), group g: three pieces, each 16 pairs × 16 tokens
 // (1 KB, AMX's B layout) at xb + ((t·G + g)·3 + p)·512, and each token's Σx over the group at
-// sx + (t·G + g)·16.
+// sx + (t·G + g)·16 (sx null: no minimum to take it).
 static void split_x(const float* x, int64_t M, int64_t K, int64_t T, uint16_t* xb, float* sx) {
   const int64_t G = K / 32;
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
@@ -2004,8 +2004,7 @@ static void split_x(const float* x, int64_t M, int64_t K, int64_t T, uint16_t* x
         float sum = 0.f;
         for (int h = 0; h < 2; h++) {
           __m512 v = row < M ? _mm512_loadu_ps(x + row * K + g * 32 + h * 16) : _mm512_setzero_ps();
-          if (h == 0) sum = _mm512_reduce_add_ps(v);
-          else sum += _mm512_reduce_add_ps(v);
+          if (sx) sum = h == 0 ? _mm512_reduce_add_ps(v) : sum + _mm512_reduce_add_ps(v);
           __m512i p1 = _mm512_and_si512(_mm512_castps_si512(v), top);
           __m512 r1 = _mm512_sub_ps(v, _mm512_castsi512_ps(p1));
           __m512i p2 = _mm512_and_si512(_mm512_castps_si512(r1), top);
@@ -2016,7 +2015,7 @@ static void split_x(const float* x, int64_t M, int64_t K, int64_t T, uint16_t* x
             _mm256_i32scatter_epi32(out + p * 256 + h * 128 + m, pairs, w, 4);
           }
         }
-        sx[b * 16 + m] = sum;
+        if (sx) sx[b * 16 + m] = sum;
       }
     }
   });
@@ -2084,9 +2083,10 @@ template <typename W, typename S>
 static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), G = K / 32, T = (M + 31) / 32 * 2;
   auto xbt = at::empty({T * G * 3 * 512}, x.options().dtype(at::kShort));
-  auto sxt = at::empty({T * G * 16}, x.options());
+  const bool sums = bool(lo);     // Σx, for the minimum's share
+  auto sxt = at::empty({sums ? T * G * 16 : 0}, x.options());
   uint16_t* xb = reinterpret_cast<uint16_t*>(xbt.data_ptr<int16_t>());
-  float *sx = sxt.data_ptr<float>(), *yp = y.data_ptr<float>();
+  float *sx = sums ? sxt.data_ptr<float>() : nullptr, *yp = y.data_ptr<float>();
   split_x(x.data_ptr<float>(), M, K, T, xb, sx);
   const int64_t nb = std::max<int64_t>(32, std::min<int64_t>(128, (1 << 20) / (2 * K) / 32 * 32));
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
@@ -2109,8 +2109,9 @@ static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
         std::fill(acc, acc + nb * 32, 0.f);
         for (int64_t g = 0; g < G; g++) {
           const uint16_t *x0 = xb + (t * G + g) * 1536, *x1 = xb + ((t + 1) * G + g) * 1536;
-          const __m512 sx0 = _mm512_loadu_ps(sx + (t * G + g) * 16),
-                       sx1 = _mm512_loadu_ps(sx + ((t + 1) * G + g) * 16);
+          const __m512 sx0 = sx ? _mm512_loadu_ps(sx + (t * G + g) * 16) : _mm512_setzero_ps(),
+                       sx1 = sx ? _mm512_loadu_ps(sx + ((t + 1) * G + g) * 16)
+                                : _mm512_setzero_ps();
           for (int64_t sub = 0; sub < rows; sub += 32) {
             zero_tiles();
             tile_products(wb.data() + ((sub / 16) * G + g) * 512,
@@ -2170,10 +2171,9 @@ template <typename Q>
 static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), G = K / 32, T = (M + 31) / 32 * 2;
   auto xbt = at::empty({T * G * 3 * 512}, x.options().dtype(at::kShort));
-  auto sxt = at::empty({T * G * 16}, x.options());
   uint16_t* xb = reinterpret_cast<uint16_t*>(xbt.data_ptr<int16_t>());
   float* yp = y.data_ptr<float>();
-  split_x(x.data_ptr<float>(), M, K, T, xb, sxt.data_ptr<float>());
+  split_x(x.data_ptr<float>(), M, K, T, xb, nullptr);
   // W's two pieces in ~2 MB (a core's L2)
   const int64_t nb = std::max<int64_t>(32, std::min<int64_t>(128, (2 << 20) / (4 * K) / 32 * 32));
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t b0, int64_t b1) {
