@@ -364,9 +364,11 @@ def derived_minimum(scale: torch.Tensor, scale_d: torch.Tensor | None,
 def with_minimums(state: dict[str, torch.Tensor], layers: dict[str, dict]) -> dict:
     """A GGUF conversion's tensors (by checkpoint name without "model.") with the minimums its
     layouts (config.json's map) derive from their scales put in, as if stored (a layout's
-    ``min_per_scale``: derived_minimum)."""
+    ``min_per_scale``: derived_minimum). A layer whose scale is missing gets none: check_tensors
+    names what the checkpoint lacks."""
     for name, spec in layers.items():
-        if (per_scale := spec.get("min_per_scale")) is not None:
+        if (per_scale := spec.get("min_per_scale")) is not None and \
+                f"{name}.weight_scale" in state:
             lo, lo_d = derived_minimum(state[f"{name}.weight_scale"],
                                        state.get(f"{name}.weight_scale_d"), per_scale)
             state[f"{name}.weight_min"] = lo

@@ -273,6 +273,11 @@ def test_a_minimum_that_is_its_scale_times_a_power_of_two_is_derived_not_stored(
     layer = quantize.stored_layer(layout, 512, 48, bias=False)
     layer.load_state_dict({k.removeprefix("w."): v for k, v in full.items()})
     runs_as(layer, want)
+    # a checkpoint that lacks the scale too is named in one line, not a KeyError
+    lacking = {f"w.{k}": v for k, v in state.items() if k != "weight_scale"}
+    with pytest.raises(safetensors_io.CheckpointError, match=r"checkpoint in dir lacks \d tensors"):
+        safetensors_io.check_tensors(safetensors_io.with_minimums(lacking, {"w": layout}),
+                                     {k: tuple(v.shape) for k, v in full.items()}, "dir")
 
 
 def test_a_q3_k_scale_beyond_what_int4_holds_is_refused():
