@@ -2130,21 +2130,34 @@ static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
   });
 }
 
-// ---- Groups of 16 on AMX: a K-quant's int8 scale folded into the values (Q6_K)
+// ---- Groups of 16 on AMX: a K-quant's int8 scale folded into the values (Q6_K, Q3_K)
 // A tile's 32 deep would span two groups of 16. But a K-quant's scale is d·sc, sc an int8 per
 // group and d one fp16 per 256 weights, and sc·q (int8 values: |sc·q| ≤ 2^14, at most 15
 // significant bits) is an integer that two bf16 pieces hold exactly: its top 8 bits, and the rest
 // (7 bits at most). The tiles then sum Σ sc·q·x over a whole super-block (2 pieces of W by 3 of
 // x: 6 products per 32 deep, each exact, where groups of 32 take 3) and leave once per 256
 // weights, for d·C: the same products in another order. A prefill of a Q6_K file took 0.8x as
-// long as on the fp32 tiles.
-// hi, lo: the nb rows' values times their group's sc, as amx_tiles' A tiles, each in two pieces.
+// long as on the fp32 tiles. A minimum that is the scale times a small integer c (Q3_K's -4:
+// derived_minimum) folds in too, as sc·(q + c); Q3_K's |sc·(q - 4)| ≤ 128 fits the first piece
+// alone, and a block of rows whose second pieces are all zero skips their products (3 per 32
+// deep).
+// Block c's 32 int4 values in order (byte i: weights 2i and 2i + 1) as two vectors of 16 fp32.
+static ALWAYS_INLINE void widen32(Nibbles q, int64_t c, __m512& w0, __m512& w1) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)(q.p + c * 16)), nib = _mm_set1_epi8(15);
+  const __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+  w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(e, o)));
+  w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(e, o)));
+}
+// hi, lo: the nb rows' values plus c, times their group's sc, as amx_tiles' A tiles, each in two
+// pieces. Returns whether any second piece is not zero.
 template <typename Q>
-static void widen_folded(Q q, int64_t row_len, KScales s, int64_t K, int64_t n0, int64_t rows,
-                         int64_t nb, uint16_t* hi, uint16_t* lo) {
+static bool widen_folded(Q q, int64_t row_len, KScales s, float c_min, int64_t K, int64_t n0,
+                         int64_t rows, int64_t nb, uint16_t* hi, uint16_t* lo) {
   const int64_t G = K / 32;
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512 cv = _mm512_set1_ps(c_min);
   auto half = [](__m512i v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)); };
+  __m512i rest = _mm512_setzero_si512();
   for (int64_t r = 0; r < nb; r++) {
     const int64_t at = (r / 16) * G * 512 + (r % 16) * 32;
     const int8_t* sc = s.sc + s.at + (n0 + r) * (K / 16);
@@ -2158,17 +2171,41 @@ static void widen_folded(Q q, int64_t row_len, KScales s, int64_t K, int64_t n0,
       __m512 w[2];
       widen32(q + (n0 + r) * row_len, c, w[0], w[1]);
       for (int j = 0; j < 2; j++) {
-        const __m512 v = _mm512_mul_ps(w[j], _mm512_set1_ps(float(sc[2 * c + j])));
-        const __m512i vh = _mm512_and_si512(_mm512_castps_si512(v), top);
+        const __m512 v = _mm512_mul_ps(_mm512_add_ps(w[j], cv),
+                                       _mm512_set1_ps(float(sc[2 * c + j])));
+        const __m512i vh = _mm512_and_si512(_mm512_castps_si512(v), top),
+                      vl = _mm512_castps_si512(_mm512_sub_ps(v, _mm512_castsi512_ps(vh)));
+        rest = _mm512_or_si512(rest, vl);
         _mm256_storeu_si256((__m256i*)(h + 16 * j), half(vh));
-        _mm256_storeu_si256((__m256i*)(l + 16 * j),
-                            half(_mm512_castps_si512(_mm512_sub_ps(v, _mm512_castsi512_ps(vh)))));
+        _mm256_storeu_si256((__m256i*)(l + 16 * j), half(vl));
       }
     }
   }
+  return _mm512_test_epi32_mask(rest, rest) != 0;
+}
+// The small integer c for which a K-quant's minimums are its scales times c (the same int8
+// numbers, and each super-block's number c times the scale's: Q3_K's -4), else 0 (a minimum of its
+// own, as Q2_K's).
+static float minimum_multiple(KScales s, KScales lo, int64_t N, int64_t K) {
+  const int64_t groups = N * (K / 16), blocks = groups >> s.shift;
+  if (lo.shift != s.shift || lo.at != s.at ||
+      (lo.sc != s.sc && std::memcmp(lo.sc + lo.at, s.sc + s.at, groups) != 0))
+    return 0.f;
+  float c = 0.f;
+  for (int64_t u = 0; u < blocks; u++) {
+    const float d = f32(s.d[(s.at >> s.shift) + u]), m = f32(lo.d[(lo.at >> lo.shift) + u]);
+    if (d == 0.f) {
+      if (m != 0.f) return 0.f;
+      continue;
+    }
+    if (c == 0.f) c = m / d;
+    if (m != c * d) return 0.f;
+  }
+  return c == std::nearbyint(c) && std::fabs(c) <= 16.f ? c : 0.f;
 }
 template <typename Q>
-static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, at::Tensor& y) {
+static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, float c_min,
+                       at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), G = K / 32, T = (M + 31) / 32 * 2;
   auto xbt = at::empty({T * G * 3 * 512}, x.options().dtype(at::kShort));
   uint16_t* xb = reinterpret_cast<uint16_t*>(xbt.data_ptr<int16_t>());
@@ -2184,7 +2221,8 @@ static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, at:
     alignas(64) float c[4][16][16];
     for (int64_t blk = b0; blk < b1; blk++) {
       const int64_t n0 = blk * nb, rows = std::min(nb, N - n0);
-      widen_folded(w, row_len, s, K, n0, rows, nb, wh.data(), wl.data());
+      const int pieces = widen_folded(w, row_len, s, c_min, K, n0, rows, nb, wh.data(), wl.data())
+                             ? 2 : 1;
       for (int64_t u = 0; u < K / 256; u++)     // [super-block][row]: its d, 0 past the rows
         for (int64_t r = 0; r < nb; r++)
           ds[u * nb + r] = r < rows ? f32(s.d[(s.at >> s.shift) + (n0 + r) * (K / 256) + u]) : 0.f;
@@ -2195,9 +2233,11 @@ static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, at:
             zero_tiles();
             for (int64_t g = u * 8; g < u * 8 + 8; g++) {
               const uint16_t *x0 = xb + (t * G + g) * 1536, *x1 = xb + ((t + 1) * G + g) * 1536;
-              for (const uint16_t* piece : {wh.data(), wl.data()})
+              for (int k = 0; k < pieces; k++) {
+                const uint16_t* piece = k ? wl.data() : wh.data();
                 tile_products(piece + ((sub / 16) * G + g) * 512,
                               piece + ((sub / 16 + 1) * G + g) * 512, x0, x1);
+              }
             }
             copy_tiles(c);
             const __m512 none = _mm512_setzero_ps();
@@ -2216,8 +2256,9 @@ static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, at:
 // w: int8 (N, K) with scale (N,) or (N, K/group) and lo None or as scale (or those values in six
 // bits: uint8 (N, 3K/4), Sixes); int4 bytes (N, K/2) with scale and lo (N, K/group); fp16 or bf16
 // (N, K) alone. amx: int4 or int8 values in groups of 32 on the tile unit where this CPU has one
-// and x has AMX_ROWS rows (amx_tiles: the same products, summed in another order), and int8 values
-// in groups of 16 with a K-quant's scales and no minimum (amx_folded), else the tiles above.
+// and x has AMX_ROWS rows (amx_tiles: the same products, summed in another order), and int4 or
+// int8 values in groups of 16 with a K-quant's scales and no minimum or one that is the scale
+// times a small integer (amx_folded), else the tiles above.
 static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
                           int64_t group, const std::optional<at::Tensor>& sd,
@@ -2258,10 +2299,13 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
   auto run = [&](auto sp, auto lp) {
 #ifdef AMX_TILES
     if constexpr (std::is_same_v<decltype(sp), KScales>) {
-      if (amx && M >= AMX_ROWS && group == 16 && !lp && amx_ready() &&
-          (type == at::kChar || six)) {
-        if (type == at::kChar) amx_folded(x, w.data_ptr<int8_t>(), K, sp, y);
-        else amx_folded(x, Sixes{w.data_ptr<uint8_t>()}, K / 4 * 3, sp, y);
+      const float c = amx && M >= AMX_ROWS && group == 16 && lp ? minimum_multiple(sp, lp, N, K)
+                                                               : 0.f;
+      if (amx && M >= AMX_ROWS && group == 16 && (!lp || c != 0.f) && amx_ready() &&
+          (type == at::kChar || six || !wn.tab)) {
+        if (type == at::kChar) amx_folded(x, w.data_ptr<int8_t>(), K, sp, c, y);
+        else if (six) amx_folded(x, Sixes{w.data_ptr<uint8_t>()}, K / 4 * 3, sp, c, y);
+        else amx_folded(x, wn, K / 2, sp, c, y);
         return;
       }
     }
