@@ -2203,9 +2203,12 @@ static float minimum_multiple(KScales s, KScales lo, int64_t N, int64_t K) {
   }
   return c == std::nearbyint(c) && std::fabs(c) <= 16.f ? c : 0.f;
 }
+// A minimum of its own (Q2_K's -dmin·m: lo, c_min 0) is added after the tiles: its share is
+// Σ_g lo_g·Σx_g over the row's groups, one fp32 product of x's group sums by the minimums (K/16
+// deep, a sixteenth of the values' products), as the decode loops' lo_share sums it.
 template <typename Q>
-static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, float c_min,
-                       at::Tensor& y) {
+static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, KScales lo,
+                       float c_min, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), G = K / 32, T = (M + 31) / 32 * 2;
   auto xbt = at::empty({T * G * 3 * 512}, x.options().dtype(at::kShort));
   uint16_t* xb = reinterpret_cast<uint16_t*>(xbt.data_ptr<int16_t>());
@@ -2250,6 +2253,12 @@ static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, flo
     }
     __asm__ volatile("tilerelease");
   });
+  if (lo && c_min == 0.f) {
+    const int64_t G16 = K / 16;
+    auto mins = at::empty({N, G16}, x.options());
+    widen_scales(lo, N * G16, mins.data_ptr<float>());
+    y.addmm_(x.view({M, G16, 16}).sum(-1), mins.t());
+  }
 }
 #endif
 
@@ -2257,8 +2266,7 @@ static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, flo
 // bits: uint8 (N, 3K/4), Sixes); int4 bytes (N, K/2) with scale and lo (N, K/group); fp16 or bf16
 // (N, K) alone. amx: int4 or int8 values in groups of 32 on the tile unit where this CPU has one
 // and x has AMX_ROWS rows (amx_tiles: the same products, summed in another order), and int4 or
-// int8 values in groups of 16 with a K-quant's scales and no minimum or one that is the scale
-// times a small integer (amx_folded), else the tiles above.
+// int8 values in groups of 16 with a K-quant's scales (amx_folded), else the tiles above.
 static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& s_, const std::optional<at::Tensor>& lo_,
                           int64_t group, const std::optional<at::Tensor>& sd,
@@ -2299,13 +2307,12 @@ static at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& w,
   auto run = [&](auto sp, auto lp) {
 #ifdef AMX_TILES
     if constexpr (std::is_same_v<decltype(sp), KScales>) {
-      const float c = amx && M >= AMX_ROWS && group == 16 && lp ? minimum_multiple(sp, lp, N, K)
-                                                               : 0.f;
-      if (amx && M >= AMX_ROWS && group == 16 && (!lp || c != 0.f) && amx_ready() &&
+      if (amx && M >= AMX_ROWS && group == 16 && amx_ready() &&
           (type == at::kChar || six || !wn.tab)) {
-        if (type == at::kChar) amx_folded(x, w.data_ptr<int8_t>(), K, sp, c, y);
-        else if (six) amx_folded(x, Sixes{w.data_ptr<uint8_t>()}, K / 4 * 3, sp, c, y);
-        else amx_folded(x, wn, K / 2, sp, c, y);
+        const float c = lp ? minimum_multiple(sp, lp, N, K) : 0.f;
+        if (type == at::kChar) amx_folded(x, w.data_ptr<int8_t>(), K, sp, lp, c, y);
+        else if (six) amx_folded(x, Sixes{w.data_ptr<uint8_t>()}, K / 4 * 3, sp, lp, c, y);
+        else amx_folded(x, wn, K / 2, sp, lp, c, y);
         return;
       }
     }
