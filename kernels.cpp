@@ -2130,7 +2130,7 @@ static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
   });
 }
 
-// ---- Groups of 16 on AMX: a K-quant's int8 scale folded into the values (Q6_K, Q3_K)
+// ---- Groups of 16 on AMX: a K-quant's int8 scale folded into the values (Q6_K, Q3_K, Q2_K)
 // A tile's 32 deep would span two groups of 16. But a K-quant's scale is d·sc, sc an int8 per
 // group and d one fp16 per 256 weights, and sc·q (int8 values: |sc·q| ≤ 2^14, at most 15
 // significant bits) is an integer that two bf16 pieces hold exactly: its top 8 bits, and the rest

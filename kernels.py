@@ -621,7 +621,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 # copy, and less than widening the whole matrix at each call (the fallback before them). Where the
 # CPU has AMX, int4 and int8 values in groups of 32 skip both: their exact products run on the
 # tile unit (wide_mm(amx=True)), whose bf16 multiply-adds outrun fp32's FMAs even at three per
-# product; so do Q6_K's groups of 16, at six, and Q3_K's, at three.
+# product; so do the groups of 16 of Q6_K, at six, and of Q3_K and Q2_K, at three.
 #
 # Asked for (RunConfig.activations "int8": swap_quantized's round_x), int4 and grouped int8 layers
 # round each 32 of x to 8 bits and multiply in integers (int4_x8_mm, int8g_x8_mm): llama.cpp's
