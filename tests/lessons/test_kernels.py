@@ -627,8 +627,10 @@ def test_amx_prefill_sums_the_products_of_the_file_weights(m, k, n):
     within fp32's own rounding of the float64 product of the dequantized matrix, as the fp32
     tiles are (with a piece left out it is not); fp16 and K-quant scales give the bits of the
     same scales in fp32. Groups of 16 with a K-quant's scales (Q6_K) run with each int8 sc folded
-    into the values (amx_folded), within the same bound, int8 values as six-bit ones; with fp32
-    scales they stay on the tiles. Without AMX every kind is the tiles' product, bit for bit."""
+    into the values (amx_folded), within the same bound, int8 values as six-bit ones; so do Q3_K's
+    (its minimum, the scale times -4, folded in: the bits whether or not it shares sc's bytes) and
+    Q2_K's and any minimum with its own d (added after the tiles); with fp32 scales they stay on
+    the tiles. Without AMX every kind is the tiles' product, bit for bit."""
     native_or_skip()
     torch.manual_seed(m)
     x, q4 = torch.randn(m, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
