@@ -2034,6 +2034,12 @@ static void widen_rows(int64_t K, int64_t rows, int64_t nb, uint16_t* wb, F put)
     }
   }
 }
+// A block's 32 int4 values (16 bytes, even k in the low nibble) as 32 bytes in order.
+static inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p), nib = _mm_set1_epi8(15);
+  const __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+  return _mm256_set_m128i(_mm_unpackhi_epi8(e, o), _mm_unpacklo_epi8(e, o));
+}
 // int4 (two a byte, even k in the low nibble): 0..15 by a table of their bf16 numbers.
 static void widen_tiles(Nibbles q, int64_t K, int64_t n0, int64_t rows, int64_t nb,
                         uint16_t* wb) {
@@ -2043,12 +2049,9 @@ static void widen_tiles(Nibbles q, int64_t K, int64_t n0, int64_t rows, int64_t 
                                 : _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
       0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);          // 15.0 ... 1.0, 0
-  const __m128i nib = _mm_set1_epi8(15);
   const uint8_t* w = q.p + n0 * (K / 2);
   widen_rows(K, rows, nb, wb, [&](int64_t r, int64_t g, uint16_t* o) {
-    __m128i b = _mm_loadu_si128((const __m128i*)(w + r * (K / 2) + g * 16));
-    __m128i e = _mm_and_si128(b, nib), od = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-    __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(e, od), _mm_unpacklo_epi8(e, od));
+    const __m256i v = nibbles32(w + r * (K / 2) + g * 16);
     _mm512_storeu_si512(o, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(v), bf16_of));
   });
 }
@@ -2141,12 +2144,11 @@ static void amx_tiles(const at::Tensor& x, W w, S s, S lo, at::Tensor& y) {
 // derived_minimum) folds in too, as sc·(q + c); Q3_K's |sc·(q - 4)| ≤ 128 fits the first piece
 // alone, and a block of rows whose second pieces are all zero skips their products (3 per 32
 // deep).
-// Block c's 32 int4 values in order (byte i: weights 2i and 2i + 1) as two vectors of 16 fp32.
+// Block c's 32 int4 values as two vectors of 16 fp32.
 static ALWAYS_INLINE void widen32(Nibbles q, int64_t c, __m512& w0, __m512& w1) {
-  const __m128i b = _mm_loadu_si128((const __m128i*)(q.p + c * 16)), nib = _mm_set1_epi8(15);
-  const __m128i e = _mm_and_si128(b, nib), o = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-  w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(e, o)));
-  w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(e, o)));
+  const __m256i v = nibbles32(q.p + c * 16);
+  w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)));
+  w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)));
 }
 // hi, lo: the nb rows' values plus c, times their group's sc, as amx_tiles' A tiles, each in two
 // pieces. Returns whether any second piece is not zero.
@@ -2204,8 +2206,8 @@ static float minimum_multiple(KScales s, KScales lo, int64_t N, int64_t K) {
   return c == std::nearbyint(c) && std::fabs(c) <= 16.f ? c : 0.f;
 }
 // A minimum of its own (Q2_K's -dmin·m: lo, c_min 0) is added after the tiles: its share is
-// Σ_g lo_g·Σx_g over the row's groups, one fp32 product of x's group sums by the minimums (K/16
-// deep, a sixteenth of the values' products), as the decode loops' lo_share sums it.
+// Σ_g lo_g·Σx_g over the row's groups, as the decode loops' lo_share sums it: one fp32 product of
+// x's group sums (group_sums) by the minimums, K/16 deep, a sixteenth of the values' products.
 template <typename Q>
 static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, KScales lo,
                        float c_min, at::Tensor& y) {
@@ -2255,9 +2257,11 @@ static void amx_folded(const at::Tensor& x, Q w, int64_t row_len, KScales s, KSc
   });
   if (lo && c_min == 0.f) {
     const int64_t G16 = K / 16;
-    auto mins = at::empty({N, G16}, x.options());
+    auto sums = at::empty({M, G16}, x.options()), mins = at::empty({N, G16}, x.options());
+    for (int64_t m = 0; m < M; m++)
+      group_sums(x.data_ptr<float>() + m * K, K, 16, sums.data_ptr<float>() + m * G16);
     widen_scales(lo, N * G16, mins.data_ptr<float>());
-    y.addmm_(x.view({M, G16, 16}).sum(-1), mins.t());
+    y.addmm_(sums, mins.t());
   }
 }
 #endif

@@ -574,9 +574,10 @@ def wide_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     with scale and lo or values (as int4_mm's); fp16 or bf16 (N, K) alone. ``amx``: int4 or int8
     values in groups of 32 on Intel's tile unit where the CPU has one (x cut into three bf16
     pieces that sum back to it exactly, so every product is exact: the same sums in another
-    order, several times faster), and int8 values in groups of 16 with a K-quant's scales and no
-    minimum (Q6_K: each int8 scale folded into the values, two exact bf16 pieces).
-    Needs native_kernels()."""
+    order, several times faster), and int4 or int8 values in groups of 16 with a K-quant's scales
+    (Q6_K, Q3_K, Q2_K: each int8 scale folded into the values, in two exact bf16 pieces or one;
+    a minimum that is the scale times a small integer folded in too, any other added as one fp32
+    product of x's sums per group). Needs native_kernels()."""
     return torch.ops.nanoinfer.wide_mm(x, w, scale, lo, group, scale_d, lo_d, amx, values)
 
 
